@@ -1,0 +1,47 @@
+# The two commands in the README are the contract: `make demo` and `make test` work on a
+# fresh machine with nothing but python3.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint docs bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed-%: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e ".[$*]"
+	touch $@
+
+demo: $(VENV)/.installed-demo
+	$(BIN)/python examples/demo.py
+
+test: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q
+
+lint: $(VENV)/.installed-dev
+	$(BIN)/ruff check deltanet_cp tests benchmarks examples
+	$(BIN)/ruff format --check deltanet_cp tests benchmarks examples
+
+# The documentation site, into site/. Strict: any warning (a broken link, a cross-reference
+# to an undocumented name) fails the build.
+docs: $(VENV)/.installed-docs
+	$(BIN)/mkdocs build --strict --site-dir site
+
+# Benchmarks run in their own environment with the peers we compare against (torch, transformers);
+# they are never dependencies of the library. pip picks the local CPU wheel by the exact pin.
+BENCH_VENV ?= .venv-bench
+BENCH := $(BENCH_VENV)/bin
+
+$(BENCH_VENV)/.installed: pyproject.toml
+	test -x $(BENCH)/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH)/python -m pip install --quiet "torch==2.13.0" transformers -e .
+	touch $@
+
+bench: $(BENCH_VENV)/.installed
+	$(BENCH)/python benchmarks/vs_transformers.py
+	$(BENCH)/python benchmarks/cp_cost.py
+
+clean:
+	rm -rf $(VENV) site .pytest_cache

@@ -1,0 +1,186 @@
+"""What each rank receives, read from compiled HLO text (`jit(f).lower(...).compile().as_text()`).
+
+Shapes in a compiled SPMD module are per device. A collective-permute delivers only to the
+targets in its `source_target_pairs`, so a rank receives its operand only if it is a target;
+an all-gather delivers `(group - 1) / group` of its (per-device) result to every rank of
+the group. An all-reduce is counted as a bandwidth-optimal ring all-reduce receives it,
+`2 (group - 1) / group` of its operand (a reduce-scatter and an all-gather); a
+reduce-scatter or all-to-all as `(group - 1) / group`.
+"""
+
+import dataclasses
+import math
+import re
+
+
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
+_KINDS = ("collective-permute", "all-gather", "all-reduce", "reduce-scatter", "all-to-all")
+# `%name = <shape> <op>(operands), attrs`; the shape may be a tuple.
+_INSTR = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\(.*?\)|[\w]+\[[\d,]*\](?:\{[^}]*\})?)"
+    r"\s+(?P<op>[\w\-]+)\((?P<rest>.*)$"
+)
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of a compiled module.
+
+    **Fields:**
+
+    - `name`: the HLO instruction name.
+    - `kind`: `"collective-permute"`, `"all-gather"`, `"all-reduce"`, `"reduce-scatter"` or
+        `"all-to-all"`.
+    - `shapes`: the per-device result shapes (several for a tuple-shaped result).
+    - `dtypes`: their element types.
+    - `received`: elements received, per rank id (ranks receiving nothing are absent).
+    - `received_bytes`: the same in bytes.
+    """
+
+    name: str
+    kind: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    received: dict[int, int]
+    received_bytes: dict[int, int]
+
+    @property
+    def elements(self) -> int:
+        """The per-device result elements (all tuple parts together)."""
+        return sum(math.prod(s) for s in self.shapes)
+
+    @property
+    def max_received_bytes(self) -> int:
+        """The bytes received by the rank that receives the most (0 if none does)."""
+        return max(self.received_bytes.values(), default=0)
+
+
+def _groups(rest: str) -> list[list[int]]:
+    m = re.search(r"replica_groups=\{(\{[\d,\s]*\}(?:,\s*\{[\d,\s]*\})*)\}", rest)
+    if m:
+        return [
+            [int(i) for i in g.split(",") if i.strip()]
+            for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))
+        ]
+    # Iota form: replica_groups=[G,S]<=[N] or [G,S]<=[d0,d1,...]T(perm).
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
+    if m:
+        g, s = int(m.group(1)), int(m.group(2))
+        dims = [int(d) for d in m.group(3).split(",")]
+        ids = list(range(math.prod(dims)))
+        if m.group(4):
+            perm = [int(p) for p in m.group(4).split(",")]
+            strides = [math.prod(dims[i + 1 :]) for i in range(len(dims))]
+            tdims = [dims[p] for p in perm]
+            ids = []
+            for flat in range(math.prod(dims)):
+                idx, rem = [], flat
+                for d in reversed(tdims):
+                    idx.append(rem % d)
+                    rem //= d
+                idx = idx[::-1]
+                ids.append(sum(idx[i] * strides[perm[i]] for i in range(len(perm))))
+        return [ids[i * s : (i + 1) * s] for i in range(g)]
+    return []
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective in `hlo_text`, with what each rank receives.
+
+    Asynchronous pairs (`*-start` / `*-done`) are counted once, at the start.
+
+    **Arguments:**
+
+    - `hlo_text`: a compiled module's text, `jax.jit(f).lower(*args).compile().as_text()`.
+
+    **Returns:**
+
+    A list of [`deltanet_cp.Collective`][], in the order they appear in the text.
+    """
+    found = []
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        op = m.group("op")
+        kind = op[: -len("-start")] if op.endswith("-start") else op
+        if kind not in _KINDS:
+            continue
+        arrays = [
+            (dt, tuple(int(d) for d in dims.split(",") if d))
+            for dt, dims in _ARRAY.findall(m.group("shape"))
+        ]
+        if (
+            op.endswith("-start")
+            and kind in ("collective-permute", "all-gather")
+            and len(arrays) >= 2
+        ):
+            # (operand(s), result(s), ...): keep the results.
+            half = len(arrays) // 2
+            arrays = arrays[half:] if kind == "all-gather" else arrays[1:2]
+        dtypes = tuple(a[0] for a in arrays)
+        shapes = tuple(a[1] for a in arrays)
+        nbytes_per_elem = [_DTYPE_BYTES.get(dt, 4) for dt in dtypes]
+        elems = [math.prod(s) for s in shapes]
+        total_e = sum(elems)
+        total_b = sum(e * b for e, b in zip(elems, nbytes_per_elem))
+        rest = m.group("rest")
+        received: dict[int, int] = {}
+        received_b: dict[int, int] = {}
+        if kind == "collective-permute":
+            pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", rest)
+            targets = (
+                [int(t) for _, t in re.findall(r"\{(\d+),(\d+)", pairs.group(1) + "}")]
+                if pairs
+                else []
+            )
+            for t in targets:
+                received[t] = received.get(t, 0) + total_e
+                received_b[t] = received_b.get(t, 0) + total_b
+        else:
+            factor = 2 if kind == "all-reduce" else 1
+            for group in _groups(rest):
+                n = len(group)
+                for r in group:
+                    received[r] = factor * total_e * (n - 1) // n
+                    received_b[r] = factor * total_b * (n - 1) // n
+        found.append(Collective(m.group("name"), kind, shapes, dtypes, received, received_b))
+    return found
+
+
+def received_bytes_per_rank(hlo_text: str, kinds: tuple[str, ...] = _KINDS) -> dict[int, int]:
+    """Total bytes each rank receives over the collectives of the given kinds.
+
+    **Arguments:**
+
+    - `hlo_text`: a compiled module's text, `jax.jit(f).lower(*args).compile().as_text()`.
+    - `kinds`: which collectives to count.
+
+    **Returns:**
+
+    A dict from rank id to bytes received (ranks receiving nothing are absent). Collectives
+    inside loops are counted once, not once per trip.
+    """
+    total: dict[int, int] = {}
+    for c in collectives(hlo_text):
+        if c.kind in kinds:
+            for r, b in c.received_bytes.items():
+                total[r] = total.get(r, 0) + b
+    return total

@@ -1,0 +1,166 @@
+"""Packed documents (`cu_seqlens`): re-laying tokens so that no chunk mixes two documents.
+
+Several documents are concatenated along the time axis of a batch of one, with offsets
+`cu_seqlens = [0, len_0, len_0 + len_1, ..., T]` (the FlashAttention / flash-linear-attention
+convention). The recurrent state resets at each document start. We pad every document to
+a multiple of the chunk size, so each chunk belongs to one document, and mark in each
+chunk whether a document starts there (its state is replaced by the document's initial
+state: the affine map with $M = 0$) and whether one ends there (its state is a final state).
+
+Under context parallelism the same global `cu_seqlens` is given to every rank; each rank
+re-lays its own slice `[offset, offset + length)`. A document may start on one rank and end
+on another: it then simply has no start chunk on the later rank and its state arrives
+through the prefix scan over ranks.
+
+All shapes are static (they depend on the sequence length, the chunk size and the number of
+documents only), so `cu_seqlens` may be a traced array.
+"""
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Int, Shaped
+
+
+class Segments(eqx.Module):
+    """Where the documents of one packed sequence (or one rank's slice of it) lie in chunks.
+
+    **Fields:**
+
+    - `start_doc`: per chunk, the document starting at this chunk, or `-1`.
+    - `end_doc`: per chunk, the document ending in this chunk, or `-1`.
+    - `source`: per padded position, the token it holds, or `-1` for padding.
+    - `target`: per token, its padded position.
+    - `empty_doc`: per document, whether it has no token in this slice *and* starts in
+        it (such a document's final state is its initial state).
+    """
+
+    start_doc: Int[Array, " chunks"]
+    end_doc: Int[Array, " chunks"]
+    source: Int[Array, " padded"]
+    target: Int[Array, " seq"]
+    empty_doc: Shaped[Array, " docs"]
+
+    @property
+    def num_docs(self) -> int:
+        return self.empty_doc.shape[0]
+
+
+def check_cu_seqlens(cu_seqlens, batch: int, length: int | None = None) -> None:
+    """Raise a `ValueError` naming the problem if `cu_seqlens` is unusable.
+
+    Values are checked when they are concrete (not under `jax.jit`).
+    """
+    if batch != 1:
+        raise ValueError(
+            f"With `cu_seqlens`, pack the documents along the time axis of a batch of one: "
+            f"expected batch size 1, got {batch}."
+        )
+    if not hasattr(cu_seqlens, "dtype") or not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
+        raise ValueError(
+            "`cu_seqlens` must be an integer array of document offsets [0, ..., T]; got "
+            f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}."
+        )
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(
+            f"`cu_seqlens` must have shape (num_docs + 1,) with num_docs >= 1; got "
+            f"{cu_seqlens.shape}."
+        )
+    try:
+        values = np.asarray(cu_seqlens)
+    except Exception:  # a tracer: the values can't be checked here
+        return
+    if values[0] != 0 or np.any(np.diff(values) < 0):
+        raise ValueError(f"`cu_seqlens` must start at 0 and not decrease; got {values}.")
+    if length is not None and values[-1] != length:
+        raise ValueError(
+            f"`cu_seqlens` must end at the (global) sequence length {length}; got {values[-1]}."
+        )
+
+
+def num_padded_chunks(length: int, num_docs: int, chunk_size: int) -> int:
+    """A static bound on the chunks needed when every document is padded to whole chunks."""
+    return max(1, (length + num_docs * (chunk_size - 1)) // chunk_size)
+
+
+def segments(
+    cu_seqlens: Int[Array, " docs_plus_one"],
+    length: int,
+    chunk_size: int,
+    offset: Int[Array, ""] | int = 0,
+) -> Segments:
+    """Lay out the documents of the slice `[offset, offset + length)` in whole chunks.
+
+    **Arguments:**
+
+    - `cu_seqlens`: the global document offsets, `(num_docs + 1,)`.
+    - `length`: the number of tokens in this slice (the local sequence length).
+    - `chunk_size`: tokens per chunk.
+    - `offset`: the global index of the slice's first token (`rank * length` under
+        context parallelism).
+
+    **Returns:**
+
+    A [`deltanet_cp.Segments`][] with `num_padded_chunks(length, num_docs, chunk_size)`
+    chunks.
+    """
+    c = chunk_size
+    n_docs = cu_seqlens.shape[0] - 1
+    n_chunks = num_padded_chunks(length, n_docs, c)
+    cu = cu_seqlens.astype(jnp.int32)
+    # Each document's part of this slice, in local token indices.
+    lo = jnp.clip(cu[:-1] - offset, 0, length)
+    hi = jnp.clip(cu[1:] - offset, 0, length)
+    local_len = hi - lo
+    chunks = (local_len + c - 1) // c
+    first_chunk = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(chunks)[:-1]])
+    end = offset + length
+    # A document starts in the slice holding its first token; an empty document at the
+    # very end of the sequence counts as starting in the last slice.
+    starts_here = (cu[:-1] >= offset) & ((cu[:-1] < end) | ((cu[:-1] == end) & (end == cu[-1])))
+    ends_here = (cu[1:] > offset) & (cu[1:] <= end)
+    doc_ids = jnp.arange(n_docs, dtype=jnp.int32)
+    has_tokens = local_len > 0
+
+    # Scatter: a document's first / last chunk, where it starts / ends in this slice.
+    start_doc = jnp.full((n_chunks,), -1, jnp.int32)
+    start_doc = start_doc.at[jnp.where(starts_here & has_tokens, first_chunk, n_chunks)].set(
+        doc_ids, mode="drop"
+    )
+    end_doc = jnp.full((n_chunks,), -1, jnp.int32)
+    last_chunk = first_chunk + chunks - 1
+    end_doc = end_doc.at[jnp.where(ends_here & has_tokens, last_chunk, n_chunks)].set(
+        doc_ids, mode="drop"
+    )
+
+    # Padded position p belongs to the last document starting at or before it (documents
+    # with no chunk here share their start with the next one, which then wins the tie).
+    positions = jnp.arange(n_chunks * c, dtype=jnp.int32)
+    doc_of_pos = jnp.searchsorted(first_chunk * c, positions, side="right") - 1
+    doc_of_pos = jnp.clip(doc_of_pos, 0, n_docs - 1)
+    inside = positions - first_chunk[doc_of_pos] * c
+    valid = inside < local_len[doc_of_pos]
+    source = jnp.where(valid, lo[doc_of_pos] + inside, -1)
+
+    tokens = jnp.arange(length, dtype=jnp.int32)
+    doc_of_token = jnp.clip(jnp.searchsorted(hi, tokens, side="right"), 0, n_docs - 1)
+    target = first_chunk[doc_of_token] * c + tokens - lo[doc_of_token]
+    return Segments(
+        start_doc=start_doc,
+        end_doc=end_doc,
+        source=source,
+        target=target,
+        empty_doc=starts_here & ~has_tokens,
+    )
+
+
+def pack(x: Shaped[Array, "batch seq *rest"], seg: Segments) -> Array:
+    """Re-lay the tokens of `x` (time on axis 1) into whole-chunk documents; zeros pad."""
+    taken = jnp.take(x, jnp.maximum(seg.source, 0), axis=1)
+    mask = (seg.source >= 0).reshape((1, -1) + (1,) * (x.ndim - 2))
+    return jnp.where(mask, taken, jnp.zeros((), x.dtype))
+
+
+def unpack(y: Shaped[Array, "batch padded *rest"], seg: Segments) -> Array:
+    """Inverse of `pack` for per-token outputs: back to token order, padding dropped."""
+    return jnp.take(y, seg.target, axis=1)

@@ -1,0 +1,314 @@
+"""Hugging Face `transformers` weights for [`deltanet_cp.nn.GatedDeltaNet`][] (safetensors only)."""
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+
+from ..nn._gated_delta_net import GatedDeltaNet
+
+
+_QWEN3_NEXT = ("in_proj_qkvz.weight", "in_proj_ba.weight")
+_QWEN3_5 = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
+_COMMON = ("conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight")
+_ALL = _QWEN3_NEXT + _QWEN3_5 + _COMMON
+_REQUIRED_CONFIG = (
+    "hidden_size",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
+
+
+def _config_value(config: Any, name: str, default: Any = None) -> Any:
+    if isinstance(config, Mapping):
+        value = config.get(name, default)
+    else:
+        value = getattr(config, name, default)
+    return value
+
+
+def _text_config(config: Any) -> Any:
+    # Qwen3.5's top-level config nests the language model's fields in `text_config`.
+    if _config_value(config, "hidden_size") is None:
+        nested = _config_value(config, "text_config")
+        if nested is not None:
+            return nested
+    return config
+
+
+class _Reader:
+    """Tensors by name, from a mapping or from `.safetensors` files (read lazily)."""
+
+    def __init__(self, weights: Any):
+        self._mapping: Mapping[str, Any] | None = None
+        self._files: dict[str, Path] = {}
+        if isinstance(weights, Mapping):
+            self._mapping = weights
+            return
+        if not isinstance(weights, (str, os.PathLike)):
+            raise TypeError(
+                "`weights` must be a mapping from tensor names to arrays, or the path of a "
+                f"`.safetensors` file or of a directory of them; got {type(weights).__name__}."
+            )
+        path = Path(weights)
+        if path.is_dir():
+            files = sorted(path.glob("*.safetensors"))
+            if not files:
+                raise ValueError(f"No `.safetensors` files in the directory {str(path)!r}.")
+        elif path.suffix == ".safetensors":
+            if not path.exists():
+                raise FileNotFoundError(f"No such weights file: {str(path)!r}.")
+            files = [path]
+        else:
+            raise ValueError(
+                f"Only safetensors checkpoints are read (never pickle); got {str(path)!r}. "
+                "Convert it to `.safetensors` first, or pass a mapping of arrays."
+            )
+        try:
+            from safetensors import safe_open
+        except ImportError as e:  # pragma: no cover
+            raise ImportError(
+                "Reading `.safetensors` files needs the `safetensors` package: "
+                "`pip install safetensors`."
+            ) from e
+        self._safe_open = safe_open
+        for file in files:
+            with safe_open(str(file), framework="numpy") as f:
+                for name in f.keys():
+                    self._files[name] = file
+
+    def keys(self) -> list[str]:
+        if self._mapping is not None:
+            return list(self._mapping.keys())
+        return list(self._files)
+
+    def __contains__(self, name: str) -> bool:
+        if self._mapping is not None:
+            return name in self._mapping
+        return name in self._files
+
+    def __getitem__(self, name: str) -> Any:
+        if self._mapping is not None:
+            return self._mapping[name]
+        with self._safe_open(str(self._files[name]), framework="numpy") as f:
+            return f.get_tensor(name)
+
+
+def _find_prefix(reader: _Reader, prefix: str | None) -> str:
+    if prefix is not None:
+        return prefix
+    candidates = sorted({name[: -len("A_log")] for name in reader.keys() if name.endswith("A_log")})
+    if len(candidates) == 1:
+        return candidates[0]
+    if not candidates:
+        raise ValueError(
+            "No Gated DeltaNet weights found: expected a tensor named `A_log` (optionally "
+            "behind a prefix such as `model.layers.0.linear_attn.`)."
+        )
+    raise ValueError(
+        f"The weights hold {len(candidates)} Gated DeltaNet layers ({candidates[:4]}"
+        f"{' ...' if len(candidates) > 4 else ''}); pass `prefix=` to choose one."
+    )
+
+
+def gated_delta_net_from_hf(
+    config: Any,
+    weights: Mapping[str, Any] | str | os.PathLike,
+    *,
+    prefix: str | None = None,
+    chunk_size: int = 64,
+    dtype=None,
+) -> GatedDeltaNet:
+    """Build a [`deltanet_cp.nn.GatedDeltaNet`][] from Hugging Face transformers weights.
+
+    Both layouts load exactly: Qwen3-Next (`in_proj_qkvz`, `in_proj_ba`, grouped per key
+    head) and Qwen3.5 (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`), together with
+    `conv1d.weight`, `A_log`, `dt_bias`, `norm.weight` and `out_proj.weight`.
+
+    **Arguments:**
+
+    - `config`: a mapping (or an object with attributes, such as a transformers config)
+        with transformers' field names: `hidden_size`, `linear_num_key_heads`,
+        `linear_num_value_heads`, `linear_key_head_dim`, `linear_value_head_dim`,
+        `linear_conv_kernel_dim` and optionally `rms_norm_eps` (default `1e-6`) and
+        `hidden_act` (must be `"silu"`). A Qwen3.5 config with a nested `text_config`
+        works too.
+    - `weights`: a mapping from tensor names to arrays (numpy or JAX), or the path of a
+        `.safetensors` file or of a directory of them (only the tensors of this layer are
+        read). Pickle-based checkpoints are refused.
+    - `prefix`: the prefix of this layer's tensor names, e.g.
+        `"model.layers.0.linear_attn."`. If `None`, the one prefix in front of an `A_log`
+        tensor (possibly empty); it is an error if there are several.
+    - `chunk_size`: the layer's chunk size for the gated delta rule.
+    - `dtype`: cast every parameter to this dtype; keep each tensor's dtype if `None`.
+
+    **Returns:**
+
+    A [`deltanet_cp.nn.GatedDeltaNet`][] computing what transformers'
+    `Qwen3NextGatedDeltaNet` / `Qwen3_5GatedDeltaNet` compute (without a cache).
+
+    **Raises:**
+
+    `ValueError` naming the tensor if one is missing, misshapen or unexpected, or naming
+    the configuration field if one is missing or unsupported.
+    """
+    config = _text_config(config)
+    missing = [n for n in _REQUIRED_CONFIG if _config_value(config, n) is None]
+    if missing:
+        raise ValueError(f"The config is missing {', '.join(f'`{n}`' for n in missing)}.")
+    act = _config_value(config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(
+            f"Only `hidden_act='silu'` is supported for the convolution; the config has {act!r}."
+        )
+    hidden = int(_config_value(config, "hidden_size"))
+    h = int(_config_value(config, "linear_num_key_heads"))
+    hv = int(_config_value(config, "linear_num_value_heads"))
+    dk = int(_config_value(config, "linear_key_head_dim"))
+    dv = int(_config_value(config, "linear_value_head_dim"))
+    width = int(_config_value(config, "linear_conv_kernel_dim"))
+    eps = float(_config_value(config, "rms_norm_eps", 1e-6))
+    if hv % h != 0:
+        raise ValueError(
+            f"`linear_num_value_heads` ({hv}) must be a multiple of `linear_num_key_heads` ({h})."
+        )
+    r = hv // h
+
+    reader = _Reader(weights)
+    prefix = _find_prefix(reader, prefix)
+    names = [n for n in reader.keys() if n.startswith(prefix)]
+    unexpected = sorted(n for n in names if n[len(prefix) :] not in _ALL)
+    if unexpected:
+        raise ValueError(
+            f"Unexpected tensor(s) {unexpected} for a Gated DeltaNet layer with prefix "
+            f"{prefix!r}; expected only {list(_ALL)} (in one of the two layouts)."
+        )
+    if prefix + "in_proj_qkvz.weight" in reader or prefix + "in_proj_ba.weight" in reader:
+        layout, layout_names = "Qwen3-Next", _QWEN3_NEXT
+    else:
+        layout, layout_names = "Qwen3.5", _QWEN3_5
+    conv_dim = 2 * h * dk + hv * dv
+    expected = {
+        "in_proj_qkvz.weight": (2 * h * dk + 2 * hv * dv, hidden),
+        "in_proj_ba.weight": (2 * hv, hidden),
+        "in_proj_qkv.weight": (conv_dim, hidden),
+        "in_proj_z.weight": (hv * dv, hidden),
+        "in_proj_b.weight": (hv, hidden),
+        "in_proj_a.weight": (hv, hidden),
+        "conv1d.weight": (conv_dim, 1, width),
+        "A_log": (hv,),
+        "dt_bias": (hv,),
+        "norm.weight": (dv,),
+        "out_proj.weight": (hidden, hv * dv),
+    }
+    tensors = {}
+    for short in layout_names + _COMMON:
+        name = prefix + short
+        if name not in reader:
+            raise ValueError(
+                f"Missing tensor {name!r} ({layout} layout: {', '.join(layout_names + _COMMON)})."
+            )
+        x = reader[name]
+        if tuple(x.shape) != expected[short]:
+            raise ValueError(
+                f"Tensor {name!r} has shape {tuple(x.shape)}; expected {expected[short]} for "
+                f"this config (hidden_size={hidden}, H={h}, HV={hv}, K={dk}, V={dv}, "
+                f"conv kernel {width})."
+            )
+        x = jnp.asarray(x)
+        tensors[short] = x if dtype is None else x.astype(dtype)
+
+    if layout == "Qwen3-Next":
+        # Rows grouped per key head: [q (K) | k (K) | v (r V) | z (r V)] and [b (r) | a (r)].
+        qkvz = tensors["in_proj_qkvz.weight"].reshape(h, 2 * dk + 2 * r * dv, hidden)
+        q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
+        qkv = jnp.concatenate(
+            [q.reshape(h * dk, hidden), k.reshape(h * dk, hidden), v.reshape(hv * dv, hidden)]
+        )
+        z = z.reshape(hv * dv, hidden)
+        ba = tensors["in_proj_ba.weight"].reshape(h, 2 * r, hidden)
+        b, a = ba[:, :r].reshape(hv, hidden), ba[:, r:].reshape(hv, hidden)
+    else:
+        qkv, z = tensors["in_proj_qkv.weight"], tensors["in_proj_z.weight"]
+        b, a = tensors["in_proj_b.weight"], tensors["in_proj_a.weight"]
+
+    skeleton = eqx.filter_eval_shape(
+        GatedDeltaNet,
+        hidden,
+        h,
+        hv,
+        dk,
+        dv,
+        conv_kernel_size=width,
+        norm_eps=eps,
+        chunk_size=chunk_size,
+        key=jr.key(0),
+    )
+    leaves = [
+        (lambda m: m.in_proj_qkv.weight, qkv),
+        (lambda m: m.in_proj_z.weight, z),
+        (lambda m: m.in_proj_b.weight, b),
+        (lambda m: m.in_proj_a.weight, a),
+        (lambda m: m.conv1d.weight, tensors["conv1d.weight"][:, 0, :]),
+        (lambda m: m.A_log, tensors["A_log"]),
+        (lambda m: m.dt_bias, tensors["dt_bias"]),
+        (lambda m: m.norm.weight, tensors["norm.weight"]),
+        (lambda m: m.out_proj.weight, tensors["out_proj.weight"]),
+    ]
+    return eqx.tree_at(lambda m: [get(m) for get, _ in leaves], skeleton, [x for _, x in leaves])
+
+
+def gated_delta_net_to_hf(
+    layer: GatedDeltaNet,
+    *,
+    layout: Literal["qwen3_next", "qwen3_5"] = "qwen3_5",
+    prefix: str = "",
+) -> dict[str, np.ndarray]:
+    """The inverse of [`deltanet_cp.interop.gated_delta_net_from_hf`][]: a transformers
+    state dict for `layer`.
+
+    **Arguments:**
+
+    - `layer`: the layer to export.
+    - `layout`: `"qwen3_next"` (`in_proj_qkvz`, `in_proj_ba`, grouped per key head) or
+        `"qwen3_5"` (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`).
+    - `prefix`: put in front of every name, e.g. `"model.layers.0.linear_attn."`.
+
+    **Returns:**
+
+    A dict from tensor names to numpy arrays, ready for `safetensors.numpy.save_file`.
+    """
+    h, hv = layer.num_key_heads, layer.num_value_heads
+    dk, dv = layer.key_head_dim, layer.value_head_dim
+    r, hidden = hv // h, layer.hidden_size
+    qkv = np.asarray(layer.in_proj_qkv.weight)
+    z = np.asarray(layer.in_proj_z.weight)
+    b, a = np.asarray(layer.in_proj_b.weight), np.asarray(layer.in_proj_a.weight)
+    out: dict[str, np.ndarray] = {}
+    if layout == "qwen3_next":
+        q = qkv[: h * dk].reshape(h, dk, hidden)
+        k = qkv[h * dk : 2 * h * dk].reshape(h, dk, hidden)
+        v = qkv[2 * h * dk :].reshape(h, r * dv, hidden)
+        zz = z.reshape(h, r * dv, hidden)
+        out["in_proj_qkvz.weight"] = np.concatenate([q, k, v, zz], axis=1).reshape(-1, hidden)
+        ba = np.concatenate([b.reshape(h, r, hidden), a.reshape(h, r, hidden)], axis=1)
+        out["in_proj_ba.weight"] = ba.reshape(2 * hv, hidden)
+    elif layout == "qwen3_5":
+        out["in_proj_qkv.weight"], out["in_proj_z.weight"] = qkv, z
+        out["in_proj_b.weight"], out["in_proj_a.weight"] = b, a
+    else:
+        raise ValueError(f"`layout` must be 'qwen3_next' or 'qwen3_5'; got {layout!r}.")
+    out["conv1d.weight"] = np.asarray(layer.conv1d.weight)[:, None, :]
+    out["A_log"] = np.asarray(layer.A_log)
+    out["dt_bias"] = np.asarray(layer.dt_bias)
+    out["norm.weight"] = np.asarray(layer.norm.weight)
+    out["out_proj.weight"] = np.asarray(layer.out_proj.weight)
+    return {prefix + name: np.ascontiguousarray(x) for name, x in out.items()}

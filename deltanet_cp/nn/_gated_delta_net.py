@@ -1,0 +1,340 @@
+"""The Gated DeltaNet layer of Qwen3-Next and Qwen3.5, with context parallelism."""
+
+from typing import Literal, overload
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from .._layout import check_contiguous, Contiguous, ContiguousLayout
+from ..recurrences._gated_delta import (
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_cp,
+    recurrent_gated_delta_rule,
+)
+from ._conv import CausalConv1d
+from ._norm import GatedRMSNorm
+
+
+class GatedDeltaNetState(eqx.Module):
+    """What a [`deltanet_cp.nn.GatedDeltaNet`][] carries from one segment to the next.
+
+    **Fields:**
+
+    - `conv`: the last `conv_kernel_size - 1` inputs of the convolution (the projected
+        `concat(q, k, v)` before the convolution), `(conv_kernel_size - 1, conv_dim)`.
+    - `recurrent`: the gated-delta-rule state, `(value_heads, K, V)`, float32.
+
+    Both may carry the same leading batch axes (to be `jax.vmap`ped over with the input).
+    """
+
+    conv: Float[Array, "*batch history conv_dim"]
+    recurrent: Float[Array, "*batch vheads k v"]
+
+
+class GatedDeltaNet(eqx.Module):
+    r"""The Gated DeltaNet token mixer of Qwen3-Next and Qwen3.5.
+
+    For an input `x` of shape `(seq, hidden)`:
+
+    1. projections `qkv = x W_qkv`, `z = x W_z`, `b = x W_b`, `a = x W_a`;
+    2. a depthwise causal convolution (kernel `conv_kernel_size`) and SiLU over `qkv`,
+        then a split into `q, k: (seq, H, K)` and `v: (seq, HV, V)`;
+    3. gates $\beta = \sigma(b)$ and $g = -e^{A_{\log}} \, \mathrm{softplus}(a + \Delta_b)$
+        (float32), one per value head;
+    4. the chunked gated delta rule with q/k L2 normalisation, value head `j` reading key
+        head `j // (HV // H)`;
+    5. a gated RMSNorm per value head, $\mathrm{rms}(o) \odot w \odot \mathrm{silu}(z)$;
+    6. the output projection back to `hidden`.
+
+    Call it on one sequence and `jax.vmap` over the batch, as any Equinox layer. Inside
+    `jax.shard_map` with time sharded contiguously over a mesh axis, pass that axis as
+    `axis_name`: the convolution fetches its `conv_kernel_size - 1` token halo from the
+    previous rank by one `ppermute` and the recurrence runs through
+    [`deltanet_cp.chunk_gated_delta_rule_cp`][], whose payload does not grow with the
+    sequence length.
+
+    The parameters use the Qwen3.5 layout (separate `in_proj_qkv`, `in_proj_z`,
+    `in_proj_b`, `in_proj_a`); [`deltanet_cp.interop.gated_delta_net_from_hf`][] loads
+    either Hugging Face layout into it.
+    """
+
+    in_proj_qkv: eqx.nn.Linear
+    in_proj_z: eqx.nn.Linear
+    in_proj_b: eqx.nn.Linear
+    in_proj_a: eqx.nn.Linear
+    conv1d: CausalConv1d
+    A_log: Float[Array, " vheads"]
+    dt_bias: Float[Array, " vheads"]
+    norm: GatedRMSNorm
+    out_proj: eqx.nn.Linear
+    hidden_size: int = eqx.field(static=True)
+    num_key_heads: int = eqx.field(static=True)
+    num_value_heads: int = eqx.field(static=True)
+    key_head_dim: int = eqx.field(static=True)
+    value_head_dim: int = eqx.field(static=True)
+    chunk_size: int = eqx.field(static=True)
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_key_heads: int,
+        num_value_heads: int,
+        key_head_dim: int,
+        value_head_dim: int,
+        *,
+        conv_kernel_size: int = 4,
+        norm_eps: float = 1e-6,
+        chunk_size: int = 64,
+        key: PRNGKeyArray,
+        dtype=None,
+    ):
+        r"""**Arguments:**
+
+        - `hidden_size`: the model width (input and output features).
+        - `num_key_heads`: `H`, the number of query/key heads.
+        - `num_value_heads`: `HV`, the number of value heads, a multiple of `H`.
+        - `key_head_dim`: `K`, the query/key head size.
+        - `value_head_dim`: `V`, the value head size.
+        - `conv_kernel_size`: the length of the causal convolution.
+        - `norm_eps`: the epsilon of the gated RMSNorm.
+        - `chunk_size`: tokens per chunk of the gated delta rule.
+        - `key`: a PRNG key for the initial parameters. Linear layers and the convolution
+            use the Equinox/torch defaults, $A_{\log} = \log U(1, 16)$ and $\Delta_b = 1$
+            (Qwen3-Next's recipe), and the norm weight is ones.
+        - `dtype`: the parameter dtype; the default floating dtype if `None`.
+        """
+        if num_value_heads % num_key_heads != 0:
+            raise ValueError(
+                f"`num_value_heads` ({num_value_heads}) must be a multiple of "
+                f"`num_key_heads` ({num_key_heads}): value head j reads key head "
+                "j // (num_value_heads // num_key_heads)."
+            )
+        dtype = jnp.zeros(()).dtype if dtype is None else dtype
+        kqkv, kz, kb, ka, kconv, kA, kout = jr.split(key, 7)
+        key_dim = num_key_heads * key_head_dim
+        value_dim = num_value_heads * value_head_dim
+        conv_dim = 2 * key_dim + value_dim
+
+        def linear(i, o, k):
+            return eqx.nn.Linear(i, o, use_bias=False, key=k, dtype=dtype)
+
+        self.in_proj_qkv = linear(hidden_size, conv_dim, kqkv)
+        self.in_proj_z = linear(hidden_size, value_dim, kz)
+        self.in_proj_b = linear(hidden_size, num_value_heads, kb)
+        self.in_proj_a = linear(hidden_size, num_value_heads, ka)
+        self.conv1d = CausalConv1d(conv_dim, conv_kernel_size, key=kconv, dtype=dtype)
+        self.A_log = jnp.log(jr.uniform(kA, (num_value_heads,), dtype, 1.0, 16.0))
+        self.dt_bias = jnp.ones((num_value_heads,), dtype)
+        self.norm = GatedRMSNorm(value_head_dim, eps=norm_eps, dtype=dtype)
+        self.out_proj = linear(value_dim, hidden_size, kout)
+        self.hidden_size = hidden_size
+        self.num_key_heads = num_key_heads
+        self.num_value_heads = num_value_heads
+        self.key_head_dim = key_head_dim
+        self.value_head_dim = value_head_dim
+        self.chunk_size = chunk_size
+
+    @property
+    def conv_dim(self) -> int:
+        """The channels of the convolution: `2 * H * K + HV * V` (q, k and v)."""
+        return (
+            2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+        )
+
+    @property
+    def conv_kernel_size(self) -> int:
+        """The length of the causal convolution (the current token and the ones before it)."""
+        return self.conv1d.kernel_size
+
+    def init_state(self, dtype=None) -> GatedDeltaNetState:
+        """The state before the first token: zeros.
+
+        **Arguments:**
+
+        - `dtype`: the dtype of the convolution state; the parameters' dtype if `None`.
+            The recurrent state is float32 (float64 for float64 parameters).
+        """
+        dtype = self.out_proj.weight.dtype if dtype is None else dtype
+        rdt = jnp.promote_types(dtype, jnp.float32)
+        return GatedDeltaNetState(
+            conv=jnp.zeros((self.conv1d.history, self.conv_dim), dtype),
+            recurrent=jnp.zeros(
+                (self.num_value_heads, self.key_head_dim, self.value_head_dim), rdt
+            ),
+        )
+
+    def _project(self, x):
+        """Projections of `x: (seq, hidden)`: `(qkv (seq, conv_dim), z, b, a)`."""
+        return tuple(
+            jax.vmap(lin)(x)
+            for lin in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        )
+
+    def _split(self, mixed, z, b, a):
+        """Post-convolution `(seq, conv_dim)` etc. to the recurrence inputs."""
+        t = mixed.shape[0]
+        h, hv, dk, dv = (
+            self.num_key_heads,
+            self.num_value_heads,
+            self.key_head_dim,
+            self.value_head_dim,
+        )
+        q = mixed[:, : h * dk].reshape(t, h, dk)
+        k = mixed[:, h * dk : 2 * h * dk].reshape(t, h, dk)
+        v = mixed[:, 2 * h * dk :].reshape(t, hv, dv)
+        z = z.reshape(t, hv, dv)
+        beta = jax.nn.sigmoid(b)
+        gate_dt = jnp.promote_types(a.dtype, jnp.float32)
+        a_log = self.A_log.astype(gate_dt)[None]
+        dt_bias = self.dt_bias.astype(gate_dt)[None]
+        g = -jnp.exp(a_log) * jax.nn.softplus(a.astype(gate_dt) + dt_bias)
+        return q, k, v, z, g, beta
+
+    def _finish(self, o, z):
+        """Gated RMSNorm per value head and the output projection: `(seq, hidden)`."""
+        t = o.shape[0]
+        o = self.norm(o, z).reshape(t, self.num_value_heads * self.value_head_dim)
+        return jax.vmap(self.out_proj)(o)
+
+    def recurrence_inputs(
+        self,
+        x: Float[Array, "seq hidden"],
+        state: GatedDeltaNetState | None = None,
+        *,
+        axis_name: str | None = None,
+    ) -> tuple[Array, Array, Array, Array, Array, Array]:
+        """Everything the layer computes before the gated delta rule (for inspection).
+
+        **Arguments:** as for `__call__`.
+
+        **Returns:**
+
+        `(q, k, v, z, g, beta)`: `q, k: (seq, H, K)` and `v: (seq, HV, V)` after the
+        convolution and SiLU (before L2 normalisation and head repetition), the norm gate
+        `z: (seq, HV, V)`, and the log decays `g` and step sizes `beta`, `(seq, HV)`.
+        """
+        mixed, z, b, a = self._project(x)
+        mixed, _ = self.conv1d(mixed, None if state is None else state.conv, axis_name=axis_name)
+        return self._split(jax.nn.silu(mixed), z, b, a)
+
+    @overload
+    def __call__(
+        self,
+        x: Float[Array, "seq hidden"],
+        state: GatedDeltaNetState | None = None,
+        *,
+        return_state: Literal[False] = False,
+        axis_name: str | None = None,
+        layout: ContiguousLayout = Contiguous(),
+        strategy: str = "allgather",
+    ) -> Float[Array, "seq hidden"]: ...
+
+    @overload
+    def __call__(
+        self,
+        x: Float[Array, "seq hidden"],
+        state: GatedDeltaNetState | None = None,
+        *,
+        return_state: Literal[True],
+        axis_name: str | None = None,
+        layout: ContiguousLayout = Contiguous(),
+        strategy: str = "allgather",
+    ) -> tuple[Float[Array, "seq hidden"], GatedDeltaNetState]: ...
+
+    def __call__(
+        self,
+        x: Float[Array, "seq hidden"],
+        state: GatedDeltaNetState | None = None,
+        *,
+        return_state: bool = False,
+        axis_name: str | None = None,
+        layout: ContiguousLayout = Contiguous(),
+        strategy: str = "allgather",
+    ) -> Float[Array, "seq hidden"] | tuple[Float[Array, "seq hidden"], GatedDeltaNetState]:
+        """**Arguments:**
+
+        - `x`: one sequence, `(seq, hidden)`; inside `jax.shard_map` with `axis_name`, this
+            rank's contiguous slice of it (at least `conv_kernel_size - 1` tokens).
+        - `state`: the state before the first token (a prefix already processed), or `None`
+            to start from zeros. With `axis_name`, replicated on every rank.
+        - `return_state`: also return the state after the last token (replicated on every
+            rank with `axis_name`), for generation.
+        - `axis_name`: the `shard_map` axis that time is sharded over, or `None`.
+        - `layout`: how time is laid out over `axis_name`; only
+            [`deltanet_cp.Contiguous`][] is accepted.
+        - `strategy`: how ranks exchange recurrent state: `"allgather"`, `"ppermute"`,
+            `"ring"` or `"auto"` (see [`deltanet_cp.chunk_gated_delta_rule_cp`][]).
+
+        **Returns:**
+
+        The output, `(seq, hidden)`, in `x`'s dtype; with `return_state`, the pair
+        `(output, new_state)`.
+        """
+        if axis_name is not None:
+            check_contiguous(layout, "GatedDeltaNet")
+        mixed, z, b, a = self._project(x)
+        conv_state, h0 = (None, None) if state is None else (state.conv, state.recurrent)
+        mixed, new_conv = self.conv1d(
+            mixed, conv_state, axis_name=axis_name, return_state=return_state
+        )
+        q, k, v, z, g, beta = self._split(jax.nn.silu(mixed), z, b, a)
+        args = (q[None], k[None], v[None], g[None], beta[None])
+        h0 = None if h0 is None else h0[None]
+        if axis_name is None:
+            o, h = chunk_gated_delta_rule(
+                *args,
+                chunk_size=self.chunk_size,
+                initial_state=h0,
+                output_final_state=return_state,
+                use_qk_l2norm=True,
+            )
+        else:
+            o, h = chunk_gated_delta_rule_cp(
+                *args,
+                axis_name=axis_name,
+                layout=layout,
+                strategy=strategy,
+                chunk_size=self.chunk_size,
+                initial_state=h0,
+                output_final_state=return_state,
+                use_qk_l2norm=True,
+            )
+        out = self._finish(o[0], z)
+        if not return_state:
+            return out
+        assert new_conv is not None and h is not None
+        return out, GatedDeltaNetState(conv=new_conv, recurrent=h[0])
+
+    def step(
+        self, x: Float[Array, " hidden"], state: GatedDeltaNetState
+    ) -> tuple[Float[Array, " hidden"], GatedDeltaNetState]:
+        """One token of generation: the token-by-token form of `__call__`.
+
+        **Arguments:**
+
+        - `x`: the new token's input, `(hidden,)`.
+        - `state`: the state before it (from [`deltanet_cp.nn.GatedDeltaNet.init_state`][],
+            a prefill `__call__(..., return_state=True)`, or the previous `step`).
+
+        **Returns:**
+
+        `(y, new_state)`: the output `(hidden,)` and the state after the token.
+        """
+        mixed, z, b, a = self._project(x[None])
+        mixed, new_conv = self.conv1d(mixed, state.conv, return_state=True)
+        q, k, v, z, g, beta = self._split(jax.nn.silu(mixed), z, b, a)
+        o, h = recurrent_gated_delta_rule(
+            q[None],
+            k[None],
+            v[None],
+            g[None],
+            beta[None],
+            initial_state=state.recurrent[None],
+            output_final_state=True,
+            use_qk_l2norm=True,
+        )
+        assert new_conv is not None and h is not None
+        return self._finish(o[0], z)[0], GatedDeltaNetState(conv=new_conv, recurrent=h[0])

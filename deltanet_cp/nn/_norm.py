@@ -1,0 +1,50 @@
+"""The gated RMSNorm applied per value head at the end of the Gated DeltaNet layer."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+
+class GatedRMSNorm(eqx.Module):
+    r"""RMSNorm over the last axis, then a SiLU gate: $w \, \mathrm{rms}(x) \, \mathrm{silu}(z)$.
+
+    The normalisation and the gate run in float32 (float64 for float64 inputs); the result
+    has `x`'s dtype. This is `Qwen3NextRMSNormGated` (weight initialised to ones, no `1 +`
+    offset).
+    """
+
+    weight: Float[Array, " dim"]
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, dtype=None):
+        """**Arguments:**
+
+        - `dim`: the size of the normalised (last) axis.
+        - `eps`: added to the mean square before the reciprocal square root.
+        - `dtype`: the parameter dtype; the default floating dtype if `None`.
+        """
+        dtype = jnp.zeros(()).dtype if dtype is None else dtype
+        self.weight = jnp.ones((dim,), dtype)
+        self.eps = eps
+
+    def __call__(
+        self, x: Float[Array, "*batch dim"], gate: Float[Array, "*batch dim"]
+    ) -> Float[Array, "*batch dim"]:
+        """**Arguments:**
+
+        - `x`: the values to normalise over the last axis.
+        - `gate`: the gate, same shape as `x`.
+
+        **Returns:**
+
+        An array of `x`'s shape and dtype.
+        """
+        dtype = x.dtype
+        ct = jnp.promote_types(dtype, jnp.float32)
+        h = x.astype(ct)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        w = self.weight.reshape((1,) * (h.ndim - 1) + self.weight.shape)
+        h = w * h.astype(dtype)
+        h = h * jax.nn.silu(gate.astype(ct))
+        return h.astype(dtype)

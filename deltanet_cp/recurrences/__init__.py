@@ -1,0 +1,1 @@
+"""One module per recurrence; the public names are re-exported from `deltanet_cp`."""

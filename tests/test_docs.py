@@ -1,0 +1,292 @@
+"""The documentation site: every public name is on an API page, and the examples on the pages run.
+
+The site itself is built by `make docs` (`mkdocs build --strict`, which fails on any warning,
+such as a cross-reference to an undocumented name). This file checks what the build cannot:
+that nothing public is missing from the API pages, that the pages' directives name real
+members, and that the code blocks marked runnable (```` ```python { .runnable } ````) work.
+"""
+
+import dataclasses
+import importlib
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+PUBLIC_MODULES = ["deltanet_cp", "deltanet_cp.nn", "deltanet_cp.interop"]
+
+_DIRECTIVE = re.compile(r"^(?P<indent>[ \t]*):::[ \t]+(?P<name>[\w.]+)[ \t]*$")
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
+
+
+@dataclasses.dataclass
+class Directive:
+    page: str
+    line: int
+    name: str
+    members: list[str] | bool | None  # None: no `members:` option given
+    in_abstract_block: bool
+
+
+def _pages() -> list[Path]:
+    return sorted(DOCS.rglob("*.md"))
+
+
+def _rel(page: Path) -> str:
+    return str(page.relative_to(DOCS))
+
+
+def _parse_members(block: list[str]) -> list[str] | bool | None:
+    """The `members:` option of a directive's indented YAML block (a list, or true/false)."""
+    for i, line in enumerate(block):
+        m = re.match(r"^(\s*)members:\s*(\S*)\s*$", line)
+        if not m:
+            continue
+        if m.group(2):
+            return m.group(2).lower() == "true"
+        indent = len(m.group(1))
+        members = []
+        for item in block[i + 1 :]:
+            if not item.strip():
+                continue
+            mi = re.match(r"^(\s*)-\s*([\w.]+)\s*$", item)
+            if not mi or len(mi.group(1)) < indent:
+                break
+            members.append(mi.group(2))
+        return members
+    return None
+
+
+def _directives() -> list[Directive]:
+    found = []
+    for page in _pages():
+        lines = page.read_text().splitlines()
+        for i, line in enumerate(lines):
+            m = _DIRECTIVE.match(line)
+            if not m:
+                continue
+            indent = len(m.group("indent"))
+            block = []
+            for nxt in lines[i + 1 :]:
+                if nxt.strip() and len(nxt) - len(nxt.lstrip()) <= indent:
+                    break
+                block.append(nxt)
+            above = [ln for ln in lines[:i] if ln.strip()]
+            in_abstract = (
+                indent > 0 and bool(above) and above[-1].lstrip().startswith("??? abstract")
+            )
+            found.append(
+                Directive(_rel(page), i + 1, m.group("name"), _parse_members(block), in_abstract)
+            )
+    return found
+
+
+def _resolve(path: str) -> object:
+    """Import `a.b.C.d` as the longest importable module prefix, then attribute lookups."""
+    parts = path.split(".")
+    for n in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:n]))
+        except ImportError:
+            continue
+        for attr in parts[n:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(path)
+
+
+def _public_names(module_name: str) -> list[str]:
+    module = importlib.import_module(module_name)
+    names = getattr(module, "__all__", None)
+    if names is None:  # fall back to what the module re-exports
+        names = [
+            n
+            for n, v in vars(module).items()
+            if not n.startswith("_") and not isinstance(v, types.ModuleType)
+        ]
+    return sorted(names)
+
+
+@pytest.mark.parametrize("module_name", PUBLIC_MODULES)
+def test_every_public_name_is_on_an_api_page(module_name):
+    documented = {d.name for d in _directives()}
+    missing = [n for n in _public_names(module_name) if f"{module_name}.{n}" not in documented]
+    assert not missing, (
+        f"Public names of `{module_name}` with no `::: {module_name}.NAME` directive on any page "
+        f"under docs/: {missing}. Add them to the right page in docs/api/."
+    )
+
+
+def test_directives_name_real_objects_and_members():
+    problems = []
+    for d in _directives():
+        where = f"{d.page}:{d.line} `::: {d.name}`"
+        try:
+            obj = _resolve(d.name)
+        except (ImportError, AttributeError) as e:
+            problems.append(f"{where}: cannot import it ({e})")
+            continue
+        if inspect.isclass(obj) and d.members is None:
+            problems.append(f"{where}: a class needs an explicit `members:` option")
+        for member in d.members if isinstance(d.members, list) else []:
+            if not hasattr(obj, member):
+                problems.append(f"{where}: lists member `{member}`, which it does not have")
+    assert not problems, "\n".join(problems)
+
+
+def test_abstract_bases_are_in_collapsible_blocks():
+    problems = [
+        f"{d.page}:{d.line} `::: {d.name}` is not inside a `??? abstract` block"
+        for d in _directives()
+        if d.name.rsplit(".", 1)[-1].startswith("Abstract") and not d.in_abstract_block
+    ]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_page_and_example_is_in_the_nav():
+    config = (ROOT / "mkdocs.yml").read_text()
+    nav = set(re.findall(r"^\s*-\s*(?:[^\n]*?:\s+)?([\w/.-]+\.md)\s*$", config, re.M))
+    pages = {_rel(p) for p in _pages()}
+    assert pages - nav == set(), f"pages missing from the nav of mkdocs.yml: {pages - nav}"
+    assert nav - pages == set(), f"nav entries with no page under docs/: {nav - pages}"
+    included = "\n".join(p.read_text() for p in _pages())
+    examples = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "examples").glob("*.py"))
+    missing = [e for e in examples if not re.search(f'--8<-- "{re.escape(e)}[:"]', included)]
+    assert not missing, f'examples not shown on any page (`--8<-- "examples/..."`): {missing}'
+
+
+def _runnable_blocks(page: Path) -> list[tuple[int, str]]:
+    """The code blocks of a page whose fence is marked `{ .runnable }`, dedented."""
+    blocks = []
+    lines = page.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        fence, indent = m.group("fence"), m.group("indent")
+        start = i
+        body = []
+        i += 1
+        while i < len(lines) and not lines[i].strip().startswith(fence):
+            body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i])
+            i += 1
+        i += 1
+        if re.search(r"\.runnable\b", m.group("info")):
+            blocks.append((start + 1, textwrap.dedent("\n".join(body))))
+    return blocks
+
+
+# The runnable blocks run in child processes, not in pytest's: as a reader runs them, in a
+# fresh interpreter without runtime type checking (they may set XLA_FLAGS before jax starts),
+# and a crash in XLA fails the page rather than killing the test session. Rank promotion is an
+# error there, as in the test suite.
+_RUNNER = r"""
+import contextlib, io, json, sys, time, traceback
+
+import jax
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+for page, blocks in json.load(sys.stdin).items():
+    print(json.dumps({"start": page}), flush=True)
+    namespace = {"__name__": "__docs__"}
+    start = time.perf_counter()
+    try:
+        for line, code in blocks:
+            with contextlib.redirect_stdout(io.StringIO()):
+                exec(compile(code, f"docs/{page}:{line}", "exec"), namespace)
+    except BaseException:
+        print(json.dumps({"fail": page, "error": traceback.format_exc()}), flush=True)
+    else:
+        print(json.dumps({"ok": page, "seconds": time.perf_counter() - start}), flush=True)
+"""
+# Eight simulated CPU devices, as in conftest.py. The second flag works around an XLA:CPU crash
+# in its YNNPACK fusions (jaxlib 0.10), as the guides tell readers to; the third makes XLA
+# compile several times faster (the examples are tiny: compiling is nearly all their time).
+_XLA_FLAGS = (
+    "--xla_force_host_platform_device_count=8 --xla_cpu_experimental_ynn_fusion_type= "
+    "--xla_backend_optimization_level=0"
+)
+_RUNNABLE_PAGES = [_rel(p) for p in _pages() if _runnable_blocks(p)]
+
+
+def _run_pages(pages: list[str]) -> subprocess.Popen:
+    env = dict(os.environ, XLA_FLAGS=_XLA_FLAGS, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _RUNNER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps({page: _runnable_blocks(DOCS / page) for page in pages}))
+    proc.stdin.close()
+    proc.stdin = None  # written: `communicate` is only to read the output
+    return proc
+
+
+def _collect(proc: subprocess.Popen) -> dict[str, dict]:
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+    results: dict[str, dict] = {}
+    running = None
+    for line in stdout.splitlines():
+        if not line.startswith("{"):
+            continue
+        event = json.loads(line)
+        running = event.get("start", running)
+        for kind in ("ok", "fail"):
+            if kind in event:
+                results[event[kind]] = event
+    if running is not None and running not in results:
+        results[running] = {
+            "fail": running,
+            "error": f"the process died (exit code {proc.returncode}) while running this "
+            f"page:\n{stderr[-3000:]}",
+        }
+    return results
+
+
+@pytest.fixture(scope="module")
+def runnable_results() -> dict[str, dict]:
+    """Every runnable page's result. Compiling dominates, so the pages are spread over one
+    process per core (two at most), largest first."""
+    workers = max(1, min(2, os.cpu_count() or 1))
+    size = {p: sum(len(code) for _, code in _runnable_blocks(DOCS / p)) for p in _RUNNABLE_PAGES}
+    groups: list[list[str]] = [[] for _ in range(workers)]
+    for page in sorted(_RUNNABLE_PAGES, key=size.__getitem__, reverse=True):
+        min(groups, key=lambda g: sum(size[p] for p in g)).append(page)
+    procs = [_run_pages(group) for group in groups if group]
+    results: dict[str, dict] = {}
+    for proc in procs:
+        results.update(_collect(proc))
+    return results
+
+
+@pytest.mark.parametrize("page", _RUNNABLE_PAGES)
+def test_runnable_examples(page, runnable_results):
+    """A page's runnable blocks, in order, in one namespace (as a reader would run them)."""
+    result = runnable_results.get(page)
+    if result is None:
+        pytest.fail(f"docs/{page} was not run: an earlier page stopped the process.")
+    if "fail" in result:
+        pytest.fail(f"docs/{page}:\n{result['error']}", pytrace=False)

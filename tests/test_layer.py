@@ -1,0 +1,340 @@
+"""The Gated DeltaNet layer: against a float64 numpy re-implementation, generation, CP."""
+
+import functools as ft
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import deltanet_cp as dcp
+from deltanet_cp.nn import CausalConv1d, GatedDeltaNet, GatedDeltaNetState
+
+from .helpers import gated_delta_reference, rel_err
+
+
+# hidden, H, HV, K, V: grouped value heads (r = 2) and K != V.
+SIZES = (32, 2, 4, 8, 4)
+
+
+def _np(x):
+    return np.asarray(x, dtype=np.float64)
+
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def _conv_reference(w, x, state):
+    """torch's depthwise Conv1d (cross-correlation) with `state` as the left padding."""
+    xp = np.concatenate([state, x], axis=0)
+    return np.stack(
+        [np.convolve(xp[:, c], w[c, ::-1], mode="valid") for c in range(x.shape[1])], axis=1
+    )
+
+
+def layer_reference(layer: GatedDeltaNet, x, state: GatedDeltaNetState | None = None):
+    """The whole layer in float64 numpy, written from DESIGN.md section 5.
+
+    **Returns:** `(out (T, hidden), conv state, recurrent state)`.
+    """
+    t = x.shape[0]
+    h, hv, dk, dv = (
+        layer.num_key_heads,
+        layer.num_value_heads,
+        layer.key_head_dim,
+        layer.value_head_dim,
+    )
+    x = _np(x)
+    mixed = x @ _np(layer.in_proj_qkv.weight).T
+    z = (x @ _np(layer.in_proj_z.weight).T).reshape(t, hv, dv)
+    b = x @ _np(layer.in_proj_b.weight).T
+    a = x @ _np(layer.in_proj_a.weight).T
+    hist = layer.conv_kernel_size - 1
+    conv0 = np.zeros((hist, mixed.shape[1])) if state is None else _np(state.conv)
+    conv = _silu(_conv_reference(_np(layer.conv1d.weight), mixed, conv0))
+    q = conv[:, : h * dk].reshape(t, h, dk)
+    k = conv[:, h * dk : 2 * h * dk].reshape(t, h, dk)
+    v = conv[:, 2 * h * dk :].reshape(t, hv, dv)
+    beta = 1 / (1 + np.exp(-b))
+    g = -np.exp(_np(layer.A_log)) * np.log1p(np.exp(a + _np(layer.dt_bias)))
+    h0 = None if state is None else _np(state.recurrent)[None]
+    o, hT = gated_delta_reference(
+        q[None], k[None], v[None], g[None], beta[None], initial_state=h0, l2norm=True
+    )
+    o = o[0]
+    o = o / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + layer.norm.eps)
+    o = o * _np(layer.norm.weight) * _silu(z)
+    out = o.reshape(t, hv * dv) @ _np(layer.out_proj.weight).T
+    new_conv = np.concatenate([conv0, mixed], axis=0)[-hist:]
+    return out, new_conv, hT[0]
+
+
+def with_slow_decays(layer: GatedDeltaNet, key) -> GatedDeltaNet:
+    """Per-head decay rates `exp(A_log)` spread log-uniformly over [0.02, 16] (and
+    `dt_bias = -1`), so some heads remember for hundreds of tokens.
+
+    The default init, `A_log = log U(1, 16)` and `dt_bias = 1`, forgets within a few tokens:
+    a broken hand-off of state between chunks or ranks would go unnoticed.
+    """
+    hv = layer.num_value_heads
+    edges = jnp.linspace(jnp.log(0.02), jnp.log(16.0), hv + 1)
+    a_log = edges[:-1] + jr.uniform(key, (hv,)) * (edges[1:] - edges[:-1])
+    return eqx.tree_at(lambda m: (m.A_log, m.dt_bias), layer, (a_log, -jnp.ones(hv)))
+
+
+def _random_state(layer: GatedDeltaNet, key, batch=()):
+    kc, kr = jr.split(key)
+    s = layer.init_state()
+    return GatedDeltaNetState(
+        conv=jr.normal(kc, batch + s.conv.shape),
+        recurrent=0.5 * jr.normal(kr, batch + s.recurrent.shape),
+    )
+
+
+def _mesh(cp):
+    return jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
+
+
+# ------------------------------------------------------------------------------------------------
+# single device
+# ------------------------------------------------------------------------------------------------
+def test_init(getkey):
+    layer = GatedDeltaNet(*SIZES, key=getkey())
+    hidden, h, hv, dk, dv = SIZES
+    conv_dim = 2 * h * dk + hv * dv
+    assert layer.conv_dim == conv_dim
+    assert layer.in_proj_qkv.weight.shape == (conv_dim, hidden)
+    assert layer.in_proj_z.weight.shape == (hv * dv, hidden)
+    assert layer.in_proj_b.weight.shape == layer.in_proj_a.weight.shape == (hv, hidden)
+    assert layer.conv1d.weight.shape == (conv_dim, 4)
+    assert layer.out_proj.weight.shape == (hidden, hv * dv)
+    big = GatedDeltaNet(8, 1, 64, 2, 2, key=getkey())
+    a = np.exp(np.asarray(big.A_log))
+    assert a.min() >= 1 and a.max() <= 16 and a.max() - a.min() > 10  # log U(1, 16)
+    np.testing.assert_array_equal(big.dt_bias, 1.0)
+    np.testing.assert_array_equal(layer.norm.weight, 1.0)
+    s = layer.init_state()
+    assert s.conv.shape == (3, conv_dim) and s.recurrent.shape == (hv, dk, dv)
+    assert s.recurrent.dtype == jnp.float32
+    with pytest.raises(ValueError, match="multiple of"):
+        GatedDeltaNet(32, 3, 4, 8, 8, key=getkey())
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_conv_matches_numpy(getkey, with_state):
+    conv = CausalConv1d(5, 4, key=getkey())
+    x = jr.normal(getkey(), (11, 5))
+    state = jr.normal(getkey(), (3, 5)) if with_state else None
+    y, new = conv(x, state, return_state=True)
+    s0 = np.zeros((3, 5)) if state is None else _np(state)
+    expected = _conv_reference(_np(conv.weight), _np(x), s0)
+    assert rel_err(y, expected) <= 1e-6
+    np.testing.assert_array_equal(new, np.concatenate([s0, _np(x)])[-3:].astype(np.float32))
+    # Fewer tokens than the window: the state slides.
+    y2, new2 = conv(x[:2], state, return_state=True)
+    assert rel_err(y2, expected[:2]) <= 1e-6
+    np.testing.assert_array_equal(new2, np.concatenate([s0, _np(x[:2])])[-3:].astype(np.float32))
+
+
+def test_layer_matches_float64_reference(getkey):
+    """With a state in and out (zero states: see the CP and Hugging Face tests)."""
+    layer = with_slow_decays(GatedDeltaNet(*SIZES, chunk_size=16, key=getkey()), getkey())
+    x = jr.normal(getkey(), (50, SIZES[0]))
+    state = _random_state(layer, getkey())
+    out, new = eqx.filter_jit(lambda m, x, s: m(x, s, return_state=True))(layer, x, state)
+    expected, conv_state, rec_state = layer_reference(layer, x, state)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert rel_err(out, expected) <= 1e-5
+    assert rel_err(new.conv, conv_state) <= 1e-6
+    assert rel_err(new.recurrent, rec_state) <= 1e-5
+    np.testing.assert_array_equal(eqx.filter_jit(lambda m, x, s: m(x, s))(layer, x, state), out)
+
+
+def test_float64_layer(getkey):
+    with jax.enable_x64(True):
+        layer = GatedDeltaNet(*SIZES, chunk_size=16, key=getkey(), dtype=jnp.float64)
+        x = jr.normal(getkey(), (40, SIZES[0]), jnp.float64)
+        out = eqx.filter_jit(lambda m, x: m(x))(layer, x)
+        assert out.dtype == jnp.float64
+        assert rel_err(out, layer_reference(layer, x)[0]) <= 1e-10
+
+
+def test_prefill_then_decode(getkey):
+    """Prefill + token-by-token steps == one call over the whole sequence (and its state)."""
+    layer = with_slow_decays(GatedDeltaNet(*SIZES, chunk_size=16, key=getkey()), getkey())
+    x = jr.normal(getkey(), (30, SIZES[0]))
+    call = eqx.filter_jit(lambda m, x: m(x, return_state=True))
+    full, full_state = call(layer, x)
+    y, state = call(layer, x[:19])
+    outs = [y]
+    step = eqx.filter_jit(GatedDeltaNet.step)
+    for t in range(19, 30):
+        y_t, state = step(layer, x[t], state)
+        outs.append(y_t[None])
+    assert rel_err(jnp.concatenate(outs), full) <= 1e-5
+    assert rel_err(state.recurrent, full_state.recurrent) <= 1e-5
+    np.testing.assert_allclose(state.conv, full_state.conv, rtol=1e-5, atol=1e-6)
+    # From the very first token, starting at init_state().
+    y0, _ = step(layer, x[0], layer.init_state())
+    assert rel_err(y0, full[0]) <= 1e-5
+
+
+def test_errors(getkey):
+    layer = GatedDeltaNet(*SIZES, key=getkey())
+    x = jr.normal(getkey(), (8, SIZES[0]))
+    with pytest.raises(ValueError, match="layout=Contiguous"):
+        layer(x, axis_name="cp", layout=dcp.Zigzag())  # pyright: ignore[reportArgumentType]
+    mesh = _mesh(4)
+    f = jax.shard_map(
+        lambda x: layer(x, axis_name="cp"), mesh=mesh, in_specs=P("cp"), out_specs=P("cp")
+    )
+    with pytest.raises(ValueError, match="at least kernel_size - 1 = 3 tokens"):
+        f(jax.device_put(x, NamedSharding(mesh, P("cp"))))
+
+
+# ------------------------------------------------------------------------------------------------
+# context parallelism
+# ------------------------------------------------------------------------------------------------
+B, T = 2, 64
+
+
+@ft.cache
+def _cp_problem():
+    keys = jr.split(jr.key(1234), 6)
+    layer = with_slow_decays(GatedDeltaNet(*SIZES, chunk_size=8, key=keys[0]), keys[5])
+    x = jr.normal(keys[1], (B, T, SIZES[0]))
+    state = _random_state(layer, keys[2], (B,))
+    w_out = jr.normal(keys[3], x.shape)
+    w_state = _random_state(layer, keys[4], (B,))
+    return layer, x, state, w_out, w_state
+
+
+def _cp_apply(cp: int, strategy: str):
+    """`(apply, x, w_out)`: `apply(params, x, state) -> (y, new_state)` at CP degree `cp`
+    (`cp == 1`: the single-device path), and the sequence-shaped inputs placed for it."""
+    layer, x, _, w_out, _ = _cp_problem()
+    static = eqx.partition(layer, eqx.is_array)[1]
+
+    def apply(params, x, state, axis_name=None):
+        m = eqx.combine(params, static)
+        call = ft.partial(m, return_state=True, axis_name=axis_name, strategy=strategy)
+        return jax.vmap(call)(x, state)
+
+    if cp == 1:
+        return apply, x, w_out
+    mesh = _mesh(cp)
+    seq = P(None, "cp")
+    sharded = jax.shard_map(
+        ft.partial(apply, axis_name="cp"),
+        mesh=mesh,
+        in_specs=(P(), seq, P()),
+        out_specs=(seq, P()),
+    )
+    place = ft.partial(jax.device_put, device=NamedSharding(mesh, seq))
+    return sharded, place(x), place(w_out)
+
+
+def _cp_loss_and_grads(cp: int, strategy: str = "allgather"):
+    """Output, final state, and grads of a loss of both w.r.t. parameters, input and state."""
+    layer, _, state, _, w_state = _cp_problem()
+    apply, x, w_out = _cp_apply(cp, strategy)
+
+    def loss(params, x, state):
+        y, new = apply(params, x, state)
+        total = jnp.sum(y * w_out) + jnp.sum(new.conv * w_state.conv)
+        return total + jnp.sum(new.recurrent * w_state.recurrent), (y, new)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+    grads, (y, new) = grad(eqx.filter(layer, eqx.is_array), x, state)
+    return y, new, grads
+
+
+def _cp_forward(cp: int, strategy: str):
+    layer, _, state, _, _ = _cp_problem()
+    apply, x, _ = _cp_apply(cp, strategy)
+    return jax.jit(apply)(eqx.filter(layer, eqx.is_array), x, state)
+
+
+@ft.cache
+def _cp1():
+    return _cp_loss_and_grads(1)
+
+
+def _max_leaf_err(a, b) -> float:
+    return max(jax.tree.leaves(jax.tree.map(rel_err, a, b)))
+
+
+def test_cp_problem_depends_on_the_carried_state():
+    """The CP problem is sensitive to a wrong hand-off: the second half of the sequence
+    computed from zero states (conv and recurrent) is far from the true output."""
+    y1, _, _ = _cp1()
+    layer, x, *_ = _cp_problem()
+    tail = jax.jit(jax.vmap(layer))(x[:, T // 2 :])
+    assert rel_err(tail, y1[:, T // 2 :]) > 1e-2
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_cp_invariance(cp):
+    """Outputs, final state and all gradients at cp = 2, 4, 8 equal cp = 1 (single device)."""
+    y1, new1, grads1 = _cp1()
+    layer, x, state, *_ = _cp_problem()
+    # The cp = 1 path itself against the float64 reference, for one batch element.
+    expected, conv_ref, rec_ref = layer_reference(layer, x[0], jax.tree.map(lambda s: s[0], state))
+    assert rel_err(y1[0], expected) <= 1e-5 and rel_err(new1.recurrent[0], rec_ref) <= 1e-5
+    assert rel_err(new1.conv[0], conv_ref) <= 1e-6
+
+    y, new, grads = _cp_loss_and_grads(cp)
+    assert rel_err(y, y1) <= 1e-5
+    assert _max_leaf_err(new, new1) <= 1e-5
+    errs = jax.tree.map(rel_err, grads, grads1)
+    assert max(jax.tree.leaves(errs)) <= 1e-5, errs
+
+
+@pytest.mark.parametrize("strategy", ["ppermute", "ring"])
+def test_cp_strategies(strategy):
+    """The other state exchanges (forward: the kernel's own tests cover their gradients)."""
+    y1, new1, _ = _cp1()
+    y, new = _cp_forward(4, strategy)
+    assert rel_err(y, y1) <= 1e-5
+    assert _max_leaf_err(new, new1) <= 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "ppermute", "ring"])
+def test_hlo_one_conv_halo(getkey, strategy):
+    """One collective-permute of B x (W - 1) x conv_dim for the conv; the state exchange is the
+    only other communication (for "allgather": one all-gather of every rank's (M, U))."""
+    cp, b, t = 4, 2, 32
+    hidden, h, hv, dk, dv = SIZES
+    layer = GatedDeltaNet(*SIZES, chunk_size=8, key=getkey())
+    halo = b * (layer.conv_kernel_size - 1) * layer.conv_dim
+    state_elems = b * hv * dk * dv
+    assert halo != state_elems and halo != b * hv * dk * dk  # so the count below is unambiguous
+    mesh = _mesh(cp)
+    seq = P(None, "cp")
+    f = jax.shard_map(
+        lambda x: jax.vmap(ft.partial(layer, axis_name="cp", strategy=strategy))(x),
+        mesh=mesh,
+        in_specs=seq,
+        out_specs=seq,
+    )
+    x = jax.device_put(jr.normal(getkey(), (b, t, hidden)), NamedSharding(mesh, seq))
+    hlo = jax.jit(f).lower(x).compile().as_text()
+    assert hlo is not None
+    found = dcp.collectives(hlo)
+
+    permutes = [c for c in found if c.kind == "collective-permute"]
+    halos = [c for c in permutes if c.elements == halo]
+    assert len(halos) == 1, found
+    assert sorted(halos[0].received) == [1, 2, 3]  # rank 0 receives nothing
+    gathers = [c for c in found if c.kind == "all-gather"]
+    if strategy == "allgather":
+        assert len(permutes) == 1, found
+        assert sum(c.elements for c in gathers) == cp * b * hv * dk * (dk + dv), found
+        assert {c.kind for c in found} == {"collective-permute", "all-gather"}, found
+    else:
+        assert not gathers, found
+        assert {c.kind for c in found} == {"collective-permute"}, found

@@ -1,0 +1,38 @@
+"""Static checks: pyright refuses a non-contiguous layout for the context-parallel kernels."""
+
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+
+HERE = pathlib.Path(__file__).parent
+
+
+def _pyright() -> str:
+    exe = shutil.which("pyright", path=str(pathlib.Path(sys.executable).parent))
+    if exe is None:
+        pytest.fail("pyright is not installed: it comes with the `test` extra (`make test`).")
+    return exe
+
+
+def test_pyright_rejects_zigzag_layout():
+    path = HERE / "typecheck" / "zigzag_layout.py"
+    result = subprocess.run(
+        [_pyright(), "--pythonpath", sys.executable, "--outputjson", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=path.parent,  # its own pyrightconfig.json
+    )
+    report = json.loads(result.stdout)
+    errors = [d for d in report["generalDiagnostics"] if d["severity"] == "error"]
+    lines = path.read_text().splitlines()
+    expected = {i + 1 for i, line in enumerate(lines) if "# expect-error" in line}
+    got = {d["range"]["start"]["line"] + 1 for d in errors}
+    assert got == expected, [d["message"] for d in errors]
+    (error,) = errors
+    assert '"Zigzag" is not assignable to "Contiguous"' in error["message"]

@@ -1,0 +1,30 @@
+"""Checked by pyright in `tests/test_typecheck.py`, never run.
+
+The context-parallel recurrences accept only a contiguous layout, so the line marked
+"expect-error" below must be reported by pyright and nothing else may be. This folder has
+its own pyright config, so the repository's pyright run does not see the deliberate error.
+"""
+
+from jaxtyping import Array
+
+import deltanet_cp as dcp
+
+
+def contiguous(q: Array, k: Array, v: Array, g: Array, beta: Array):
+    return dcp.chunk_gated_delta_rule_cp(q, k, v, g, beta, axis_name="cp", layout=dcp.Contiguous())
+
+
+def default(q: Array, k: Array, v: Array, g: Array, beta: Array):
+    return dcp.chunk_gated_delta_rule_cp(q, k, v, g, beta, axis_name="cp")
+
+
+def zigzag(q: Array, k: Array, v: Array, g: Array, beta: Array):
+    return dcp.chunk_gated_delta_rule_cp(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        axis_name="cp",
+        layout=dcp.Zigzag(),  # expect-error
+    )
