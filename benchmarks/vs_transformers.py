@@ -211,7 +211,7 @@ def main():
             "transformers fwd+bwd / fwd",
             "JAX matmul GFLOP/s",
             "torch matmul GFLOP/s",
-            "max |o_ours - o_tf| / max |o_tf|",
+            "max rel. diff of outputs",
         ],
         cost_rows,
         title=f"Backward cost and the {MATMUL}x{MATMUL} float32 matmul rates of the same rounds",
