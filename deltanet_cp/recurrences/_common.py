@@ -22,11 +22,23 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._affine import AffineMap
-from ._gated_delta import _einsum, _lift, _segsum
+from ._gated_delta import _einsum, _lift
 
 
 # A log decay per key channel, for every token and value head (KDA, GLA).
 KeyGateTensor: TypeAlias = Float[Array, "batch seq vheads k"]
+
+
+def _segsum(g: Float[Array, "... c"]) -> Float[Array, "... c c"]:
+    """`L[i, j] = g[j+1] + ... + g[i]` for `i >= j` (0 on the diagonal), 0 above it.
+
+    Summed directly rather than as a difference of cumulative sums, so a very negative
+    gate early in the chunk costs no accuracy later in it.
+    """
+    c = g.shape[-1]
+    strict = jnp.tril(jnp.ones((c, c), dtype=bool), k=-1)
+    x = jnp.where(_lift(strict, g.ndim + 1), g[..., :, None], jnp.zeros((), g.dtype))
+    return jnp.cumsum(x, axis=-2)
 
 
 def check_arrays(arrays: dict[str, tuple[Any, tuple[str, ...]]]) -> dict[str, int]:

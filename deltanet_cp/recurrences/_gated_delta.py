@@ -108,18 +108,6 @@ def _lift(x: Array, ndim: int) -> Array:
     return x.reshape((1,) * (ndim - x.ndim) + x.shape)
 
 
-def _segsum(g: Float[Array, "... c"]) -> Float[Array, "... c c"]:
-    """`L[i, j] = g[j+1] + ... + g[i]` for `i >= j` (0 on the diagonal), 0 above it.
-
-    Summed directly rather than as a difference of cumulative sums, so a very negative
-    gate early in the chunk costs no accuracy later in it.
-    """
-    c = g.shape[-1]
-    strict = jnp.tril(jnp.ones((c, c), dtype=bool), k=-1)
-    x = jnp.where(_lift(strict, g.ndim + 1), g[..., :, None], jnp.zeros((), g.dtype))
-    return jnp.cumsum(x, axis=-2)
-
-
 @jax.custom_jvp
 def _compensated_cumsum(g: Float[Array, "... c"]) -> tuple[Array, Array]:
     """`cumsum(g)` over the last axis in float32 and its rounding error (a two-sum scan).
