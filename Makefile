@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint docs bench clean
+.PHONY: demo test test-slow test-all lint docs bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,15 @@ $(VENV)/.installed-%: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.installed-demo
 	$(BIN)/python examples/demo.py
 
+# The default suite (under 10 minutes on 2 cores); `make test-slow` runs the rest of the
+# parameter grids (tests marked `slow`), `make test-all` both. CI runs both.
 test: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-slow: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q -m slow
+
+test-all: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q
 
 lint: $(VENV)/.installed-dev
@@ -42,6 +50,7 @@ $(BENCH_VENV)/.installed: pyproject.toml
 bench: $(BENCH_VENV)/.installed
 	$(BENCH)/python benchmarks/vs_transformers.py
 	$(BENCH)/python benchmarks/cp_cost.py
+	$(BENCH)/python benchmarks/cpu_bound.py
 
 clean:
 	rm -rf $(VENV) site .pytest_cache

@@ -58,7 +58,7 @@ def test_bad_shapes_are_refused(without_runtime_typecheck):
         dcp.AffineMap(jnp.zeros((4, 4)), jnp.zeros((3, 2)))
 
 
-@pytest.mark.parametrize("chunk_size", [8, 16])
+@pytest.mark.parametrize("chunk_size", [pytest.param(8, marks=pytest.mark.slow), 16])
 def test_chunk_maps_reproduce_the_final_state(getkey, chunk_size):
     q, k, v, g, beta, h0 = make_gdn_inputs(getkey(), t=45)
     rec = dcp.GatedDeltaRule(q, k, v, g, beta, chunk_size=chunk_size)

@@ -19,9 +19,20 @@ def _both(chunk_size):
     ] + [pytest.param(dcp.recurrent_gated_delta_rule, id="recurrent")]
 
 
-@pytest.mark.parametrize("t", [1, 63, 65, 200])
-@pytest.mark.parametrize("chunk_size", [16, 32, 64])
-@pytest.mark.parametrize("r", [1, 2, 3])
+def _pairwise(ts, chunk_sizes, rs):
+    """The grid `r x chunk_size x t`, with a covering subset in the default run: every pair of
+    values of two of the axes appears in some fast case; the rest of the grid is `slow`."""
+    for i, t in enumerate(ts):
+        for j, c in enumerate(chunk_sizes):
+            for r in rs:
+                fast = r == rs[(i + j) % len(rs)]
+                marks = () if fast else (pytest.mark.slow,)
+                yield pytest.param(t, c, r, marks=marks, id=f"{r}-{c}-{t}")
+
+
+@pytest.mark.parametrize(
+    "t, chunk_size, r", list(_pairwise([1, 63, 65, 200], [16, 32, 64], [1, 2, 3]))
+)
 def test_chunked_matches_float64_loop(getkey, t, chunk_size, r):
     q, k, v, g, beta, h0 = make_gdn_inputs(getkey(), b=1, t=t, h=2, hv=2 * r, dk=16, dv=8)
     expected_o, expected_h = gated_delta_reference(q, k, v, g, beta, initial_state=h0)
@@ -35,9 +46,12 @@ def test_chunked_matches_float64_loop(getkey, t, chunk_size, r):
 
 
 @pytest.mark.parametrize("fn", _both([16, 64]))
-@pytest.mark.parametrize("use_state", [False, True])
-@pytest.mark.parametrize("l2norm", [False, True])
-@pytest.mark.parametrize("t", [1, 65, 200])
+@pytest.mark.parametrize(
+    "use_state, l2norm",
+    [(False, False), (True, True)]
+    + [pytest.param(*x, marks=pytest.mark.slow) for x in [(True, False), (False, True)]],
+)
+@pytest.mark.parametrize("t", [1, 65, pytest.param(200, marks=pytest.mark.slow)])
 def test_options_match_float64_loop(getkey, fn, use_state, l2norm, t):
     q, k, v, g, beta, h0 = make_gdn_inputs(getkey(), b=2, t=t, h=1, hv=3, dk=12, dv=20)
     h0 = h0 if use_state else None
@@ -119,6 +133,7 @@ def test_extreme_gates(getkey, fn):
         assert np.all(np.isfinite(grad))
 
 
+@pytest.mark.slow
 def test_bf16_inputs(getkey):
     q, k, v, g, beta, h0 = make_gdn_inputs(getkey(), t=100, dtype=jnp.bfloat16)
     expected_o, _ = gated_delta_reference(q, k, v, g, beta, initial_state=h0)
@@ -127,6 +142,7 @@ def test_bf16_inputs(getkey):
     assert rel_err(o, expected_o) <= 2e-2
 
 
+@pytest.mark.slow
 def test_float64_inputs_stay_float64_with_x64(getkey):
     q, k, v, g, beta, h0 = make_gdn_inputs(getkey(), t=40)
     with jax.enable_x64(True):

@@ -129,7 +129,7 @@ def _reference_step():
     return _train_step(1)
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_train_step_is_cp_invariant(cp):
     loss1, grads1 = _reference_step()
     loss, grads = _train_step(cp)
