@@ -6,7 +6,10 @@ wrapper) on the same float32 inputs, forward and forward+backward, interleaved r
 round so both see the same machine load. Prints medians, the median of the paired ratios,
 and achieved GFLOP/s (one flop count for both, see `_common.gdn_chunk_flops`) as a
 fraction of each framework's own in-process float32 matmul rate, measured in the same
-rounds.
+rounds. Ours runs twice: compiled with XLA's defaults (the headline numbers) and compiled
+with XLA:CPU's YNNPACK fusions off for that one compile
+(`compiler_options={"xla_cpu_experimental_ynn_fusion_type": ""}`, see
+`benchmarks/cpu_bound.py` for why it matters).
 
 Needs torch and transformers (the benchmark environment of `make bench`, never a library
 dependency).
@@ -56,7 +59,10 @@ def make_inputs(b, t, h, hv, d, seed=0):
     return (q, k, v, g, beta), (wo, wh)
 
 
-def ours(inputs, weights):
+NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def ours(inputs, weights, compiler_options=None):
     args = [jnp.asarray(x) for x in inputs]
     wo, wh = (jnp.asarray(w) for w in weights)
 
@@ -69,8 +75,9 @@ def ours(inputs, weights):
         o, h = forward(*a)
         return jnp.sum(o * wo) + jnp.sum(h * wh)
 
-    fwd = jax.jit(forward).lower(*args).compile()
-    fwd_bwd = jax.jit(jax.grad(loss, argnums=range(5))).lower(*args).compile()
+    fwd = jax.jit(forward, compiler_options=compiler_options).lower(*args).compile()
+    grad = jax.grad(loss, argnums=range(5))
+    fwd_bwd = jax.jit(grad, compiler_options=compiler_options).lower(*args).compile()
     return (
         lambda: jax.block_until_ready(fwd(*args)),
         lambda: jax.block_until_ready(fwd_bwd(*args)),
@@ -134,6 +141,7 @@ def main():
             t //= 4
         inputs, weights = make_inputs(b, t, h, hv, d)
         o_fwd, o_fb, o_out = ours(inputs, weights)
+        n_fwd, n_fb, _ = ours(inputs, weights, NO_YNN)
         t_fwd, t_fb, t_out = theirs(inputs, weights)
         err = np.max(np.abs(o_out() - t_out())) / np.max(np.abs(t_out()))
         calls = {
@@ -141,6 +149,8 @@ def main():
             "theirs fwd": t_fwd,
             "ours fwd+bwd": o_fb,
             "theirs fwd+bwd": t_fb,
+            "no-YNNPACK fwd": n_fwd,
+            "no-YNNPACK fwd+bwd": n_fb,
             "jax matmul": jax_mm,
             "torch matmul": torch_mm,
         }
@@ -174,6 +184,8 @@ def main():
                     f"{ours_frac:.0%}",
                     f"{f / med[f'theirs {pass_name}'] / 1e9:.1f}",
                     f"{theirs_frac:.0%}",
+                    f"{med[f'no-YNNPACK {pass_name}'] * 1e3:.1f}",
+                    f"{paired_ratio(theirs_t, times[f'no-YNNPACK {pass_name}']):.2f}x",
                 ]
             )
         cost_rows.append(
@@ -198,6 +210,8 @@ def main():
             "of JAX matmul",
             "transformers GFLOP/s",
             "of torch matmul",
+            "ours ms, YNNPACK off",
+            "speedup, YNNPACK off",
         ],
         rows,
         title="Chunked gated delta rule, float32: medians over paired rounds "
