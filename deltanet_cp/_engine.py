@@ -130,6 +130,7 @@ class AbstractChunkedRecurrence(eqx.Module, Generic[_Factors, _Map]):
         """
 
 
+@eqx.filter_jit
 def run_local(
     recurrence: AbstractChunkedRecurrence,
     initial_state: Array | None,
@@ -138,6 +139,10 @@ def run_local(
     doc_states: Array | None = None,
 ) -> tuple[PyTree, Array]:
     """One pass over all chunks from `initial_state` (zeros if `None`), emitting outputs.
+
+    Wrapped in `equinox.filter_jit`: called outside `jax.jit` (eagerly, as in a notebook),
+    the whole pass compiles once per input shape instead of operation by operation; inside
+    a caller's `jit` or `shard_map` it is inlined like any nested `jit`.
 
     **Arguments:**
 

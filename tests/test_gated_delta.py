@@ -133,7 +133,6 @@ def test_extreme_gates(getkey, fn):
         assert np.all(np.isfinite(grad))
 
 
-@pytest.mark.slow
 def test_bf16_inputs(getkey):
     q, k, v, g, beta, h0 = make_gdn_inputs(getkey(), t=100, dtype=jnp.bfloat16)
     expected_o, _ = gated_delta_reference(q, k, v, g, beta, initial_state=h0)
@@ -142,7 +141,6 @@ def test_bf16_inputs(getkey):
     assert rel_err(o, expected_o) <= 2e-2
 
 
-@pytest.mark.slow
 def test_float64_inputs_stay_float64_with_x64(getkey):
     q, k, v, g, beta, h0 = make_gdn_inputs(getkey(), t=40)
     with jax.enable_x64(True):
