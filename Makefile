@@ -51,6 +51,7 @@ bench: $(BENCH_VENV)/.installed
 	$(BENCH)/python benchmarks/vs_transformers.py
 	$(BENCH)/python benchmarks/cp_cost.py
 	$(BENCH)/python benchmarks/cpu_bound.py
+	$(BENCH)/python benchmarks/first_call.py
 
 clean:
 	rm -rf $(VENV) site .pytest_cache
