@@ -8,6 +8,23 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
+
+
+# `jax.jit(..., compiler_options=NO_YNN)`: this one compile without XLA:CPU's YNNPACK fusions.
+NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def gdn_inputs(rng: np.random.Generator, b: int, t: int, h: int, hv: int, d: int) -> list:
+    """float32 `q, k, v, g, beta` for the gated delta rule, `K = V = d`: normal queries, keys
+    and values, `g = -softplus(normal)`, `beta = sigmoid(normal)`, drawn from `rng` in that order.
+    """
+    q = rng.standard_normal((b, t, h, d), dtype=np.float32)
+    k = rng.standard_normal((b, t, h, d), dtype=np.float32)
+    v = rng.standard_normal((b, t, hv, d), dtype=np.float32)
+    g = -np.log1p(np.exp(rng.standard_normal((b, t, hv)))).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.standard_normal((b, t, hv))))).astype(np.float32)
+    return [q, k, v, g, beta]
 
 
 def median_time(fn: Callable, *args, repeats: int = 7, warmup: int = 2) -> float:

@@ -35,12 +35,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import machine_line, print_table
+from _common import gdn_inputs, machine_line, NO_YNN, print_table
 
 import deltanet_cp as dcp
 
 
-NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
 CONFIGS = [("default", None), ("YNNPACK off", NO_YNN)]
 HI = jax.lax.Precision.HIGHEST
 
@@ -144,15 +143,6 @@ def memory_table() -> list[list]:
             ]
         )
     return rows
-
-
-def inputs(rng, b=1, t=4096, h=4, hv=4, d=128):
-    q = rng.standard_normal((b, t, h, d), dtype=np.float32)
-    k = rng.standard_normal((b, t, h, d), dtype=np.float32)
-    v = rng.standard_normal((b, t, hv, d), dtype=np.float32)
-    g = -np.log1p(np.exp(rng.standard_normal((b, t, hv)))).astype(np.float32)
-    beta = (1 / (1 + np.exp(-rng.standard_normal((b, t, hv))))).astype(np.float32)
-    return [jnp.asarray(x) for x in (q, k, v, g, beta)]
 
 
 def forward(q, k, v, g, beta):
@@ -263,7 +253,7 @@ def main():
         memory_table(),
         title="3. Memory: an elementwise op into a new buffer vs a reduction, float32 vectors",
     )
-    args = inputs(rng)
+    args = [jnp.asarray(x) for x in gdn_inputs(rng, 1, 4096, 4, 4, 128)]
     rows, shares = [], []
     for name, options in CONFIGS:
         fwd_ms, fwd_cores = busy(jax.jit(forward, compiler_options=options), *args, calls=9)

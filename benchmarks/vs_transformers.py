@@ -25,17 +25,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from _common import gdn_chunk_flops, machine_line, paired_ratio, paired_times, print_table
+from _common import (
+    gdn_chunk_flops,
+    gdn_inputs,
+    machine_line,
+    NO_YNN,
+    paired_ratio,
+    paired_times,
+    print_table,
+)
 from transformers.models.qwen3_next import modeling_qwen3_next
 
 import deltanet_cp as dcp
 
 
-# (label, B, T, H, HV, K = V, paired rounds). Transformers' forward+backward at the Qwen3-Next
-# shape takes tens of seconds a call on 2 cores, hence fewer rounds there.
+# (heads label, B, T, H, HV, K = V, paired rounds). Transformers' forward+backward at the
+# Qwen3-Next shape takes several seconds a call on 2 cores, hence fewer rounds there.
 SHAPES = [
-    ("H=HV=4, T=4096", 1, 4096, 4, 4, 128, 7),
-    ("Qwen3-Next heads: H=16, HV=32, T=2048", 1, 2048, 16, 32, 128, 2),
+    ("H=HV=4", 1, 4096, 4, 4, 128, 7),
+    ("Qwen3-Next heads: H=16, HV=32", 1, 2048, 16, 32, 128, 2),
 ]
 CHUNK = 64
 MATMUL = 1024
@@ -49,17 +57,10 @@ def reference():
 
 def make_inputs(b, t, h, hv, d, seed=0):
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((b, t, h, d), dtype=np.float32)
-    k = rng.standard_normal((b, t, h, d), dtype=np.float32)
-    v = rng.standard_normal((b, t, hv, d), dtype=np.float32)
-    g = -np.log1p(np.exp(rng.standard_normal((b, t, hv)))).astype(np.float32)  # -softplus
-    beta = (1 / (1 + np.exp(-rng.standard_normal((b, t, hv))))).astype(np.float32)
+    inputs = gdn_inputs(rng, b, t, h, hv, d)
     wo = rng.standard_normal((b, t, hv, d), dtype=np.float32)  # loss weights
     wh = rng.standard_normal((b, hv, d, d), dtype=np.float32)
-    return (q, k, v, g, beta), (wo, wh)
-
-
-NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
+    return inputs, (wo, wh)
 
 
 def ours(inputs, weights, compiler_options=None):
@@ -135,10 +136,11 @@ def main():
     print(f"machine before: {machine_line()}")
     jax_mm, torch_mm = matmuls()
     rows, cost_rows = [], []
-    for label, b, t, h, hv, d, rounds in SHAPES:
+    for heads, b, t, h, hv, d, rounds in SHAPES:
         rounds = 3 if args.quick else (args.repeats or rounds)
         if args.quick:
             t //= 4
+        label = f"{heads}, T={t}"
         inputs, weights = make_inputs(b, t, h, hv, d)
         o_fwd, o_fb, o_out = ours(inputs, weights)
         n_fwd, n_fb, _ = ours(inputs, weights, NO_YNN)
