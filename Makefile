@@ -28,9 +28,11 @@ test-slow: $(VENV)/.installed-test
 test-all: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q
 
-lint: $(VENV)/.installed-dev
+# ruff (lint and format) over everything; pyright over the package and the tests (0 errors).
+lint: $(VENV)/.installed-dev $(VENV)/.installed-test
 	$(BIN)/ruff check deltanet_cp tests benchmarks examples
 	$(BIN)/ruff format --check deltanet_cp tests benchmarks examples
+	$(BIN)/pyright
 
 # The documentation site, into site/. Strict: any warning (a broken link, a cross-reference
 # to an undocumented name) fails the build.

@@ -26,11 +26,13 @@ from _common import print_table  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import deltanet_cp as dcp  # noqa: E402
-from deltanet_cp import GatedDeltaRule  # noqa: E402
-from deltanet_cp._engine import local_map  # noqa: E402
+from deltanet_cp._chunking import num_chunks, split_chunks  # noqa: E402
 
 
 B, H, HV, D, C = 1, 4, 4, 128, 64
+EXCHANGES = {"allgather": dcp.AllGather(), "ppermute": dcp.PPermute(), "ring": dcp.Ring()}
+# Elements of one rank's dense map (M, U) and of one state, as the exchanges count them.
+MAP_ELEMENTS, STATE_ELEMENTS = B * HV * D * (D + D), B * HV * D * D
 
 
 def inputs(t):
@@ -44,7 +46,7 @@ def single(q, k, v, g, beta):
     )
 
 
-def sharded(cp, strategy):
+def sharded(cp, exchange):
     mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
     seq = P(None, "cp")
 
@@ -56,7 +58,7 @@ def sharded(cp, strategy):
             g,
             beta,
             axis_name="cp",
-            strategy=strategy,
+            exchange=exchange,
             use_qk_l2norm=True,
             output_final_state=True,
             chunk_size=C,
@@ -77,6 +79,12 @@ def raw_flops(compiled) -> float:
     return float((cost[0] if isinstance(cost, list) else cost)["flops"])
 
 
+def temp_bytes(compiled) -> int:
+    memory = compiled.memory_analysis()
+    assert memory is not None, "this backend reports no memory analysis"
+    return memory.temp_size_in_bytes
+
+
 def compile_single(fn, m):
     return jax.jit(fn).lower(*inputs(m * C)).compile()
 
@@ -88,13 +96,26 @@ def loop_corrected(fn, n):
     return (per_item + f2 - 2 * per_item) * n
 
 
+RECURRENCE = dcp.GatedDeltaRule(chunk_size=C, use_qk_l2norm=True)
+
+
 def prepare_only(q, k, v, g, beta):
-    return GatedDeltaRule(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=C).prepare()
+    """The per-chunk factors, as the engine forms them (no loop)."""
+    n = num_chunks(q.shape[1], C)
+    inputs = dcp.DeltaInputs(q, k, v, g, beta)
+    return RECURRENCE.prepare(jax.tree.map(lambda x: split_chunks(x, n, C), inputs))
 
 
 def phase1_only(q, k, v, g, beta):
-    rec = GatedDeltaRule(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=C)
-    return local_map(rec, rec.prepare())
+    """Phase 1 on one rank: prepare, then compose the chunks into the rank's map (M, U)."""
+    factors = prepare_only(q, k, v, g, beta)
+    identity = dcp.AffineMap.identity(D, D, (B, HV))
+
+    def body(running, f):
+        return RECURRENCE.compose(f, running), None
+
+    running, _ = jax.lax.scan(body, identity, factors)
+    return running
 
 
 def main():
@@ -116,7 +137,7 @@ def main():
     for cp in [2, 4, 8]:
         # Loops counted once in each raw count, so these differences isolate the exchange.
         m = 2
-        cp_raw = raw_flops(sharded(cp, "allgather")(m * C * cp))
+        cp_raw = raw_flops(sharded(cp, EXCHANGES["allgather"])(m * C * cp))
         exchange = (
             cp_raw
             - raw_flops(compile_single(single, m))
@@ -151,14 +172,16 @@ def main():
     )
     # 2. Bytes received per rank in phase 2.
     rows = []
-    for strategy in ["allgather", "ppermute", "ring"]:
+    for name, exchange in EXCHANGES.items():
         for cp in [2, 4, 8]:
-            text = sharded(cp, strategy)(1024 * cp).as_text()
+            text = sharded(cp, exchange)(1024 * cp).as_text() or ""
             got = max(dcp.received_bytes_per_rank(text).values(), default=0)
-            expected = 4 * dcp.payload_elements(strategy, cp, B * HV, D, D, final_state=True)
-            rows.append([strategy, cp, f"{got / 2**20:.3f}", f"{expected / 2**20:.3f}"])
+            expected = 4 * exchange.payload_elements(
+                cp, map_elements=MAP_ELEMENTS, state_elements=STATE_ELEMENTS, final_state=True
+            )
+            rows.append([name, cp, f"{got / 2**20:.3f}", f"{expected / 2**20:.3f}"])
     print_table(
-        ["strategy", "cp", "MiB received per rank (HLO)", "payload_elements x 4 B"],
+        ["exchange", "cp", "MiB received per rank (HLO)", "payload_elements x 4 B"],
         rows,
         title="Phase-2 payload per rank, read from the compiled HLO (with the final state; the "
         "same at every sequence length)",
@@ -166,23 +189,23 @@ def main():
     # 3. Temporary memory per device at several tokens per rank.
     sizes = [1024, 2048, 4096]
     rows = []
-    for strategy in ["allgather", "ring"]:
+    for name in ["allgather", "ring"]:
         for cp in [2, 8]:
-            lower = sharded(cp, strategy)
-            temps = [lower(s * cp).memory_analysis().temp_size_in_bytes for s in sizes]
+            lower = sharded(cp, EXCHANGES[name])
+            temps = [temp_bytes(lower(s * cp)) for s in sizes]
             rows.append(
-                [strategy, cp]
+                [name, cp]
                 + [f"{t / 2**20:.1f}" for t in temps]
                 + [f"{temps[-1] / sizes[-1] / 1024:.1f}"]
             )
-    temps = [compile_single(single, s // C).memory_analysis().temp_size_in_bytes for s in sizes]
+    temps = [temp_bytes(compile_single(single, s // C)) for s in sizes]
     rows.append(
         ["single device", 1]
         + [f"{t / 2**20:.1f}" for t in temps]
         + [f"{temps[-1] / sizes[-1] / 1024:.1f}"]
     )
     print_table(
-        ["strategy", "cp"] + [f"temp MiB at S/cp = {s}" for s in sizes] + ["KiB per token"],
+        ["exchange", "cp"] + [f"temp MiB at S/cp = {s}" for s in sizes] + ["KiB per token"],
         rows,
         title="Temporary memory per device (memory_analysis): linear in the tokens per rank",
     )

@@ -191,7 +191,7 @@ def categories(compiled_text: str) -> dict[str, str]:
 
 def profile_rows(fn, args, options, repeats: int = 3) -> tuple[dict[str, float], float]:
     compiled = jax.jit(fn, compiler_options=options).lower(*args).compile()
-    kinds = categories(compiled.as_text())
+    kinds = categories(compiled.as_text() or "")
     for _ in range(3):
         jax.block_until_ready(compiled(*args))
     with tempfile.TemporaryDirectory() as d:

@@ -1,8 +1,9 @@
 """Bytes each rank receives per layer: the gated delta rule's exchange vs softmax-attention CP.
 
 Writes `docs/assets/payload_vs_seq.png` and prints the table behind it. No devices are needed:
-the Gated DeltaNet side is `deltanet_cp.payload_elements` (what the tests check against the
-compiled HLO), the softmax side the formula of an all-gather of keys and values.
+the Gated DeltaNet side is each exchange's `payload_elements` (`deltanet_cp.AllGather()`,
+`PPermute()`, `Ring()`: what the tests check against the compiled HLO), the softmax side
+the formula of an all-gather of keys and values.
 
     python benchmarks/payload_plot.py [--cp 8] [--batch 1] [--kv-bytes 2] [--out PATH]
 
@@ -17,7 +18,7 @@ MaxText; the Hugging Face `text_config` agrees):
   `(cp - 1) * S/cp * B * n_kv_heads * head_dim * 2 * kv_bytes` bytes.
 
 A Gated DeltaNet layer's causal convolution adds a halo of `(kernel - 1) * conv_dim` =
-3 * 8192 bf16 elements (48 KiB) per rank, whatever the strategy; it is not plotted.
+3 * 8192 bf16 elements (48 KiB) per rank, whatever the exchange; it is not plotted.
 """
 
 import argparse
@@ -38,14 +39,19 @@ import deltanet_cp as dcp  # noqa: E402
 GDN_VALUE_HEADS, GDN_K, GDN_V = 32, 128, 128
 ATTN_KV_HEADS, ATTN_HEAD_DIM = 2, 256
 MAP_BYTES = 4  # float32 maps / states
-STRATEGIES = ("allgather", "ppermute", "ring")
+EXCHANGES = {"allgather": dcp.AllGather(), "ppermute": dcp.PPermute(), "ring": dcp.Ring()}
 COLORS = {"allgather": "tab:blue", "ppermute": "tab:orange", "ring": "tab:green"}
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent.parent / "docs/assets/payload_vs_seq.png"
 
 
-def gdn_bytes(strategy: str, cp: int, batch: int) -> int:
+def gdn_bytes(exchange: str, cp: int, batch: int) -> int:
     """Bytes one rank receives in the exchange of one Gated DeltaNet layer."""
-    return MAP_BYTES * dcp.payload_elements(strategy, cp, batch * GDN_VALUE_HEADS, GDN_K, GDN_V)
+    heads = batch * GDN_VALUE_HEADS
+    return MAP_BYTES * EXCHANGES[exchange].payload_elements(
+        cp,
+        map_elements=heads * GDN_K * (GDN_K + GDN_V),  # one rank's dense map (M, U)
+        state_elements=heads * GDN_K * GDN_V,
+    )
 
 
 def softmax_bytes(tokens_per_shard: float, cp: int, batch: int, kv_bytes: int) -> float:
@@ -53,9 +59,9 @@ def softmax_bytes(tokens_per_shard: float, cp: int, batch: int, kv_bytes: int) -
     return (cp - 1) * tokens_per_shard * batch * ATTN_KV_HEADS * ATTN_HEAD_DIM * 2 * kv_bytes
 
 
-def crossover(strategy: str, cp: int, batch: int, kv_bytes: int) -> float:
-    """Tokens per shard above which the strategy receives fewer bytes than softmax CP."""
-    return gdn_bytes(strategy, cp, batch) / softmax_bytes(1, cp, batch, kv_bytes)
+def crossover(exchange: str, cp: int, batch: int, kv_bytes: int) -> float:
+    """Tokens per shard above which the exchange receives fewer bytes than softmax CP."""
+    return gdn_bytes(exchange, cp, batch) / softmax_bytes(1, cp, batch, kv_bytes)
 
 
 def _mib(x: float) -> str:
@@ -71,7 +77,7 @@ def _number_label(x: float, _=None) -> str:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     parser.add_argument("--cp", type=int, default=8, help="context-parallel degree")
     parser.add_argument("--batch", type=int, default=1, help="sequences per rank")
     parser.add_argument("--kv-bytes", type=int, default=2, help="bytes per key/value element")
@@ -85,10 +91,10 @@ def main():
     rows = []
     for t in tokens:
         row = [f"{t:,}", _mib(softmax_bytes(t, cp, batch, kv_bytes))]
-        row += [_mib(gdn_bytes(s, cp, batch)) for s in STRATEGIES]
+        row += [_mib(gdn_bytes(s, cp, batch)) for s in EXCHANGES]
         rows.append(row)
     print_table(
-        ["tokens per shard", "softmax CP (MiB)"] + [f"GDN {s} (MiB)" for s in STRATEGIES],
+        ["tokens per shard", "softmax CP (MiB)"] + [f"GDN {s} (MiB)" for s in EXCHANGES],
         rows,
         title=(
             f"Bytes received per rank per layer, Qwen3.5-35B-A3B shapes, cp={cp}, B={batch}; "
@@ -97,8 +103,8 @@ def main():
     )
     cps = [2, 4, 8, 16, 32, 64]
     print_table(
-        ["cp"] + [f"{s} crossover (tokens per shard)" for s in STRATEGIES],
-        [[c] + [f"{crossover(s, c, batch, kv_bytes):,.0f}" for s in STRATEGIES] for c in cps],
+        ["cp"] + [f"{s} crossover (tokens per shard)" for s in EXCHANGES],
+        [[c] + [f"{crossover(s, c, batch, kv_bytes):,.0f}" for s in EXCHANGES] for c in cps],
         title="Tokens per shard above which the Gated DeltaNet exchange is the smaller one",
     )
 
@@ -110,7 +116,7 @@ def main():
         lw=2,
         label="softmax-attention CP (all-gather K, V)",
     )
-    for s in STRATEGIES:
+    for s in EXCHANGES:
         y = gdn_bytes(s, cp, batch) / 2**20
         x_star = crossover(s, cp, batch, kv_bytes)
         ax.plot(tokens, [y] * len(tokens), color=COLORS[s], lw=2, label=f"Gated DeltaNet, {s}")
@@ -134,7 +140,7 @@ def main():
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(loc="upper left", fontsize=9)
 
-    for s in STRATEGIES:
+    for s in EXCHANGES:
         ax2.plot(
             cps,
             [crossover(s, c, batch, kv_bytes) for c in cps],

@@ -2,7 +2,7 @@
 
 from typing import TypeAlias
 
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 
 # Per-token tensors in the (batch, time, head, feature) layout every recurrence uses.
@@ -13,3 +13,7 @@ GateTensor: TypeAlias = Float[Array, "batch seq vheads"]
 State: TypeAlias = Float[Array, "batch vheads k v"]
 # A state per batch element, or with packed documents (`cu_seqlens`) one per document.
 States: TypeAlias = Float[Array, "batch_or_docs vheads k v"]
+# A log decay per key channel, for every token and value head (KDA, GLA).
+KeyGateTensor: TypeAlias = Float[Array, "batch seq vheads k"]
+# Packed documents: the offsets [0, len_0, len_0 + len_1, ..., T], as an int array or a list.
+CuSeqlens: TypeAlias = Int[Array, " docs_plus_one"] | list[int]

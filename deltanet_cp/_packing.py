@@ -16,6 +16,8 @@ All shapes are static (they depend on the sequence length, the chunk size and th
 documents only), so `cu_seqlens` may be a traced array.
 """
 
+from typing import Any
+
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
@@ -45,37 +47,45 @@ class Segments(eqx.Module):
     def num_docs(self) -> int:
         return self.empty_doc.shape[0]
 
+    @property
+    def num_chunks(self) -> int:
+        return self.start_doc.shape[0]
 
-def check_cu_seqlens(cu_seqlens, batch: int, length: int | None = None) -> None:
-    """Raise a `ValueError` naming the problem if `cu_seqlens` is unusable.
 
-    Values are checked when they are concrete (not under `jax.jit`).
+def as_cu_seqlens(cu_seqlens: Any, batch: int, total: int) -> Int[Array, " docs_plus_one"]:
+    """`cu_seqlens` as an int32 array, checked: a `ValueError` names what to change.
+
+    Shapes and dtypes are checked at once; the values (starting at 0, not decreasing,
+    ending at the global length `total`) are checked with `equinox.error_if`, so they are
+    checked under `jax.jit` too: a bad traced value raises when the computation runs.
     """
     if batch != 1:
         raise ValueError(
             f"With `cu_seqlens`, pack the documents along the time axis of a batch of one: "
             f"expected batch size 1, got {batch}."
         )
+    if isinstance(cu_seqlens, (list, tuple)):
+        if not all(isinstance(x, (int, np.integer)) for x in cu_seqlens):
+            raise ValueError(f"`cu_seqlens` must hold ints; got {cu_seqlens!r}.")
+        cu_seqlens = np.asarray(cu_seqlens, np.int32)
     if not hasattr(cu_seqlens, "dtype") or not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
         raise ValueError(
-            "`cu_seqlens` must be an integer array of document offsets [0, ..., T]; got "
-            f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}."
+            "`cu_seqlens` must be a list or an integer array of document offsets [0, ..., T]; "
+            f"got {getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}."
         )
     if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
         raise ValueError(
             f"`cu_seqlens` must have shape (num_docs + 1,) with num_docs >= 1; got "
             f"{cu_seqlens.shape}."
         )
-    try:
-        values = np.asarray(cu_seqlens)
-    except Exception:  # a tracer: the values can't be checked here
-        return
-    if values[0] != 0 or np.any(np.diff(values) < 0):
-        raise ValueError(f"`cu_seqlens` must start at 0 and not decrease; got {values}.")
-    if length is not None and values[-1] != length:
-        raise ValueError(
-            f"`cu_seqlens` must end at the (global) sequence length {length}; got {values[-1]}."
-        )
+    cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
+    bad = (cu[0] != 0) | jnp.any(cu[1:] < cu[:-1]) | (cu[-1] != total)
+    return eqx.error_if(
+        cu,
+        bad,
+        f"`cu_seqlens` must start at 0, not decrease, and end at the (global) sequence "
+        f"length {total}.",
+    )
 
 
 def num_padded_chunks(length: int, num_docs: int, chunk_size: int) -> int:

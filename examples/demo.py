@@ -116,9 +116,9 @@ def print_payloads(cfg: Config, cp: int = 4) -> None:
     halo = None
     for seq_len in PAYLOAD_SEQ_LENS:
         row = [f"{seq_len:,}"]
-        for strategy in ("allgather", "ring"):
-            p = _layer_payload(gdn, cfg, cp, seq_len, strategy=strategy)
-            halo = p.get("collective-permute", 0) if strategy == "allgather" else halo
+        for exchange in ("allgather", "ring"):
+            p = _layer_payload(gdn, cfg, cp, seq_len, exchange=exchange)
+            halo = p.get("collective-permute", 0) if exchange == "allgather" else halo
             row.append(f"{p['total']:,} B")
         row.append(f"{_layer_payload(attn, cfg, cp, seq_len)['total']:,} B")
         print("| " + " | ".join(c.rjust(len(h)) for c, h in zip(row, header)) + " |")

@@ -50,7 +50,7 @@ class Config:
     weight_decay: float = 0.01
     steps: int = 40
     seed: int = 0
-    strategy: str = "allgather"
+    exchange: str = "allgather"
 
 
 def make_model(cfg: Config, key) -> HybridLM:
@@ -112,7 +112,7 @@ def _nll(logits, targets, mask):
     return jnp.sum(nll * mask), jnp.sum(mask)
 
 
-def loss_fn(model: HybridLM, inputs, targets, mask, *, cp: int, mesh=None, strategy="allgather"):
+def loss_fn(model: HybridLM, inputs, targets, mask, *, cp: int, mesh=None, exchange="allgather"):
     """Mean next-token cross entropy over the masked positions.
 
     `cp == 1`: the single-device path. `cp > 1`: `jax.shard_map` over `mesh`, time sharded
@@ -125,7 +125,7 @@ def loss_fn(model: HybridLM, inputs, targets, mask, *, cp: int, mesh=None, strat
 
     def local(params, inputs, targets, mask):
         m = eqx.combine(params, static)
-        logits = jax.vmap(ft.partial(m, axis_name=AXIS, strategy=strategy))(inputs)
+        logits = jax.vmap(ft.partial(m, axis_name=AXIS, exchange=exchange))(inputs)
         total, count = _nll(logits, targets, mask)
         return jax.lax.psum(total, AXIS) / jax.lax.psum(count, AXIS)
 
@@ -153,7 +153,7 @@ def make_train_step(cfg: Config, cp: int, optimizer) -> tuple[Callable, Mesh | N
     @eqx.filter_jit
     def step(model, opt_state, inputs, targets, mask):
         loss, grads = eqx.filter_value_and_grad(loss_fn)(
-            model, inputs, targets, mask, cp=cp, mesh=mesh, strategy=cfg.strategy
+            model, inputs, targets, mask, cp=cp, mesh=mesh, exchange=cfg.exchange
         )
         updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
         return eqx.apply_updates(model, updates), opt_state, loss
@@ -200,9 +200,9 @@ def main():
     parser.add_argument("--cp", type=int, default=4)
     parser.add_argument("--steps", type=int, default=Config.steps)
     parser.add_argument("--seq-len", type=int, default=Config.seq_len)
-    parser.add_argument("--strategy", default=Config.strategy)
+    parser.add_argument("--exchange", default=Config.exchange)
     args = parser.parse_args()
-    cfg = Config(steps=args.steps, seq_len=args.seq_len, strategy=args.strategy)
+    cfg = Config(steps=args.steps, seq_len=args.seq_len, exchange=args.exchange)
     for i, loss in enumerate(train(cfg, args.cp)):
         print(f"step {i:3d}  loss {loss:.4f}")
 

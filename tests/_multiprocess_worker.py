@@ -56,7 +56,7 @@ def main():
             g,
             beta,
             axis_name="cp",
-            strategy="ppermute",
+            exchange="ppermute",
             initial_state=h0,
             output_final_state=True,
             chunk_size=16,

@@ -16,6 +16,7 @@ import pytest  # noqa: E402
 
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
 @pytest.fixture

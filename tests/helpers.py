@@ -1,13 +1,30 @@
-"""Test helpers: the independent float64 references and input generators.
+"""Test helpers: the independent float64 references, input generators and comparisons.
 
-Nothing here imports from `deltanet_cp`: these loops are the ground truth the library is
-checked against.
+Nothing here imports from `deltanet_cp`: the loops below are the ground truth the library
+is checked against. Each runs one token at a time in float64 numpy, exactly as the
+recurrence is written on paper. `tests/registry.py` pairs them with the library's functions.
+
+Layouts (the library's): q, k `(B, T, H, K)`; v `(B, T, HV, V)`; value head `j` reads key
+head `j // (HV // H)`; states `(B, HV, K, V)`; outputs `(B, T, HV, V)`. With `cu_seqlens`
+(documents packed along the time axis of a batch of one) every loop runs once per
+document from that document's initial state, and returns the per-document final states
+`(N, HV, K, V)`.
 """
 
+import functools as ft
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
+import pytest
+
+
+Reference = Callable[..., tuple[np.ndarray, np.ndarray]]
 
 
 def tree_allclose(x, y, *, rtol=1e-5, atol=1e-8):
@@ -18,31 +35,67 @@ def rel_err(actual, expected) -> float:
     """max |actual - expected| / max |expected| (a scale-aware relative error)."""
     a = np.asarray(actual, dtype=np.float64)
     e = np.asarray(expected, dtype=np.float64)
+    if a.shape != e.shape:
+        raise AssertionError(f"shapes differ: {a.shape} vs {e.shape}")
+    if a.size == 0:
+        return 0.0
     denom = max(np.max(np.abs(e)), 1e-30)
     return float(np.max(np.abs(a - e)) / denom)
 
 
-def gated_delta_reference(q, k, v, g, beta, *, scale=None, initial_state=None, l2norm=False):
-    """The gated delta rule token by token in float64 numpy.
+# ---------------------------------------------------------------------------------------
+# The float64 loops
+# ---------------------------------------------------------------------------------------
 
-    q, k: (B, T, H, K); v: (B, T, HV, V); g, beta: (B, T, HV). Value head j reads key
-    head j // (HV // H). Returns (o: (B, T, HV, V), final state: (B, HV, K, V)).
-    """
-    q, k, v, g, beta = (np.asarray(x, dtype=np.float64) for x in (q, k, v, g, beta))
+
+def _f64(*xs) -> list[np.ndarray]:
+    return [np.asarray(x, dtype=np.float64) for x in xs]
+
+
+def _l2norm(x):
+    return x / np.sqrt(np.sum(x * x, -1, keepdims=True) + 1e-6)
+
+
+def _start(initial_state, shape):
+    return np.zeros(shape) if initial_state is None else np.array(initial_state, np.float64)
+
+
+def _per_document(loop: Reference) -> Reference:
+    """Add `cu_seqlens` to a loop: run it on each document's tokens (time axis 1 of every
+    argument), from `initial_state[n]` for document `n` (zeros if `None`)."""
+
+    @ft.wraps(loop)
+    def wrapper(*args, initial_state=None, cu_seqlens=None, **kwargs):
+        if cu_seqlens is None:
+            return loop(*args, initial_state=initial_state, **kwargs)
+        cu = [int(c) for c in np.asarray(cu_seqlens)]
+        assert cu[0] == 0 and all(a <= b for a, b in itertools.pairwise(cu))
+        assert all(x is None or x.shape[0] == 1 for x in args), "packing needs batch 1"
+        outs, finals = [], []
+        for n, (a, b) in enumerate(itertools.pairwise(cu)):
+            h0 = None if initial_state is None else np.asarray(initial_state)[n : n + 1]
+            doc = [None if x is None else np.asarray(x)[:, a:b] for x in args]
+            o, h = loop(*doc, initial_state=h0, **kwargs)
+            outs.append(o)
+            finals.append(h[0])
+        return np.concatenate(outs, axis=1), np.stack(finals)
+
+    return wrapper
+
+
+@_per_document
+def gated_delta_reference(q, k, v, g, beta, *, scale=None, initial_state=None, l2norm=False):
+    """The gated delta rule: per token, `S = exp(g) S`, `S += k (beta (v - k^T S))^T`,
+    `o = (scale q)^T S`. g, beta: `(B, T, HV)`."""
+    q, k, v, g, beta = _f64(q, k, v, g, beta)
     b, t, h, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
-    r = hv // h
     scale = dk**-0.5 if scale is None else scale
     if l2norm:
-        q = q / np.sqrt(np.sum(q * q, -1, keepdims=True) + 1e-6)
-        k = k / np.sqrt(np.sum(k * k, -1, keepdims=True) + 1e-6)
-    state = (
-        np.zeros((b, hv, dk, dv))
-        if initial_state is None
-        else np.array(initial_state, dtype=np.float64)
-    )
-    kh = np.repeat(k, r, axis=2)  # value head j reads key head j // r
-    qh = np.repeat(q, r, axis=2) * scale
+        q, k = _l2norm(q), _l2norm(k)
+    kh = np.repeat(k, hv // h, axis=2)  # value head j reads key head j // r
+    qh = np.repeat(q, hv // h, axis=2) * scale
+    state = _start(initial_state, (b, hv, dk, dv))
     o = np.zeros((b, t, hv, dv))
     for ti in range(t):  # one token at a time, all batch elements and heads at once
         kt = kh[:, ti]  # (b, hv, dk)
@@ -54,16 +107,178 @@ def gated_delta_reference(q, k, v, g, beta, *, scale=None, initial_state=None, l
     return o, state
 
 
+@_per_document
+def delta_reference(q, k, v, beta, *, scale=None, initial_state=None, l2norm=False):
+    """The delta rule (no decay): per token, `S += k (beta (v - k^T S))^T`, `o = (scale q)^T S`."""
+    q, k, v, beta = _f64(q, k, v, beta)
+    b, t, h, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    scale = dk**-0.5 if scale is None else scale
+    if l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    kh = np.repeat(k, hv // h, axis=2)
+    qh = np.repeat(q, hv // h, axis=2) * scale
+    state = _start(initial_state, (b, hv, dk, dv))
+    o = np.zeros((b, t, hv, dv))
+    for ti in range(t):
+        delta = beta[:, ti][..., None] * (v[:, ti] - np.einsum("bhkv,bhk->bhv", state, kh[:, ti]))
+        state = state + np.einsum("bhk,bhv->bhkv", kh[:, ti], delta)
+        o[:, ti] = np.einsum("bhkv,bhk->bhv", state, qh[:, ti])
+    return o, state
+
+
+@_per_document
+def kda_reference(q, k, v, g, beta, *, scale=None, initial_state=None, l2norm=False):
+    """Kimi Delta Attention: the gated delta rule with a log decay per key channel,
+    g `(B, T, HV, K)`: row `i` of `S` is scaled by `exp(g[i])`."""
+    q, k, v, g, beta = _f64(q, k, v, g, beta)
+    b, t, h, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    scale = dk**-0.5 if scale is None else scale
+    if l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    kh = np.repeat(k, hv // h, axis=2)
+    qh = np.repeat(q, hv // h, axis=2) * scale
+    state = _start(initial_state, (b, hv, dk, dv))
+    o = np.zeros((b, t, hv, dv))
+    for ti in range(t):
+        state = np.exp(g[:, ti])[..., :, None] * state
+        delta = beta[:, ti][..., None] * (v[:, ti] - np.einsum("bhkv,bhk->bhv", state, kh[:, ti]))
+        state = state + np.einsum("bhk,bhv->bhkv", kh[:, ti], delta)
+        o[:, ti] = np.einsum("bhkv,bhk->bhv", state, qh[:, ti])
+    return o, state
+
+
+@_per_document
+def gla_reference(q, k, v, g, *, scale=None, initial_state=None, l2norm=False):
+    """Gated linear attention: per token, `S = diag(exp(g)) S + k v^T`, `o = (scale q)^T S`;
+    g is `(B, T, HV)` (one decay per head) or `(B, T, HV, K)` (per key channel)."""
+    q, k, v, g = _f64(q, k, v, g)
+    b, t, h, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    scale = dk**-0.5 if scale is None else scale
+    if l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    if g.ndim == 3:
+        g = np.repeat(g[..., None], dk, axis=-1)  # one decay per head: every channel
+    kh = np.repeat(k, hv // h, axis=2)
+    qh = np.repeat(q, hv // h, axis=2) * scale
+    state = _start(initial_state, (b, hv, dk, dv))
+    o = np.zeros((b, t, hv, dv))
+    for ti in range(t):
+        state = np.exp(g[:, ti])[..., :, None] * state
+        state = state + np.einsum("bhk,bhv->bhkv", kh[:, ti], v[:, ti])
+        o[:, ti] = np.einsum("bhkv,bhk->bhv", state, qh[:, ti])
+    return o, state
+
+
+@_per_document
+def delta_product_reference(q, k, v, g, beta, *, scale=None, initial_state=None, l2norm=False):
+    """Gated DeltaProduct: per token, decay once (`g` `(B, T, HV)` or `None`), then `n_h`
+    delta steps with k `(B, T, n_h, H, K)`, v `(B, T, n_h, HV, V)`, beta `(B, T, n_h, HV)`,
+    then the output after the last step."""
+    q, k, v, beta = _f64(q, k, v, beta)
+    b, t, n, h, dk = k.shape
+    hv, dv = v.shape[3], v.shape[4]
+    g = np.zeros((b, t, hv)) if g is None else np.asarray(g, dtype=np.float64)
+    scale = dk**-0.5 if scale is None else scale
+    if l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    kh = np.repeat(k, hv // h, axis=3)
+    qh = np.repeat(q, hv // h, axis=2) * scale
+    state = _start(initial_state, (b, hv, dk, dv))
+    o = np.zeros((b, t, hv, dv))
+    for ti in range(t):
+        state = np.exp(g[:, ti])[..., None, None] * state
+        for j in range(n):
+            kt = kh[:, ti, j]
+            predicted = np.einsum("bhkv,bhk->bhv", state, kt)
+            delta = beta[:, ti, j][..., None] * (v[:, ti, j] - predicted)
+            state = state + np.einsum("bhk,bhv->bhkv", kt, delta)
+        o[:, ti] = np.einsum("bhkv,bhk->bhv", state, qh[:, ti])
+    return o, state
+
+
+# ---------------------------------------------------------------------------------------
+# Input generators: numpy-generated (no compilation), returned as jax arrays of `dtype`;
+# `(args in the public argument order, initial state (B, HV, K, V) float32)`.
+# ---------------------------------------------------------------------------------------
+
+
+def _cast(dtype, *xs) -> tuple[Any, ...]:
+    return tuple(jnp.asarray(x, dtype) for x in xs)
+
+
+def _state(rng, b, hv, dk, dv):
+    return jnp.asarray(rng.normal(size=(b, hv, dk, dv)), jnp.float32)
+
+
+def make_gated_delta_inputs(seed, *, b=1, t=40, h=1, hv=2, dk=8, dv=6, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(b, t, h, dk))
+    k = 0.7 * rng.normal(size=(b, t, h, dk)) / np.sqrt(dk)  # |k| < 1: stable without l2norm
+    v = rng.normal(size=(b, t, hv, dv))
+    g = -np.exp(rng.uniform(-5.0, 0.0, size=(b, t, hv)))
+    beta = rng.uniform(size=(b, t, hv))
+    return _cast(dtype, q, k, v, g, beta), _state(rng, b, hv, dk, dv)
+
+
+def make_delta_inputs(seed, *, b=1, t=40, h=1, hv=2, dk=8, dv=6, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(b, t, h, dk))
+    k = 0.7 * rng.normal(size=(b, t, h, dk)) / np.sqrt(dk)
+    v = rng.normal(size=(b, t, hv, dv))
+    beta = rng.uniform(size=(b, t, hv))
+    return _cast(dtype, q, k, v, beta), _state(rng, b, hv, dk, dv)
+
+
+def make_kda_inputs(seed, *, b=1, t=40, h=1, hv=2, dk=8, dv=6, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(b, t, h, dk))
+    k = 0.7 * rng.normal(size=(b, t, h, dk)) / np.sqrt(dk)
+    v = rng.normal(size=(b, t, hv, dv))
+    g = -np.exp(rng.uniform(-5.0, 1.0, size=(b, t, hv, dk)))
+    beta = rng.uniform(size=(b, t, hv))
+    return _cast(dtype, q, k, v, g, beta), _state(rng, b, hv, dk, dv)
+
+
+def make_gla_inputs(seed, *, b=1, t=40, h=1, hv=2, dk=8, dv=6, dtype=jnp.float32, per_channel=True):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(b, t, h, dk))
+    k = rng.normal(size=(b, t, h, dk)) / np.sqrt(dk)
+    v = rng.normal(size=(b, t, hv, dv))
+    g = -np.exp(rng.uniform(-5.0, 1.0, size=(b, t, hv, dk) if per_channel else (b, t, hv)))
+    return _cast(dtype, q, k, v, g), _state(rng, b, hv, dk, dv)
+
+
+def make_delta_product_inputs(
+    seed, *, b=1, t=40, h=1, hv=2, dk=8, dv=6, dtype=jnp.float32, n=2, gated=True
+):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(b, t, h, dk))
+    k = 0.7 * rng.normal(size=(b, t, n, h, dk)) / np.sqrt(dk)
+    v = rng.normal(size=(b, t, n, hv, dv))
+    g = -np.exp(rng.uniform(-5.0, 0.0, size=(b, t, hv)))
+    beta = rng.uniform(0.0, 2.0, size=(b, t, n, hv))  # up to 2: negative eigenvalues
+    q, k, v, g, beta = _cast(dtype, q, k, v, g, beta)
+    return (q, k, v, g if gated else None, beta), _state(rng, b, hv, dk, dv)
+
+
 def make_gdn_inputs(key, b=2, t=37, h=2, hv=4, dk=16, dv=8, dtype=jnp.float32, state=True):
-    """Random gated-delta-rule inputs with sensible gate ranges."""
+    """Random gated-delta-rule inputs from a PRNG key: `(q, k, v, g, beta, h0)`."""
     kq, kk, kv, kg, kb, ks = jr.split(key, 6)
     q = jr.normal(kq, (b, t, h, dk), dtype)
-    k = 0.7 * jr.normal(kk, (b, t, h, dk), dtype) / np.sqrt(dk)  # |k| < 1: stable without l2norm
+    k = 0.7 * jr.normal(kk, (b, t, h, dk), dtype) / float(np.sqrt(dk))
     v = jr.normal(kv, (b, t, hv, dv), dtype)
     g = -jnp.exp(jr.uniform(kg, (b, t, hv), dtype, minval=-5.0, maxval=0.0))
     beta = jr.uniform(kb, (b, t, hv), dtype)
     h0 = jr.normal(ks, (b, hv, dk, dv), jnp.float32) if state else None
     return q, k, v, g, beta, h0
+
+
+# ---------------------------------------------------------------------------------------
+# Gradients
+# ---------------------------------------------------------------------------------------
 
 
 def weighted_loss(o, h):
@@ -90,6 +305,23 @@ def directional_check(grads, loss, arrays, *, seed=0, eps=1e-6):
     return errors
 
 
+def elementwise_check(grad, loss, arrays, i, *, eps=1e-6) -> float:
+    """`rel_err` of `grad` (w.r.t. `arrays[i]`) against central differences of the float64
+    `loss(list_of_arrays) -> float`, one element at a time (for small arguments: one pair
+    of loss evaluations per element)."""
+    base = [np.asarray(a, np.float64) for a in arrays]
+    numeric = np.zeros_like(base[i])
+    for idx in np.ndindex(base[i].shape):
+        plus, minus = base[i].copy(), base[i].copy()
+        plus[idx] += eps
+        minus[idx] -= eps
+        numeric[idx] = (
+            loss([plus if j == i else b for j, b in enumerate(base)])
+            - loss([minus if j == i else b for j, b in enumerate(base)])
+        ) / (2 * eps)
+    return rel_err(grad, numeric)
+
+
 def value_and_grad_fn(fn, n_args, *, cp=None):
     """A jitted `(*args) -> (o, h, grads)` for `fn(*args) -> (o, h)` of `n_args` arguments;
     the gradients are of a fixed weighted sum of `o` and `h` w.r.t. every argument. Build it
@@ -99,7 +331,6 @@ def value_and_grad_fn(fn, n_args, *, cp=None):
     `"cp"` of `cp` devices: every argument but the last is sharded over its axis 1 (the
     sequence), the last (the initial state) is replicated, and so is the final state.
     """
-    import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     mesh = None if cp is None else jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
@@ -125,3 +356,57 @@ def value_and_grad_fn(fn, n_args, *, cp=None):
         return o, h, grads
 
     return call
+
+
+# ---------------------------------------------------------------------------------------
+# Parameter grids
+# ---------------------------------------------------------------------------------------
+
+
+def pairwise(
+    axes: Sequence[Sequence[Any]],
+    *,
+    ids: Sequence[Callable[[Any], str]] | None = None,
+    cover: Sequence[tuple[int, int]] | None = None,
+) -> list[Any]:
+    """The full grid over `axes` as `pytest.param`s, all but a covering subset marked `slow`.
+
+    The default run (`-m "not slow"`) keeps a greedy cover: every value of every axis, and
+    every pair of values of the axes paired in `cover` (by default all pairs of axes),
+    appears in some fast case.
+    """
+    cases = list(itertools.product(*[range(len(a)) for a in axes]))
+    axis_pairs = list(itertools.combinations(range(len(axes)), 2)) if cover is None else cover
+
+    def covered(case):
+        singles = {((i, case[i]),) for i in range(len(case))}
+        return singles | {((i, case[i]), (j, case[j])) for i, j in axis_pairs}
+
+    def values(case):
+        return tuple(axes[i][c] for i, c in enumerate(case))
+
+    uncovered = set().union(*(covered(c) for c in cases))
+    fast: set[tuple[int, ...]] = set()
+    used: dict[tuple[int, int], int] = {}  # how often each value is in a fast case so far
+    while uncovered:
+        # The most new coverage; among those, the least used values (spread the cases).
+        best = max(
+            cases,
+            key=lambda c: (
+                len(covered(c) & uncovered),
+                -sum(used.get((i, v), 0) for i, v in enumerate(c)),
+            ),
+        )
+        fast.add(best)
+        uncovered -= covered(best)
+        for i, v in enumerate(best):
+            used[(i, v)] = used.get((i, v), 0) + 1
+    name = ids or [str] * len(axes)
+    return [
+        pytest.param(
+            *values(c),
+            id="-".join(f(v) for f, v in zip(name, values(c))),
+            marks=() if c in fast else (pytest.mark.slow,),
+        )
+        for c in cases
+    ]

@@ -16,6 +16,9 @@ def _load(name):
 
 
 def test_own_recurrence():
-    # docs/guides/own_recurrence.md: a new recurrence in one class, on the same engine.
-    errors = _load("own_recurrence").main(b=1, t=44, dk=8, dv=4, chunk_size=8, cp=4)
+    # docs/guides/own_recurrence.md: a new recurrence in one class, on the same engine: one
+    # device and packed documents vs float64 loops, context parallelism (every exchange) vs
+    # one device.
+    errors = _load("own_recurrence").main(b=1, t=44, h=2, dk=8, dv=4, chunk_size=8, cp=4)
+    assert len(errors) == 12, errors
     assert max(errors.values()) <= 1e-5, errors

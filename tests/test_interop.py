@@ -1,11 +1,16 @@
-"""Hugging Face weights: golden outputs of transformers' Qwen3-Next / Qwen3.5 Gated DeltaNet.
+"""deltanet_cp.interop: Hugging Face weights, and other libraries' call shapes.
 
-The fixtures in tests/data were written by tests/data/make_hf_fixtures.py (transformers
-5.24, torch 2.13, CPU float32); nothing here imports torch.
+Weights: golden outputs of transformers' Qwen3-Next / Qwen3.5 Gated DeltaNet. Call shapes:
+the flash-linear-attention and transformers adapters against the deltanet_cp calls they
+name, and transformers' torch kernels' golden outputs. The fixtures in tests/data were
+written by tests/data/make_hf_fixtures.py (transformers 5.24, torch 2.13, CPU float32);
+nothing here imports torch.
 """
 
 import functools as ft
+import inspect
 import json
+import re
 import types
 from pathlib import Path
 
@@ -17,10 +22,24 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
-from deltanet_cp.interop import gated_delta_net_from_hf, gated_delta_net_to_hf
+import deltanet_cp as dcp
+from deltanet_cp import interop
+from deltanet_cp.interop import (
+    fla,
+    gated_delta_net_from_hf,
+    gated_delta_net_to_hf,
+    transformers as hf,
+)
 from deltanet_cp.nn import GatedDeltaNet
 
-from .helpers import rel_err
+from .helpers import (
+    make_delta_inputs,
+    make_delta_product_inputs,
+    make_gated_delta_inputs,
+    make_gla_inputs,
+    make_kda_inputs,
+    rel_err,
+)
 
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -184,3 +203,770 @@ def test_clear_errors(tmp_path):
         gated_delta_net_from_hf(config, pickle_path)
     with pytest.raises(FileNotFoundError):
         gated_delta_net_from_hf(config, tmp_path / "nope.safetensors")
+
+
+# ---------------------------------------------------------------------------------------
+# Call shapes: deltanet_cp.interop.fla and deltanet_cp.interop.transformers
+# ---------------------------------------------------------------------------------------
+
+SCALE = 0.3  # not the default K ** -0.5, so a dropped or misplaced `scale` shows
+CU = [0, 13, 40]  # two packed documents, as a list
+
+
+def _per_document(h0):
+    return jnp.concatenate([h0, 0.5 * h0])
+
+
+def _same(actual, expected, *, tol=0.0):
+    """Both `(o, final_state)`; bitwise (tol=0) or to a relative tolerance."""
+    assert len(actual) == len(expected) == 2
+    for a, e in zip(actual, expected):
+        if e is None:
+            assert a is None
+            continue
+        assert a is not None and a.shape == e.shape and a.dtype == e.dtype
+        if tol == 0.0:
+            np.testing.assert_array_equal(a, e)
+        else:
+            assert rel_err(a, e) <= tol
+
+
+def _flat(x):
+    """(B, T, n, ...) -> FLA's flat (B, T * n, ...) by explicit interleaving: row t * n + j."""
+    b, t, n = x.shape[:3]
+    flat = np.zeros((b, t * n, *x.shape[3:]), x.dtype)
+    for i in range(t):
+        for j in range(n):
+            flat[:, i * n + j] = x[:, i, j]
+    return jnp.asarray(flat)
+
+
+def _case_chunk_gated_delta_rule(cu):
+    (q, k, v, g, beta), h0 = make_gated_delta_inputs(1)
+    h0 = _per_document(h0) if cu else h0
+    actual = fla.chunk_gated_delta_rule(
+        q, k, v, g, beta, SCALE, h0, True, True, cu_seqlens=CU if cu else None, chunk_size=16
+    )
+    expected = dcp.chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=SCALE,
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm=True,
+        cu_seqlens=jnp.array(CU) if cu else None,
+        chunk_size=16,
+    )
+    return actual, expected
+
+
+def _case_fused_recurrent_gated_delta_rule(cu):
+    (q, k, v, g, beta), h0 = make_gated_delta_inputs(2)
+    h0 = _per_document(h0) if cu else h0
+    actual = fla.fused_recurrent_gated_delta_rule(
+        q, k, v, g, None, None, beta, SCALE, h0, True, True, cu_seqlens=CU if cu else None
+    )
+    expected = dcp.recurrent_gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=SCALE,
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm=True,
+        cu_seqlens=jnp.array(CU) if cu else None,
+    )
+    return actual, expected
+
+
+def _case_fused_recurrent_gated_delta_rule_gk(cu):
+    # `g` and `gk` together: the decays multiply, a KDA step with g + gk per key channel.
+    (q, k, v, gk, beta), h0 = make_kda_inputs(3)
+    g = make_gated_delta_inputs(3)[0][3]
+    h0 = _per_document(h0) if cu else h0
+    actual = fla.fused_recurrent_gated_delta_rule(
+        q, k, v, g=g, gk=gk, beta=beta, scale=SCALE, initial_state=h0, output_final_state=True
+    )
+    expected = dcp.recurrent_kimi_delta_attention(
+        q, k, v, gk + g[..., None], beta, scale=SCALE, initial_state=h0, output_final_state=True
+    )
+    return actual, expected
+
+
+def _case_fused_recurrent_gated_delta_rule_ungated(cu):
+    # Neither gate, and FLA's default beta of ones: the delta rule with beta = 1.
+    (q, k, v, beta), h0 = make_delta_inputs(4)
+    actual = fla.fused_recurrent_gated_delta_rule(q, k, v, initial_state=h0)
+    expected = dcp.recurrent_delta_rule(q, k, v, jnp.ones_like(beta), initial_state=h0)
+    return actual, expected
+
+
+def _case_chunk_delta_rule(cu):
+    (q, k, v, beta), h0 = make_delta_inputs(5)
+    h0 = _per_document(h0) if cu else h0
+    actual = fla.chunk_delta_rule(
+        q, k, v, beta, SCALE, h0, True, True, CU if cu else None, chunk_size=16
+    )
+    expected = dcp.chunk_delta_rule(
+        q,
+        k,
+        v,
+        beta,
+        scale=SCALE,
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm=True,
+        cu_seqlens=jnp.array(CU) if cu else None,
+        chunk_size=16,
+    )
+    return actual, expected
+
+
+def _case_fused_recurrent_delta_rule(cu):
+    (q, k, v, beta), h0 = make_delta_inputs(6)
+    h0 = _per_document(h0) if cu else h0
+    actual = fla.fused_recurrent_delta_rule(
+        q, k, v, beta, SCALE, h0, True, True, CU if cu else None
+    )
+    expected = dcp.recurrent_delta_rule(
+        q,
+        k,
+        v,
+        beta,
+        scale=SCALE,
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm=True,
+        cu_seqlens=jnp.array(CU) if cu else None,
+    )
+    return actual, expected
+
+
+def _case_chunk_kda(cu):
+    (q, k, v, g, beta), h0 = make_kda_inputs(7)
+    h0 = _per_document(h0) if cu else h0
+    actual = fla.chunk_kda(
+        q, k, v, g, beta, SCALE, h0, True, True, cu_seqlens=CU if cu else None, chunk_size=16
+    )
+    expected = dcp.chunk_kimi_delta_attention(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=SCALE,
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm=True,
+        cu_seqlens=jnp.array(CU) if cu else None,
+        chunk_size=16,
+    )
+    return actual, expected
+
+
+def _case_fused_recurrent_kda(cu):
+    (q, k, v, g, beta), h0 = make_kda_inputs(8)
+    h0 = _per_document(h0) if cu else h0
+    # FLA's positional order: A_log and dt_bias come before `scale`.
+    actual = fla.fused_recurrent_kda(
+        q, k, v, g, beta, None, None, SCALE, h0, True, True, cu_seqlens=CU if cu else None
+    )
+    expected = dcp.recurrent_kimi_delta_attention(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=SCALE,
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm=True,
+        cu_seqlens=jnp.array(CU) if cu else None,
+    )
+    return actual, expected
+
+
+def _case_chunk_gla(cu):
+    (q, k, v, g), h0 = make_gla_inputs(9)
+    h0 = _per_document(h0) if cu else h0
+    actual = fla.chunk_gla(q, k, v, g, SCALE, h0, True, False, CU if cu else None, chunk_size=16)
+    expected = dcp.chunk_gla(
+        q,
+        k,
+        v,
+        g,
+        scale=SCALE,
+        initial_state=h0,
+        output_final_state=True,
+        cu_seqlens=jnp.array(CU) if cu else None,
+        chunk_size=16,
+    )
+    return actual, expected
+
+
+def _case_fused_recurrent_gla(cu):
+    (q, k, v, g), h0 = make_gla_inputs(10)
+    h0 = _per_document(h0) if cu else h0
+    actual = fla.fused_recurrent_gla(
+        q, k, v, g, None, SCALE, h0, True, False, False, CU if cu else None
+    )
+    expected = dcp.recurrent_gla(
+        q,
+        k,
+        v,
+        g,
+        scale=SCALE,
+        initial_state=h0,
+        output_final_state=True,
+        cu_seqlens=jnp.array(CU) if cu else None,
+    )
+    return actual, expected
+
+
+def _case_chunk_simple_gla(cu):
+    (q, k, v, g), h0 = make_gla_inputs(11, per_channel=False)
+    h0 = _per_document(h0) if cu else h0
+    actual = fla.chunk_simple_gla(
+        q, k, v, g, None, SCALE, h0, True, False, CU if cu else None, chunk_size=16
+    )
+    expected = dcp.chunk_gla(
+        q,
+        k,
+        v,
+        g,
+        scale=SCALE,
+        initial_state=h0,
+        output_final_state=True,
+        cu_seqlens=jnp.array(CU) if cu else None,
+        chunk_size=16,
+    )
+    return actual, expected
+
+
+def _case_simple_gla_gamma(cu):
+    # RetNet: a constant decay per head, `g_gamma` of shape (HV,).
+    (q, k, v, _), h0 = make_gla_inputs(12, per_channel=False)
+    gamma = jnp.array([-0.1, -0.02], jnp.float32)
+    actual = fla.fused_recurrent_simple_gla(
+        q, k, v, g_gamma=gamma, initial_state=h0, output_final_state=True
+    )
+    expected = dcp.recurrent_gla(
+        q, k, v, jnp.broadcast_to(gamma, v.shape[:3]), initial_state=h0, output_final_state=True
+    )
+    return actual, expected
+
+
+def _case_chunk_gated_delta_product(cu):
+    (q, k, v, g, beta), h0 = make_delta_product_inputs(13, n=3)
+    h0 = _per_document(h0) if cu else h0
+    actual = fla.chunk_gated_delta_product(
+        q,
+        _flat(k),
+        _flat(v),
+        g,
+        _flat(beta),
+        3,
+        SCALE,
+        h0,
+        True,
+        True,
+        CU if cu else None,
+        chunk_size=16,
+    )
+    expected = dcp.chunk_gated_delta_product(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=SCALE,
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm=True,
+        cu_seqlens=jnp.array(CU) if cu else None,
+        chunk_size=16,
+    )
+    return actual, expected
+
+
+def _case_chunk_delta_product_ungated(cu):
+    (q, k, v, _, beta), h0 = make_delta_product_inputs(14, n=2, gated=False)
+    actual = fla.chunk_gated_delta_product(q, _flat(k), _flat(v), None, _flat(beta), 2)
+    expected = dcp.chunk_gated_delta_product(q, k, v, None, beta)
+    return actual, expected
+
+
+def _case_kimi_delta_attention(cu):
+    (q, k, v, g, beta), h0 = make_kda_inputs(15)
+    h0 = _per_document(h0) if cu else h0
+    actual = hf.chunk_kimi_delta_attention(
+        q, k, v, g, beta, 16, h0, True, True, cu_seqlens=CU if cu else None
+    )
+    expected = dcp.chunk_kimi_delta_attention(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm=True,
+        cu_seqlens=jnp.array(CU) if cu else None,
+        chunk_size=16,
+    )
+    return actual, expected
+
+
+def _case_recurrent_kimi_delta_attention(cu):
+    (q, k, v, g, beta), h0 = make_kda_inputs(16)
+    h0 = _per_document(h0) if cu else h0
+    actual = hf.recurrent_kimi_delta_attention(
+        q, k, v, g, beta, h0, True, True, cu_seqlens=CU if cu else None
+    )
+    expected = dcp.recurrent_kimi_delta_attention(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm=True,
+        cu_seqlens=jnp.array(CU) if cu else None,
+    )
+    return actual, expected
+
+
+def _case_torch_chunk_gated_delta_rule(cu):
+    (q, k, v, g, beta), h0 = make_gated_delta_inputs(17)
+    h0 = _per_document(h0) if cu else h0
+    actual = hf.torch_chunk_gated_delta_rule(
+        q, k, v, g, beta, 16, h0, True, True, cu_seqlens=CU if cu else None
+    )
+    expected = dcp.chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm=True,
+        cu_seqlens=jnp.array(CU) if cu else None,
+        chunk_size=16,
+    )
+    return actual, expected
+
+
+def _case_torch_recurrent_gated_delta_rule(cu):
+    (q, k, v, g, beta), h0 = make_gated_delta_inputs(18)
+    h0 = _per_document(h0) if cu else h0
+    actual = hf.torch_recurrent_gated_delta_rule(
+        q, k, v, g, beta, h0, True, True, cu_seqlens=CU if cu else None
+    )
+    expected = dcp.recurrent_gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm=True,
+        cu_seqlens=jnp.array(CU) if cu else None,
+    )
+    return actual, expected
+
+
+CASES = [
+    _case_chunk_gated_delta_rule,
+    _case_fused_recurrent_gated_delta_rule,
+    _case_fused_recurrent_gated_delta_rule_gk,
+    _case_fused_recurrent_gated_delta_rule_ungated,
+    _case_chunk_delta_rule,
+    _case_fused_recurrent_delta_rule,
+    _case_chunk_kda,
+    _case_fused_recurrent_kda,
+    _case_chunk_gla,
+    _case_fused_recurrent_gla,
+    _case_chunk_simple_gla,
+    _case_simple_gla_gamma,
+    _case_chunk_gated_delta_product,
+    _case_chunk_delta_product_ungated,
+    _case_kimi_delta_attention,
+    _case_recurrent_kimi_delta_attention,
+    _case_torch_chunk_gated_delta_rule,
+    _case_torch_recurrent_gated_delta_rule,
+]
+PACKED = [
+    case
+    for case in CASES
+    if case
+    not in (
+        _case_fused_recurrent_gated_delta_rule_gk,
+        _case_fused_recurrent_gated_delta_rule_ungated,
+        _case_simple_gla_gamma,
+        _case_chunk_delta_product_ungated,
+    )
+]
+
+
+def _case_id(case) -> str:
+    return case.__name__.removeprefix("_case_")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_adapter_equals_deltanet_cp(case):
+    """Each adapter is the deltanet_cp call it names, bit for bit."""
+    _same(*case(False))
+
+
+PACKED_FAST = (
+    _case_chunk_gated_delta_rule,
+    _case_chunk_gated_delta_product,
+    _case_kimi_delta_attention,
+)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, id=_case_id(c), marks=() if c in PACKED_FAST else (pytest.mark.slow,))
+        for c in PACKED
+    ],
+)
+def test_adapter_cu_seqlens_list(case):
+    """`cu_seqlens` as a Python list, against deltanet_cp with an int array."""
+    _same(*case(True), tol=1e-6)
+
+
+# FLA's and transformers' leading positional parameters (flash-linear-attention at
+# bc3b101d, Aug 2026; transformers 5.24): the adapters take them in the same order.
+FLA_POSITIONAL = {
+    "chunk_gated_delta_rule": "q k v g beta scale initial_state output_final_state "
+    "use_qk_l2norm_in_kernel",
+    "fused_recurrent_gated_delta_rule": "q k v g gk gv beta scale initial_state "
+    "output_final_state use_qk_l2norm_in_kernel",
+    "chunk_delta_rule": "q k v beta scale initial_state output_final_state "
+    "use_qk_l2norm_in_kernel cu_seqlens",
+    "fused_recurrent_delta_rule": "q k v beta scale initial_state output_final_state "
+    "use_qk_l2norm_in_kernel cu_seqlens",
+    "chunk_kda": "q k v g beta scale initial_state output_final_state use_qk_l2norm_in_kernel",
+    "fused_recurrent_kda": "q k v g beta A_log dt_bias scale initial_state output_final_state "
+    "use_qk_l2norm_in_kernel",
+    "chunk_gla": "q k v g scale initial_state output_final_state state_v_first cu_seqlens",
+    "fused_recurrent_gla": "q k v gk gv scale initial_state output_final_state reverse "
+    "state_v_first cu_seqlens",
+    "chunk_simple_gla": "q k v g g_gamma scale initial_state output_final_state state_v_first "
+    "cu_seqlens",
+    "fused_recurrent_simple_gla": "q k v g g_gamma scale initial_state output_final_state "
+    "reverse state_v_first cu_seqlens",
+    "chunk_gated_delta_product": "q k v g beta num_householder scale initial_state "
+    "output_final_state use_qk_l2norm_in_kernel cu_seqlens",
+}
+HF_POSITIONAL = {
+    "chunk_kimi_delta_attention": "query key value g beta chunk_size initial_state "
+    "output_final_state use_qk_l2norm_in_kernel",
+    "recurrent_kimi_delta_attention": "query key value g beta initial_state output_final_state "
+    "use_qk_l2norm_in_kernel",
+    "torch_chunk_gated_delta_rule": "query key value g beta chunk_size initial_state "
+    "output_final_state use_qk_l2norm_in_kernel",
+    "torch_recurrent_gated_delta_rule": "query key value g beta initial_state "
+    "output_final_state use_qk_l2norm_in_kernel",
+}
+
+
+@pytest.mark.parametrize(
+    "module, name, expected",
+    [(fla, n, e) for n, e in FLA_POSITIONAL.items()]
+    + [(hf, n, e) for n, e in HF_POSITIONAL.items()],
+    ids=[f"fla.{n}" for n in FLA_POSITIONAL] + [f"transformers.{n}" for n in HF_POSITIONAL],
+)
+def test_argument_order(module, name, expected):
+    parameters = inspect.signature(getattr(module, name)).parameters.values()
+    positional = [p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert positional == expected.split()
+    keywords = {p.name for p in parameters if p.kind is not p.VAR_KEYWORD}
+    assert "cu_seqlens" in keywords
+    if name.startswith("chunk") or name.startswith("torch_chunk"):
+        assert "chunk_size" in keywords
+
+
+def test_scale_is_fla_sixth_positional_argument():
+    # (test_adapter_equals_deltanet_cp checks it against deltanet_cp's `scale=` too.)
+    (q, k, v, g, beta), _ = make_gated_delta_inputs(19)
+    o_scaled, h = fla.chunk_gated_delta_rule(q, k, v, g, beta, SCALE)
+    o_keyword, _ = fla.chunk_gated_delta_rule(q, k, v, g, beta, scale=SCALE)
+    o_default, _ = fla.chunk_gated_delta_rule(q, k, v, g, beta)
+    np.testing.assert_array_equal(o_scaled, o_keyword)
+    assert rel_err(o_scaled, o_default) > 1e-2
+    assert h is None  # the final state only when asked for
+
+
+def test_aliases():
+    assert fla.chunk_gdn is fla.chunk_gated_delta_rule
+    assert fla.fused_recurrent_gdn is fla.fused_recurrent_gated_delta_rule
+    assert hf.torch_chunk_kda is hf.chunk_kimi_delta_attention
+    assert hf.torch_recurrent_kda is hf.recurrent_kimi_delta_attention
+    assert interop.fla is fla and interop.transformers is hf
+
+
+def test_state_v_first():
+    """FLA's `state_v_first`: the initial and final states are (..., V, K)."""
+    (q, k, v, g, beta), h0 = make_kda_inputs(21)
+    o, h = fla.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert h is not None
+    for fn in (fla.chunk_kda, fla.fused_recurrent_kda):
+        o_t, h_t = fn(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=jnp.swapaxes(h0, -1, -2),
+            output_final_state=True,
+            state_v_first=True,
+        )
+        assert h_t is not None
+        assert rel_err(o_t, o) <= 1e-5
+        assert rel_err(jnp.swapaxes(h_t, -1, -2), h) <= 1e-5
+
+
+def test_flat_delta_product_layout(without_runtime_typecheck):
+    """FLA's flat layout: row t * num_householder + j of k, v, beta is step j of token t.
+
+    (jaxtyping's checks, off here, catch some of the bad layouts first.)
+    """
+    (q, k, v, g, beta), h0 = make_delta_product_inputs(22, n=2)
+    b, t = q.shape[:2]
+    kf, vf, bf = _flat(k), _flat(v), _flat(beta)
+    np.testing.assert_array_equal(kf, k.reshape(b, 2 * t, *k.shape[3:]))
+    # The other reading of the same rows (row j * T + t) is a different recurrence.
+    o, _ = fla.chunk_gated_delta_product(q, kf, vf, g, bf, 2, initial_state=h0)
+
+    def step_major(x):
+        return jnp.swapaxes(x.reshape(b, 2, t, *x.shape[2:]), 1, 2)
+
+    o_wrong, _ = dcp.chunk_gated_delta_product(
+        q, step_major(kf), step_major(vf), g, step_major(bf), initial_state=h0
+    )
+    assert rel_err(o_wrong, o) > 1e-2
+    with pytest.raises(ValueError, match=r"`k` must have FLA's flat layout"):
+        fla.chunk_gated_delta_product(q, kf[:, :-1], vf, g, bf, 2)
+    with pytest.raises(ValueError, match=r"`beta` must have FLA's flat layout"):
+        fla.chunk_gated_delta_product(q, kf, vf, g, bf[:, :-2], 2)
+    with pytest.raises(ValueError, match=r"for `q` of shape .* num_householder=3"):
+        fla.chunk_gated_delta_product(q, kf, vf, g, bf, 3)
+    with pytest.raises(ValueError, match="`num_householder` must be a positive int"):
+        fla.chunk_gated_delta_product(q, kf, vf, g, bf, 0)
+
+
+def _fla_args(name):
+    """Valid positional arguments for each FLA adapter (its required ones)."""
+    (q, k, v, g, beta), _ = make_gated_delta_inputs(23, t=8)
+    gk = make_kda_inputs(23, t=8)[0][3]
+    (_, kf, vf, gp, bp), _ = make_delta_product_inputs(23, t=8)
+    return {
+        "chunk_gated_delta_rule": (q, k, v, g, beta),
+        "fused_recurrent_gated_delta_rule": (q, k, v, g),
+        "chunk_delta_rule": (q, k, v, beta),
+        "fused_recurrent_delta_rule": (q, k, v, beta),
+        "chunk_kda": (q, k, v, gk, beta),
+        "fused_recurrent_kda": (q, k, v, gk, beta),
+        "chunk_gla": (q, k, v, gk),
+        "fused_recurrent_gla": (q, k, v, gk),
+        "chunk_simple_gla": (q, k, v, g),
+        "fused_recurrent_simple_gla": (q, k, v, g),
+        "chunk_gated_delta_product": (q, _flat(kf), _flat(vf), gp, _flat(bp), 2),
+    }[name]
+
+
+UNSUPPORTED = [
+    ("chunk_gated_delta_rule", "use_gate_in_kernel", True, "pass it as `g`"),
+    ("chunk_gated_delta_rule", "A_log", jnp.zeros(2), "an array of shape \\(2,\\)"),
+    ("chunk_gated_delta_rule", "dt_bias", jnp.zeros(2), "use_gate_in_kernel=True"),
+    ("chunk_gated_delta_rule", "use_beta_sigmoid_in_kernel", True, "jax.nn.sigmoid\\(beta\\)"),
+    ("chunk_gated_delta_rule", "allow_neg_eigval", True, "2 \\* jax.nn.sigmoid"),
+    ("chunk_gated_delta_rule", "cp_context", object(), "chunk_\\*_cp"),
+    ("chunk_gated_delta_rule", "head_first", True, "\\(B, T, H, ...\\)"),
+    ("fused_recurrent_gated_delta_rule", "gv", jnp.zeros((1, 8, 2, 6)), "per value channel"),
+    ("fused_recurrent_gated_delta_rule", "use_gate_in_kernel", True, "pass it as `g`"),
+    ("chunk_delta_rule", "head_first", True, "head_first"),
+    ("chunk_kda", "safe_gate", True, "pass it as `g`"),
+    ("chunk_kda", "lower_bound", -5.0, "got -5.0"),
+    ("chunk_kda", "return_intermediate_states", True, "not returned"),
+    ("chunk_kda", "cp_context", object(), "jax.shard_map"),
+    ("fused_recurrent_kda", "A_log", jnp.zeros(2), "A_log"),
+    ("fused_recurrent_kda", "dt_bias", jnp.zeros((2, 8)), "dt_bias"),
+    ("fused_recurrent_kda", "allow_neg_eigval", True, "allow_neg_eigval"),
+    ("fused_recurrent_gla", "gv", jnp.zeros((1, 8, 2, 6)), "per value channel"),
+    ("fused_recurrent_gla", "reverse", True, "flip the time axis"),
+    ("fused_recurrent_simple_gla", "reverse", True, "flip the time axis"),
+    ("chunk_simple_gla", "head_first", True, "head_first"),
+]
+
+
+@pytest.mark.parametrize(
+    "name, option, value, hint", UNSUPPORTED, ids=[f"{n}-{o}" for n, o, *_ in UNSUPPORTED]
+)
+def test_unsupported_fla_option(name, option, value, hint):
+    """FLA options with no counterpart raise a ValueError naming them, never pass silently."""
+    fn = getattr(fla, name)
+    with pytest.raises(ValueError, match=f"`{option}` is not supported") as info:
+        fn(*_fla_args(name), **{option: value})
+    assert f"deltanet_cp.interop.fla.{name}" in str(info.value)
+    assert re.search(hint, str(info.value)), str(info.value)
+
+
+def test_fla_options_at_their_defaults_and_hints():
+    """Options at FLA's defaults, and those that only steer FLA's kernels, change nothing."""
+    args = _fla_args("chunk_kda")
+    expected = fla.chunk_kda(*args)
+    neutral = dict(
+        use_gate_in_kernel=False,
+        A_log=None,
+        dt_bias=None,
+        lower_bound=None,
+        safe_gate=False,
+        use_beta_sigmoid_in_kernel=False,
+        allow_neg_eigval=False,
+        return_intermediate_states=False,
+        cp_context=None,
+        head_first=False,
+        cu_seqlens_cpu=np.array([0, 8]),
+        chunk_indices=np.zeros((1, 2), np.int32),
+        disable_recompute=True,
+    )
+    _same(fla.chunk_kda(*args, **neutral), expected)
+    args = _fla_args("fused_recurrent_gla")
+    _same(fla.fused_recurrent_gla(*args, gv=None, reverse=False), fla.fused_recurrent_gla(*args))
+
+
+def test_unknown_keyword_is_a_type_error():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'foo'"):
+        fla.chunk_gated_delta_rule(*_fla_args("chunk_gated_delta_rule"), foo=1)
+    # An option of another FLA function: FLA's chunk_gla has no qk normalisation.
+    with pytest.raises(TypeError, match="use_qk_l2norm_in_kernel"):
+        fla.chunk_gla(*_fla_args("chunk_gla"), use_qk_l2norm_in_kernel=True)
+    with pytest.raises(TypeError, match="use_qk_l2norm"):
+        hf.chunk_kimi_delta_attention(*_fla_args("chunk_kda"), use_qk_l2norm=True)  # pyright: ignore[reportCallIssue]
+
+
+def test_simple_gla_one_decay():
+    q, k, v, g = _fla_args("chunk_simple_gla")
+    with pytest.raises(ValueError, match="one of `g` and `g_gamma`"):
+        fla.chunk_simple_gla(q, k, v, g, jnp.zeros(2))
+    # Neither: no decay, plain linear attention.
+    _same(fla.chunk_simple_gla(q, k, v), dcp.chunk_gla(q, k, v, jnp.zeros_like(g)))
+
+
+# transformers' golden outputs (tests/data/make_hf_fixtures.py; CPU float32).
+
+
+def _torch_fixture(name):
+    return json.loads((DATA / f"{name}.json").read_text()), load_file(
+        str(DATA / f"{name}.safetensors")
+    )
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [hf.chunk_kimi_delta_attention, hf.recurrent_kimi_delta_attention],
+    ids=lambda f: f.__name__,
+)
+def test_kimi_delta_attention_matches_transformers(fn):
+    meta, data = _torch_fixture("torch_kda")
+    assert meta["function"].endswith("modeling_kimi_linear.chunk_kimi_delta_attention")
+    q, k, v, g, beta, h0 = (
+        jnp.asarray(data[n]) for n in ("q", "k", "v", "g", "beta", "initial_state")
+    )
+    # The fixture's own call, keyword for keyword.
+    o, h = fn(
+        q,
+        k,
+        v,
+        g=g,
+        beta=beta,
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    assert rel_err(o, data["out"]) <= 1e-5
+    assert rel_err(h, data["final_state"]) <= 1e-5
+
+
+@pytest.mark.parametrize("suffix", ["", "_gva"], ids=["hv=h", "hv=2h"])
+@pytest.mark.parametrize(
+    "fn",
+    [hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule],
+    ids=lambda f: f.__name__,
+)
+def test_gated_delta_rule_matches_transformers(fn, suffix):
+    meta, data = _torch_fixture("torch_chunk_gdn")
+    assert meta["function"].endswith("modeling_qwen3_next.torch_chunk_gated_delta_rule")
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    q, k, v, g, beta, h0 = (jnp.asarray(data[n + suffix]) for n in names)
+    o, h = fn(
+        q,
+        k,
+        v,
+        g=g,
+        beta=beta,
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    assert rel_err(o, data["out" + suffix]) <= 1e-5
+    assert rel_err(h, data["final_state" + suffix]) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "fn, reference, make",
+    [
+        pytest.param(
+            hf.chunk_kimi_delta_attention,
+            dcp.chunk_kimi_delta_attention,
+            make_kda_inputs,
+            id="chunk_kimi_delta_attention",
+        ),
+        pytest.param(
+            hf.recurrent_kimi_delta_attention,
+            dcp.recurrent_kimi_delta_attention,
+            make_kda_inputs,
+            id="recurrent_kimi_delta_attention",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            hf.torch_chunk_gated_delta_rule,
+            dcp.chunk_gated_delta_rule,
+            make_gated_delta_inputs,
+            id="torch_chunk_gated_delta_rule",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            hf.torch_recurrent_gated_delta_rule,
+            dcp.recurrent_gated_delta_rule,
+            make_gated_delta_inputs,
+            id="torch_recurrent_gated_delta_rule",
+        ),
+    ],
+)
+def test_transformers_output_dtype_is_query_dtype(fn, reference, make):
+    """transformers casts the output to `query`'s dtype; deltanet_cp's own use `value`'s.
+
+    Mixed input dtypes need JAX's standard promotion (the suite runs with strict).
+    """
+    (q, k, v, g, beta), h0 = make(24)
+    q, k = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
+    with jax.numpy_dtype_promotion("standard"):
+        o, h = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        o_v, h_v = reference(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert o.dtype == jnp.bfloat16 and o_v.dtype == jnp.float32
+    np.testing.assert_array_equal(o, o_v.astype(jnp.bfloat16))
+    assert h is not None and h.dtype == jnp.float32
+    np.testing.assert_array_equal(h, h_v)

@@ -213,7 +213,7 @@ def _cp_problem():
     return layer, x, state, w_out, w_state
 
 
-def _cp_apply(cp: int, strategy: str):
+def _cp_apply(cp: int, exchange: str):
     """`(apply, x, w_out)`: `apply(params, x, state) -> (y, new_state)` at CP degree `cp`
     (`cp == 1`: the single-device path), and the sequence-shaped inputs placed for it."""
     layer, x, _, w_out, _ = _cp_problem()
@@ -221,7 +221,7 @@ def _cp_apply(cp: int, strategy: str):
 
     def apply(params, x, state, axis_name=None):
         m = eqx.combine(params, static)
-        call = ft.partial(m, return_state=True, axis_name=axis_name, strategy=strategy)
+        call = ft.partial(m, return_state=True, axis_name=axis_name, exchange=exchange)
         return jax.vmap(call)(x, state)
 
     if cp == 1:
@@ -238,10 +238,10 @@ def _cp_apply(cp: int, strategy: str):
     return sharded, place(x), place(w_out)
 
 
-def _cp_loss_and_grads(cp: int, strategy: str = "allgather"):
+def _cp_loss_and_grads(cp: int, exchange: str = "allgather"):
     """Output, final state, and grads of a loss of both w.r.t. parameters, input and state."""
     layer, _, state, _, w_state = _cp_problem()
-    apply, x, w_out = _cp_apply(cp, strategy)
+    apply, x, w_out = _cp_apply(cp, exchange)
 
     def loss(params, x, state):
         y, new = apply(params, x, state)
@@ -253,9 +253,9 @@ def _cp_loss_and_grads(cp: int, strategy: str = "allgather"):
     return y, new, grads
 
 
-def _cp_forward(cp: int, strategy: str):
+def _cp_forward(cp: int, exchange: str):
     layer, _, state, _, _ = _cp_problem()
-    apply, x, _ = _cp_apply(cp, strategy)
+    apply, x, _ = _cp_apply(cp, exchange)
     return jax.jit(apply)(eqx.filter(layer, eqx.is_array), x, state)
 
 
@@ -294,17 +294,17 @@ def test_cp_invariance(cp):
     assert max(jax.tree.leaves(errs)) <= 1e-5, errs
 
 
-@pytest.mark.parametrize("strategy", ["ppermute", "ring"])
-def test_cp_strategies(strategy):
+@pytest.mark.parametrize("exchange", ["ppermute", "ring"])
+def test_cp_exchanges(exchange):
     """The other state exchanges (forward: the kernel's own tests cover their gradients)."""
     y1, new1, _ = _cp1()
-    y, new = _cp_forward(4, strategy)
+    y, new = _cp_forward(4, exchange)
     assert rel_err(y, y1) <= 1e-5
     assert _max_leaf_err(new, new1) <= 1e-5
 
 
-@pytest.mark.parametrize("strategy", ["allgather", "ppermute", "ring"])
-def test_hlo_one_conv_halo(getkey, strategy):
+@pytest.mark.parametrize("exchange", ["allgather", "ppermute", "ring"])
+def test_hlo_one_conv_halo(getkey, exchange):
     """One collective-permute of B x (W - 1) x conv_dim for the conv; the state exchange is the
     only other communication (for "allgather": one all-gather of every rank's (M, U))."""
     cp, b, t = 4, 2, 32
@@ -316,7 +316,7 @@ def test_hlo_one_conv_halo(getkey, strategy):
     mesh = _mesh(cp)
     seq = P(None, "cp")
     f = jax.shard_map(
-        lambda x: jax.vmap(ft.partial(layer, axis_name="cp", strategy=strategy))(x),
+        lambda x: jax.vmap(ft.partial(layer, axis_name="cp", exchange=exchange))(x),
         mesh=mesh,
         in_specs=seq,
         out_specs=seq,
@@ -331,7 +331,7 @@ def test_hlo_one_conv_halo(getkey, strategy):
     assert len(halos) == 1, found
     assert sorted(halos[0].received) == [1, 2, 3]  # rank 0 receives nothing
     gathers = [c for c in found if c.kind == "all-gather"]
-    if strategy == "allgather":
+    if exchange == "allgather":
         assert len(permutes) == 1, found
         assert sum(c.elements for c in gathers) == cp * b * hv * dk * (dk + dv), found
         assert {c.kind for c in found} == {"collective-permute", "all-gather"}, found

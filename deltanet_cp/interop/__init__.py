@@ -1,5 +1,13 @@
-"""Loading (and saving) Hugging Face `transformers` weights, from safetensors only."""
+"""Other libraries' formats and call shapes.
 
+- Hugging Face `transformers` weights for [`deltanet_cp.nn.GatedDeltaNet`][], from
+    safetensors only: `gated_delta_net_from_hf`, `gated_delta_net_to_hf`.
+- [`deltanet_cp.interop.fla`][]: flash-linear-attention's `fla.ops` signatures.
+- [`deltanet_cp.interop.transformers`][]: transformers' torch kernels for Kimi Linear and
+    Qwen3-Next.
+"""
+
+from . import fla as fla, transformers as transformers
 from ._hf import (
     gated_delta_net_from_hf as gated_delta_net_from_hf,
     gated_delta_net_to_hf as gated_delta_net_to_hf,

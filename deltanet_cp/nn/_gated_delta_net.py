@@ -8,12 +8,11 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._engine import run
+from .._exchange import AbstractExchange, ExchangeName
 from .._layout import check_contiguous, Contiguous, ContiguousLayout
-from ..recurrences._gated_delta import (
-    chunk_gated_delta_rule,
-    chunk_gated_delta_rule_cp,
-    recurrent_gated_delta_rule,
-)
+from ..recurrences._delta_family import DeltaInputs
+from ..recurrences._gated_delta import GatedDeltaRule, recurrent_gated_delta_rule
 from ._conv import CausalConv1d
 from ._norm import GatedRMSNorm
 
@@ -158,7 +157,7 @@ class GatedDeltaNet(eqx.Module):
             The recurrent state is float32 (float64 for float64 parameters).
         """
         dtype = self.out_proj.weight.dtype if dtype is None else dtype
-        rdt = jnp.promote_types(dtype, jnp.float32)
+        rdt = jnp.dtype(jnp.float64 if dtype == jnp.float64 else jnp.float32)
         return GatedDeltaNetState(
             conv=jnp.zeros((self.conv1d.history, self.conv_dim), dtype),
             recurrent=jnp.zeros(
@@ -187,7 +186,7 @@ class GatedDeltaNet(eqx.Module):
         v = mixed[:, 2 * h * dk :].reshape(t, hv, dv)
         z = z.reshape(t, hv, dv)
         beta = jax.nn.sigmoid(b)
-        gate_dt = jnp.promote_types(a.dtype, jnp.float32)
+        gate_dt = jnp.dtype(jnp.float64 if a.dtype == jnp.float64 else jnp.float32)
         a_log = self.A_log.astype(gate_dt)[None]
         dt_bias = self.dt_bias.astype(gate_dt)[None]
         g = -jnp.exp(a_log) * jax.nn.softplus(a.astype(gate_dt) + dt_bias)
@@ -229,7 +228,7 @@ class GatedDeltaNet(eqx.Module):
         return_state: Literal[False] = False,
         axis_name: str | None = None,
         layout: ContiguousLayout = Contiguous(),
-        strategy: str = "allgather",
+        exchange: AbstractExchange | ExchangeName = "allgather",
     ) -> Float[Array, "seq hidden"]: ...
 
     @overload
@@ -241,7 +240,7 @@ class GatedDeltaNet(eqx.Module):
         return_state: Literal[True],
         axis_name: str | None = None,
         layout: ContiguousLayout = Contiguous(),
-        strategy: str = "allgather",
+        exchange: AbstractExchange | ExchangeName = "allgather",
     ) -> tuple[Float[Array, "seq hidden"], GatedDeltaNetState]: ...
 
     def __call__(
@@ -252,7 +251,7 @@ class GatedDeltaNet(eqx.Module):
         return_state: bool = False,
         axis_name: str | None = None,
         layout: ContiguousLayout = Contiguous(),
-        strategy: str = "allgather",
+        exchange: AbstractExchange | ExchangeName = "allgather",
     ) -> Float[Array, "seq hidden"] | tuple[Float[Array, "seq hidden"], GatedDeltaNetState]:
         """**Arguments:**
 
@@ -265,8 +264,9 @@ class GatedDeltaNet(eqx.Module):
         - `axis_name`: the `shard_map` axis that time is sharded over, or `None`.
         - `layout`: how time is laid out over `axis_name`; only
             [`deltanet_cp.Contiguous`][] is accepted.
-        - `strategy`: how ranks exchange recurrent state: `"allgather"`, `"ppermute"`,
-            `"ring"` or `"auto"` (see [`deltanet_cp.chunk_gated_delta_rule_cp`][]).
+        - `exchange`: how ranks exchange recurrent state: [`deltanet_cp.AllGather`][]
+            (the default), [`deltanet_cp.PPermute`][], [`deltanet_cp.Ring`][],
+            [`deltanet_cp.Auto`][] or their string shorthands.
 
         **Returns:**
 
@@ -281,27 +281,15 @@ class GatedDeltaNet(eqx.Module):
             mixed, conv_state, axis_name=axis_name, return_state=return_state
         )
         q, k, v, z, g, beta = self._split(jax.nn.silu(mixed), z, b, a)
-        args = (q[None], k[None], v[None], g[None], beta[None])
-        h0 = None if h0 is None else h0[None]
-        if axis_name is None:
-            o, h = chunk_gated_delta_rule(
-                *args,
-                chunk_size=self.chunk_size,
-                initial_state=h0,
-                output_final_state=return_state,
-                use_qk_l2norm=True,
-            )
-        else:
-            o, h = chunk_gated_delta_rule_cp(
-                *args,
-                axis_name=axis_name,
-                layout=layout,
-                strategy=strategy,
-                chunk_size=self.chunk_size,
-                initial_state=h0,
-                output_final_state=return_state,
-                use_qk_l2norm=True,
-            )
+        o, h = run(
+            GatedDeltaRule(chunk_size=self.chunk_size, use_qk_l2norm=True),
+            DeltaInputs(q[None], k[None], v[None], g[None], beta[None]),
+            initial_state=None if h0 is None else h0[None],
+            output_final_state=return_state,
+            axis_name=axis_name,
+            layout=layout,
+            exchange=exchange,
+        )
         out = self._finish(o[0], z)
         if not return_state:
             return out

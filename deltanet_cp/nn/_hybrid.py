@@ -5,6 +5,7 @@ import jax
 import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._exchange import AbstractExchange, ExchangeName
 from .._layout import Contiguous, ContiguousLayout
 from ._attention import CausalSelfAttention
 from ._gated_delta_net import GatedDeltaNet
@@ -80,12 +81,12 @@ class HybridBlock(eqx.Module):
         *,
         axis_name: str | None = None,
         layout: ContiguousLayout = Contiguous(),
-        strategy: str = "allgather",
+        exchange: AbstractExchange | ExchangeName = "allgather",
     ) -> Float[Array, "seq hidden"]:
         """**Arguments:** as for [`deltanet_cp.nn.HybridLM`][], on hidden states."""
         h = jax.vmap(self.mixer_norm)(x)
         if isinstance(self.mixer, GatedDeltaNet):
-            h = self.mixer(h, axis_name=axis_name, layout=layout, strategy=strategy)
+            h = self.mixer(h, axis_name=axis_name, layout=layout, exchange=exchange)
         else:
             h = self.mixer(h, axis_name=axis_name)
         x = x + h
@@ -175,7 +176,7 @@ class HybridLM(eqx.Module):
         *,
         axis_name: str | None = None,
         layout: ContiguousLayout = Contiguous(),
-        strategy: str = "allgather",
+        exchange: AbstractExchange | ExchangeName = "allgather",
     ) -> Float[Array, "seq vocab"]:
         """**Arguments:**
 
@@ -183,7 +184,7 @@ class HybridLM(eqx.Module):
             slice of it.
         - `axis_name`: the `shard_map` axis that time is sharded over, or `None`.
         - `layout`: only [`deltanet_cp.Contiguous`][] is accepted.
-        - `strategy`: the Gated DeltaNet layers' state exchange (see
+        - `exchange`: the Gated DeltaNet layers' state exchange (see
             [`deltanet_cp.chunk_gated_delta_rule_cp`][]).
 
         **Returns:**
@@ -192,5 +193,5 @@ class HybridLM(eqx.Module):
         """
         x = jax.vmap(self.embed)(tokens)
         for block in self.blocks:
-            x = block(x, axis_name=axis_name, layout=layout, strategy=strategy)
+            x = block(x, axis_name=axis_name, layout=layout, exchange=exchange)
         return jax.vmap(lambda y: self.lm_head(self.norm(y)))(x)

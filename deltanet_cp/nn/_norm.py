@@ -41,7 +41,7 @@ class GatedRMSNorm(eqx.Module):
         An array of `x`'s shape and dtype.
         """
         dtype = x.dtype
-        ct = jnp.promote_types(dtype, jnp.float32)
+        ct = jnp.dtype(jnp.float64 if dtype == jnp.float64 else jnp.float32)
         h = x.astype(ct)
         h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
         w = self.weight.reshape((1,) * (h.ndim - 1) + self.weight.shape)

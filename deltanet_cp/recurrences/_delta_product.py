@@ -7,34 +7,21 @@ flash-linear-attention: the decay once, before the `n_h` steps; the output after
     for j = 1..n_h:  h <- h + k_tj (beta_tj (v_tj - h^T k_tj))^T
     o_t = h^T (scale q_t)
 
-So the transition of a token is `exp(g_t)` times a product of `n_h` generalised Householder
-matrices `(I - beta_tj k_tj k_tj^T)`. In a chunk, the `n_h` steps of each token are
-`n_h` pseudo-tokens in a row (decay on the first, query on the last): the delta rule's
-WY algebra applies unchanged, with outputs read only after each token's last step.
+In a chunk, the `n_h` steps of each token are `n_h` pseudo-tokens in a row (decay on the
+first, output after the last): the delta rule's chunk algebra applies unchanged.
 """
+
+from typing import ClassVar, Literal, overload
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from .._affine import AffineMap
-from .._chunking import from_chunks, to_chunks
-from .._custom_types import GateTensor, QKTensor, State, ValueTensor
-from .._engine import AbstractChunkedRecurrence, run_context_parallel, run_local
-from .._layout import check_contiguous, Contiguous, ContiguousLayout
-from ._common import (
-    check_arrays,
-    check_chunk_size,
-    check_grouped_heads,
-    delta_advance,
-    delta_chunk_map,
-    delta_compose,
-    delta_factors,
-    delta_step,
-    DeltaFactors,
-)
-from ._gated_delta import _einsum, _head_major, compute_dtype, l2norm
+from .._custom_types import CuSeqlens, GateTensor, QKTensor, States, ValueTensor
+from .._engine import run, run_sharded
+from .._exchange import AbstractExchange, ExchangeName
+from .._layout import Contiguous, ContiguousLayout
+from ._delta_family import AbstractDeltaRule, DeltaInputs, GateKind
 
 
 # Per-token tensors with the householder steps on axis 2.
@@ -43,122 +30,60 @@ ProductValueTensor = Float[Array, "batch seq nh vheads v"]
 ProductBetaTensor = Float[Array, "batch seq nh vheads"]
 
 
-def check_delta_product_inputs(q, k, v, g, beta, initial_state=None) -> None:
-    """Raise a `ValueError` naming the problem if the Gated DeltaProduct inputs don't fit."""
-    sizes = check_arrays(
-        {
-            "q": (q, ("batch", "seq", "heads", "K")),
-            "k": (k, ("batch", "seq", "householder_steps", "heads", "K")),
-            "v": (v, ("batch", "seq", "householder_steps", "value_heads", "V")),
-            "g": (g, ("batch", "seq", "value_heads")),
-            "beta": (beta, ("batch", "seq", "householder_steps", "value_heads")),
-            "initial_state": (initial_state, ("batch", "value_heads", "K", "V")),
-        }
-    )
-    check_grouped_heads(sizes["heads"], sizes["value_heads"])
+class GatedDeltaProduct(AbstractDeltaRule):
+    """Gated DeltaProduct: per token, one decay, then `n_h` delta updates.
 
-
-class GatedDeltaProduct(AbstractChunkedRecurrence[DeltaFactors, AffineMap]):
-    """Gated DeltaProduct as a chunked recurrence (one call's inputs).
+    A static configuration; the inputs are a [`deltanet_cp.DeltaInputs`][] with `k`
+    `(B, T, n_h, H, K)`, `v` `(B, T, n_h, HV, V)`, `beta` `(B, T, n_h, HV)` and `g`
+    `(B, T, HV)` or `None`, handed to [`deltanet_cp.run`][] beside it. With `n_h = 1` it
+    is the gated delta rule.
 
     **Arguments:**
 
-    - `q`: queries, `(B, T, H, K)`.
-    - `k`: keys, `(B, T, n_h, H, K)`: `n_h` householder steps per token.
-    - `v`: values, `(B, T, n_h, HV, V)`, with `HV` a multiple of `H`.
-    - `g`: log decays (`<= 0`), one per token and value head, `(B, T, HV)`; `None` for
-        DeltaProduct without a gate.
-    - `beta`: step sizes in `[0, 2]`, `(B, T, n_h, HV)`.
-    - `scale`: query scale; defaults to `K ** -0.5`.
-    - `use_qk_l2norm`: L2-normalise `q` and every `k` over `K` first.
     - `chunk_size`: tokens per chunk (each makes `n_h` updates).
+    - `scale`: query scale; `K ** -0.5` if `None`.
+    - `use_qk_l2norm`: L2-normalise `q` and every `k` over `K` (eps `1e-6`) first.
     """
 
-    q: QKTensor
-    k: ProductKeyTensor
-    v: ProductValueTensor
-    g: GateTensor | None
-    beta: ProductBetaTensor
-    scale: float = eqx.field(static=True)
-    use_qk_l2norm: bool = eqx.field(static=True)
-    chunk_size: int = eqx.field(static=True)
+    chunk_size: int = eqx.field(default=64, static=True)
+    scale: float | None = eqx.field(default=None, static=True)
+    use_qk_l2norm: bool = eqx.field(default=False, static=True)
+    gate: ClassVar[GateKind] = "optional"
+    householder: ClassVar[bool] = True
 
-    def __init__(
-        self,
-        q: QKTensor,
-        k: ProductKeyTensor,
-        v: ProductValueTensor,
-        g: GateTensor | None,
-        beta: ProductBetaTensor,
-        *,
-        scale: float | None = None,
-        use_qk_l2norm: bool = False,
-        chunk_size: int = 64,
-    ):
-        check_delta_product_inputs(q, k, v, g, beta)
-        check_chunk_size(chunk_size)
-        self.q, self.k, self.v, self.g, self.beta = q, k, v, g, beta
-        self.scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-        self.use_qk_l2norm = use_qk_l2norm
-        self.chunk_size = chunk_size
 
-    def state_shape(self) -> tuple[int, ...]:
-        b, _, _, hv, dv = self.v.shape
-        return (b, hv, self.q.shape[-1], dv)
+@overload
+def chunk_gated_delta_product(
+    q: QKTensor,
+    k: ProductKeyTensor,
+    v: ProductValueTensor,
+    g: GateTensor | None,
+    beta: ProductBetaTensor,
+    *,
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: Literal[True],
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+) -> tuple[ValueTensor, States]: ...
 
-    def state_dtype(self):
-        gates = () if self.g is None else (self.g,)
-        return compute_dtype(self.q, self.k, self.v, self.beta, *gates)
 
-    def prepare(self) -> DeltaFactors:
-        dt = self.state_dtype()
-        b, t, n, h, dk = self.k.shape
-        hv = self.v.shape[3]
-        q, k = self.q.astype(dt), self.k.astype(dt)
-        if self.use_qk_l2norm:
-            q, k = l2norm(q), l2norm(k)
-        q = q * jnp.asarray(self.scale, dt)
-        # Interleave: token t's steps are pseudo-tokens t * n_h + j. The query sits on the
-        # last step, the decay on the first; zeros elsewhere are exact no-ops.
-        q = jnp.concatenate([jnp.zeros((b, t, n - 1, h, dk), dt), q[:, :, None]], axis=2)
-        g = None
-        if self.g is not None:
-            g = self.g.astype(dt)[:, :, None]
-            g = jnp.concatenate([g, jnp.zeros((b, t, n - 1, hv), dt)], axis=2).reshape(b, t * n, hv)
-
-        def pseudo(x):  # (B, T, n_h, heads, ...) -> (B, T * n_h, heads, ...)
-            return x.reshape(b, t * n, *x.shape[3:])
-
-        r = hv // h
-        c = self.chunk_size * n  # whole tokens per chunk
-        return delta_factors(
-            to_chunks(_head_major(pseudo(q), r), c),
-            to_chunks(_head_major(pseudo(k), r), c),
-            to_chunks(_head_major(pseudo(self.v.astype(dt))), c),
-            to_chunks(_head_major(pseudo(self.beta.astype(dt))), c),
-            None if g is None else to_chunks(_head_major(g), c),
-            output_rows=slice(n - 1, None, n),
-        )
-
-    def step(self, factors: DeltaFactors, h: State) -> tuple[State, Array]:
-        return delta_step(factors, h)
-
-    def advance(self, factors: DeltaFactors, h: State) -> State:
-        return delta_advance(factors, h)
-
-    def identity_map(self) -> AffineMap:
-        b, hv, dk, dv = self.state_shape()
-        return AffineMap.identity(dk, dv, (b, hv), self.state_dtype())
-
-    def chunk_map(self, factors: DeltaFactors) -> AffineMap:
-        return delta_chunk_map(factors)
-
-    def compose(self, factors: DeltaFactors, running: AffineMap) -> AffineMap:
-        return delta_compose(factors, running)
-
-    def finalize(self, outputs: Array) -> ValueTensor:
-        o = from_chunks(jnp.moveaxis(outputs, 0, 2), self.v.shape[1])  # (B, HV, T, V)
-        return jnp.moveaxis(o, 1, 2).astype(self.v.dtype)
+@overload
+def chunk_gated_delta_product(
+    q: QKTensor,
+    k: ProductKeyTensor,
+    v: ProductValueTensor,
+    g: GateTensor | None,
+    beta: ProductBetaTensor,
+    *,
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+) -> tuple[ValueTensor, States | None]: ...
 
 
 def chunk_gated_delta_product(
@@ -169,18 +94,22 @@ def chunk_gated_delta_product(
     beta: ProductBetaTensor,
     *,
     scale: float | None = None,
-    initial_state: State | None = None,
+    initial_state: States | None = None,
     output_final_state: bool = False,
     use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
     chunk_size: int = 64,
-) -> tuple[ValueTensor, State | None]:
+) -> tuple[ValueTensor, States | None]:
     r"""Gated DeltaProduct in chunked (WY) form: the training path.
 
     Per token and value head: $h \leftarrow e^{g_t} h$, then for $j = 1, \dots, n_h$:
     $h \leftarrow h + k_{tj} (\beta_{tj} (v_{tj} - h^\top k_{tj}))^\top$; finally
     $o_t = h^\top (s\, q_t)$. The number of steps $n_h$ is axis 2 of `k`.
     flash-linear-attention's flat layout `(B, T * n_h, H, K)` is
-    `k.reshape(B, T, n_h, H, K)` here (and likewise for `v` and `beta`).
+    `k.reshape(B, T, n_h, H, K)` here (see `deltanet_cp.interop.fla`).
+
+    Any sequence length works (the last chunk is padded with identity steps). The state and
+    the chunk algebra run in float32 (float64 for float64 inputs).
 
     **Arguments:**
 
@@ -195,20 +124,127 @@ def chunk_gated_delta_product(
     - `scale`: query scale, default `K ** -0.5`.
     - `initial_state`: the state before the first token, `(B, HV, K, V)`; zeros if `None`.
     - `output_final_state`: also return the state after the last token.
-    - `use_qk_l2norm`: L2-normalise `q` and every `k` over `K` (eps `1e-6`) first.
-    - `chunk_size`: tokens per chunk (so `chunk_size * n_h` updates).
+    - `use_qk_l2norm`: L2-normalise `q` and `k` over `K` (eps `1e-6`) first.
+    - `cu_seqlens`: packed documents (batch size 1): the document offsets
+        `[0, len_0, len_0 + len_1, ..., T]`, a list or an int array of shape `(N + 1,)`
+        (the flash-linear-attention convention). The state resets at each document start,
+        no chunk mixes two documents, and `initial_state` / the final state are per
+        document, `(N, HV, K, V)`.
+    - `chunk_size`: tokens per chunk.
 
     **Returns:**
 
     `(o, final_state)`: `o` of shape `(B, T, HV, V)` in `v`'s dtype, and the final state
-    `(B, HV, K, V)` in float32 if `output_final_state`, else `None`.
+    `(B, HV, K, V)` (float32; float64 for float64 inputs) if `output_final_state`, else
+    `None`.
     """
-    check_delta_product_inputs(q, k, v, g, beta, initial_state)
-    rec = GatedDeltaProduct(
-        q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size
+    return run(
+        GatedDeltaProduct(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        DeltaInputs(q, k, v, g, beta),
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
     )
-    o, h = run_local(rec, initial_state)
-    return o, (h if output_final_state else None)
+
+
+@overload
+def recurrent_gated_delta_product(
+    q: QKTensor,
+    k: ProductKeyTensor,
+    v: ProductValueTensor,
+    g: GateTensor | None,
+    beta: ProductBetaTensor,
+    *,
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: Literal[True],
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+) -> tuple[ValueTensor, States]: ...
+
+
+@overload
+def recurrent_gated_delta_product(
+    q: QKTensor,
+    k: ProductKeyTensor,
+    v: ProductValueTensor,
+    g: GateTensor | None,
+    beta: ProductBetaTensor,
+    *,
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+) -> tuple[ValueTensor, States | None]: ...
+
+
+def recurrent_gated_delta_product(
+    q: QKTensor,
+    k: ProductKeyTensor,
+    v: ProductValueTensor,
+    g: GateTensor | None,
+    beta: ProductBetaTensor,
+    *,
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+) -> tuple[ValueTensor, States | None]:
+    r"""Gated DeltaProduct token by token: the decoding path.
+
+    The same recurrence as [`deltanet_cp.chunk_gated_delta_product`][], one token per step
+    (the engine with `chunk_size=1`: a `lax.scan` over tokens); the same arguments
+    (without `chunk_size`) and results.
+    """
+    return run(
+        GatedDeltaProduct(chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        DeltaInputs(q, k, v, g, beta),
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+    )
+
+
+@overload
+def chunk_gated_delta_product_cp(
+    q: QKTensor,
+    k: ProductKeyTensor,
+    v: ProductValueTensor,
+    g: GateTensor | None,
+    beta: ProductBetaTensor,
+    *,
+    axis_name: str,
+    layout: ContiguousLayout = Contiguous(),
+    exchange: AbstractExchange | ExchangeName = "allgather",
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: Literal[True],
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+) -> tuple[ValueTensor, States]: ...
+
+
+@overload
+def chunk_gated_delta_product_cp(
+    q: QKTensor,
+    k: ProductKeyTensor,
+    v: ProductValueTensor,
+    g: GateTensor | None,
+    beta: ProductBetaTensor,
+    *,
+    axis_name: str,
+    layout: ContiguousLayout = Contiguous(),
+    exchange: AbstractExchange | ExchangeName = "allgather",
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+) -> tuple[ValueTensor, States | None]: ...
 
 
 def chunk_gated_delta_product_cp(
@@ -220,94 +256,148 @@ def chunk_gated_delta_product_cp(
     *,
     axis_name: str,
     layout: ContiguousLayout = Contiguous(),
-    strategy: str = "allgather",
-    chunk_size: int = 64,
+    exchange: AbstractExchange | ExchangeName = "allgather",
     scale: float | None = None,
-    initial_state: State | None = None,
+    initial_state: States | None = None,
     output_final_state: bool = False,
     use_qk_l2norm: bool = False,
-) -> tuple[ValueTensor, State | None]:
-    r"""Chunked Gated DeltaProduct with context parallelism, inside `jax.shard_map`.
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+) -> tuple[ValueTensor, States | None]:
+    r"""[`deltanet_cp.chunk_gated_delta_product`][] with context parallelism (in `shard_map`).
 
-    The sequence axis (axis 1 of `q`, `k`, `v`, `g`, `beta`) is sharded over `axis_name`,
-    rank `r` holding a contiguous slice of tokens (all `n_h` steps of a token stay on one
-    rank); each argument here is this rank's slice. Ranks exchange one `(K, K)` + `(K, V)`
-    map per batch element and value head (or less, depending on `strategy`), whatever
-    `n_h`.
+    The sequence axis (axis 1 of every per-token argument) is sharded over `axis_name`,
+    rank `r` holding a contiguous slice; each argument here is this rank's slice (any number
+    of tokens per rank). Ranks exchange one `(K, K)` + `(K, V)` map per batch element and value head
+    (or less, depending on `exchange`): the payload does not grow with the sequence length.
 
     **Arguments:**
 
-    - `q`, `k`, `v`, `g`, `beta`, `scale`, `use_qk_l2norm`, `chunk_size`: as in
+    - `q, k, v, g, beta`, `scale`, `use_qk_l2norm`, `chunk_size`: as in
         [`deltanet_cp.chunk_gated_delta_product`][], for this rank's tokens.
-    - `axis_name`: the mesh axis the sequence is sharded over.
-    - `layout`: must be [`deltanet_cp.Contiguous`][] (the default).
-    - `strategy`: `"allgather"`, `"ppermute"`, `"ring"` or `"auto"`.
     - `initial_state`: the state before the first token of the whole sequence, replicated;
         zeros if `None`.
-    - `output_final_state`: also return the state after the last token of the sequence.
+    - `output_final_state`: also return the state after the last token of the sequence
+        (the same on every rank).
+    - `cu_seqlens`: packed documents: the *global* document offsets, the same on every rank;
+        documents may cross rank boundaries.
+    - `axis_name`: the mesh axis the sequence is sharded over.
+    - `layout`: [`deltanet_cp.Contiguous`][] (the default) is the only layout accepted; a
+        [`deltanet_cp.Zigzag`][] is a type error for pyright and a `ValueError` at run time.
+    - `exchange`: how ranks exchange their maps: [`deltanet_cp.AllGather`][] (the default),
+        [`deltanet_cp.PPermute`][], [`deltanet_cp.Ring`][], [`deltanet_cp.Auto`][], or their
+        shorthands `"allgather"`, `"ppermute"`, `"ring"`, `"auto"`.
 
     **Returns:**
 
     `(o, final_state)`: this rank's outputs `(B, T_local, HV, V)` in `v`'s dtype, and the
-    global final state `(B, HV, K, V)` (the same on every rank) or `None`.
+    global final state or `None`.
     """
-    check_contiguous(layout, "chunk_gated_delta_product_cp")
-    check_delta_product_inputs(q, k, v, g, beta, initial_state)
-    rec = GatedDeltaProduct(
-        q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size
-    )
-    return run_context_parallel(
-        rec,
-        initial_state,
+    return run(
+        GatedDeltaProduct(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        DeltaInputs(q, k, v, g, beta),
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
         axis_name=axis_name,
         layout=layout,
-        strategy=strategy,
-        output_final_state=output_final_state,
+        exchange=exchange,
     )
 
 
-def recurrent_gated_delta_product(
+@overload
+def chunk_gated_delta_product_sharded(
     q: QKTensor,
     k: ProductKeyTensor,
     v: ProductValueTensor,
     g: GateTensor | None,
     beta: ProductBetaTensor,
     *,
+    mesh: jax.sharding.Mesh,
+    axis_name: str,
+    batch_axis: str | None = None,
+    layout: ContiguousLayout = Contiguous(),
+    exchange: AbstractExchange | ExchangeName = "allgather",
     scale: float | None = None,
-    initial_state: State | None = None,
+    initial_state: States | None = None,
+    output_final_state: Literal[True],
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+) -> tuple[ValueTensor, States]: ...
+
+
+@overload
+def chunk_gated_delta_product_sharded(
+    q: QKTensor,
+    k: ProductKeyTensor,
+    v: ProductValueTensor,
+    g: GateTensor | None,
+    beta: ProductBetaTensor,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name: str,
+    batch_axis: str | None = None,
+    layout: ContiguousLayout = Contiguous(),
+    exchange: AbstractExchange | ExchangeName = "allgather",
+    scale: float | None = None,
+    initial_state: States | None = None,
     output_final_state: bool = False,
     use_qk_l2norm: bool = False,
-) -> tuple[ValueTensor, State | None]:
-    r"""Gated DeltaProduct token by token (a `lax.scan` over time): the decoding path.
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+) -> tuple[ValueTensor, States | None]: ...
 
-    Takes the same arguments as [`deltanet_cp.chunk_gated_delta_product`][] (without
-    `chunk_size`) and returns the same `(o, final_state)`.
+
+def chunk_gated_delta_product_sharded(
+    q: QKTensor,
+    k: ProductKeyTensor,
+    v: ProductValueTensor,
+    g: GateTensor | None,
+    beta: ProductBetaTensor,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name: str,
+    batch_axis: str | None = None,
+    layout: ContiguousLayout = Contiguous(),
+    exchange: AbstractExchange | ExchangeName = "allgather",
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+) -> tuple[ValueTensor, States | None]:
+    r"""[`deltanet_cp.chunk_gated_delta_product_cp`][] on global arrays: does the `shard_map`.
+
+    Shards the sequence axis over `axis_name` of `mesh` (and optionally the batch over
+    `batch_axis`), runs the context-parallel kernel and returns global arrays. Compiled
+    once per input shapes and mesh. Use it at the top level; inside your own `shard_map`,
+    call `chunk_gated_delta_product_cp`.
+
+    **Arguments:**
+
+    - `q, k, v, g, beta`, `scale`, `initial_state`, `output_final_state`, `use_qk_l2norm`,
+        `cu_seqlens`, `chunk_size`: as in [`deltanet_cp.chunk_gated_delta_product`][],
+        global arrays. The sequence length must be divisible by the size of `axis_name`.
+    - `mesh`: a `jax.sharding.Mesh` with an axis named `axis_name`.
+    - `axis_name`: the mesh axis to shard the sequence over.
+    - `batch_axis`: optionally, a mesh axis to shard the batch over (data parallelism).
+    - `layout`, `exchange`: as in [`deltanet_cp.chunk_gated_delta_product_cp`][].
+
+    **Returns:**
+
+    `(o, final_state)` as global arrays.
     """
-    check_delta_product_inputs(q, k, v, g, beta, initial_state)
-    gates = () if g is None else (g,)
-    dt = compute_dtype(q, k, v, beta, *gates)
-    b, t, n, h, dk = k.shape
-    hv, dv = v.shape[3], v.shape[4]
-    scale = dk**-0.5 if scale is None else scale
-    qf, kf = q.astype(dt), k.astype(dt)
-    if use_qk_l2norm:
-        qf, kf = l2norm(qf), l2norm(kf)
-    r = hv // h
-    qf = jnp.repeat(qf * jnp.asarray(scale, dt), r, axis=2)
-    kf = jnp.repeat(kf, r, axis=3)
-    gf = jnp.zeros((b, t, hv), dt) if g is None else g.astype(dt)
-    h0 = jnp.zeros((b, hv, dk, dv), dt) if initial_state is None else initial_state.astype(dt)
-
-    def body(state, xs):
-        q_t, k_t, v_t, g_t, beta_t = xs  # k_t: (B, n_h, HV, K)
-        state = jnp.exp(g_t)[..., None, None] * state
-        for j in range(n):
-            kj = k_t[:, j]
-            delta = beta_t[:, j, :, None] * (v_t[:, j] - _einsum("bhkv,bhk->bhv", state, kj))
-            state = state + kj[..., :, None] * delta[..., None, :]
-        return state, _einsum("bhkv,bhk->bhv", state, q_t)
-
-    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (qf, kf, v.astype(dt), gf, beta.astype(dt)))
-    h_final, o = jax.lax.scan(body, h0, xs)
-    o = jnp.moveaxis(o, 0, 1).astype(v.dtype)
-    return o, (h_final if output_final_state else None)
+    return run_sharded(
+        GatedDeltaProduct(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        DeltaInputs(q, k, v, g, beta),
+        mesh=mesh,
+        axis_name=axis_name,
+        batch_axis=batch_axis,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        layout=layout,
+        exchange=exchange,
+    )

@@ -11,46 +11,36 @@ The transition is diagonal, so one chunk is the map `h -> diag(gamma) h + k~^T v
 instead of a dense map's `K (K + V)`.
 """
 
+from typing import Literal, overload
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._affine import DiagonalAffineMap
-from .._chunking import from_chunks, to_chunks
-from .._custom_types import GateTensor, QKTensor, State, ValueTensor
-from .._engine import AbstractChunkedRecurrence, run_context_parallel, run_local
-from .._layout import check_contiguous, Contiguous, ContiguousLayout
-from ._common import (
-    check_arrays,
-    check_chunk_size,
-    check_grouped_heads,
-    cumulative_decays,
-    decayed_gram,
-    KeyGateTensor,
-)
-from ._gated_delta import _einsum, _head_major, compute_dtype
+from .._chunking import chunk_major, from_chunk_major
+from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, States, ValueTensor
+from .._engine import AbstractRecurrence, run, run_sharded
+from .._exchange import AbstractExchange, ExchangeName
+from .._layout import Contiguous, ContiguousLayout
+from ._helpers import check_arrays, compute_dtype, cumulative_decays, decayed_gram, einsum, l2norm
 
 
-def check_gla_inputs(q, k, v, g, initial_state=None) -> None:
-    """Raise a `ValueError` naming the problem if the GLA inputs don't fit together."""
-    if hasattr(g, "ndim") and g.ndim not in (3, 4):
-        raise ValueError(
-            "`g` must have layout (batch, seq, value_heads) for a decay per head (Mamba-2) "
-            f"or (batch, seq, value_heads, K) for a decay per key channel (GLA); got shape "
-            f"{g.shape}."
-        )
-    g_axes = ("batch", "seq", "value_heads", "K")[: getattr(g, "ndim", 3)]
-    sizes = check_arrays(
-        {
-            "q": (q, ("batch", "seq", "heads", "K")),
-            "k": (k, ("batch", "seq", "heads", "K")),
-            "v": (v, ("batch", "seq", "value_heads", "V")),
-            "g": (g, g_axes),
-            "initial_state": (initial_state, ("batch", "value_heads", "K", "V")),
-        }
-    )
-    check_grouped_heads(sizes["heads"], sizes["value_heads"])
+class GLAInputs(eqx.Module):
+    """The per-token inputs of gated linear attention (time on axis 1 of every array).
+
+    **Arguments:**
+
+    - `q`, `k`: queries and keys, `(B, T, H, K)`.
+    - `v`: values, `(B, T, HV, V)`, with `HV` a multiple of `H`.
+    - `g`: log decays `<= 0`, per head `(B, T, HV)` or per key channel `(B, T, HV, K)`.
+    """
+
+    q: QKTensor
+    k: QKTensor
+    v: ValueTensor
+    g: GateTensor | KeyGateTensor
 
 
 class GatedLinearAttentionFactors(eqx.Module):
@@ -62,102 +52,123 @@ class GatedLinearAttentionFactors(eqx.Module):
     v: Float[Array, "n b h c v"]
     attn: Float[Array, "n b h c c"]
     q_decayed: Float[Array, "n b h c k"]
-    k_decayed: Float[Array, "n b h c k"]
+    k_decayed_t: Float[Array, "n b h k c"]
     gamma: Float[Array, "n b h k"]
 
 
 class GatedLinearAttention(
-    AbstractChunkedRecurrence[GatedLinearAttentionFactors, DiagonalAffineMap]
+    AbstractRecurrence[GLAInputs, GatedLinearAttentionFactors, DiagonalAffineMap]
 ):
-    """Gated linear attention / Mamba-2 as a chunked recurrence (one call's inputs).
+    """Gated linear attention / Mamba-2: a decay per key channel or per head, no delta term.
+
+    A static configuration; the inputs are a [`deltanet_cp.GLAInputs`][], handed to
+    [`deltanet_cp.run`][] beside it.
 
     **Arguments:**
 
-    - `q`, `k`: queries and keys, `(B, T, H, K)`.
-    - `v`: values, `(B, T, HV, V)`, with `HV` a multiple of `H`.
-    - `g`: log decays (`<= 0`), per head `(B, T, HV)` or per key channel `(B, T, HV, K)`.
-    - `scale`: query scale; defaults to `K ** -0.5`.
     - `chunk_size`: tokens per chunk.
+    - `scale`: query scale; `K ** -0.5` if `None`.
+    - `use_qk_l2norm`: L2-normalise `q` and `k` over `K` (eps `1e-6`) first.
     """
 
-    q: QKTensor
-    k: QKTensor
-    v: ValueTensor
-    g: GateTensor | KeyGateTensor
-    scale: float = eqx.field(static=True)
-    chunk_size: int = eqx.field(static=True)
+    chunk_size: int = eqx.field(default=64, static=True)
+    scale: float | None = eqx.field(default=None, static=True)
+    use_qk_l2norm: bool = eqx.field(default=False, static=True)
 
-    def __init__(
-        self,
-        q: QKTensor,
-        k: QKTensor,
-        v: ValueTensor,
-        g: GateTensor | KeyGateTensor,
-        *,
-        scale: float | None = None,
-        chunk_size: int = 64,
-    ):
-        check_gla_inputs(q, k, v, g)
-        check_chunk_size(chunk_size)
-        self.q, self.k, self.v, self.g = q, k, v, g
-        self.scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-        self.chunk_size = chunk_size
-
-    def state_shape(self) -> tuple[int, ...]:
-        b, _, hv, dv = self.v.shape
-        return (b, hv, self.q.shape[-1], dv)
-
-    def state_dtype(self):
-        return compute_dtype(self.q, self.k, self.v, self.g)
-
-    def prepare(self) -> GatedLinearAttentionFactors:
-        dt = self.state_dtype()
-        c = self.chunk_size
-        r = self.v.shape[2] // self.q.shape[2]
-        q = to_chunks(_head_major(self.q.astype(dt) * jnp.asarray(self.scale, dt), r), c)
-        k = to_chunks(_head_major(self.k.astype(dt), r), c)
-        v = to_chunks(_head_major(self.v.astype(dt)), c)
-        g = to_chunks(_head_major(self.g.astype(dt)), c)  # (B, HV, N, C) or (B, HV, N, C, K)
-        per_channel = g.ndim == k.ndim
-        decay_in, decay_out = cumulative_decays(g, per_channel)
-        gamma = jnp.broadcast_to(decay_in[..., -1, :], k.shape[:-2] + k.shape[-1:])
-
-        def chunk_first(x):
-            return jnp.moveaxis(x, 2, 0)
-
-        return GatedLinearAttentionFactors(
-            v=chunk_first(v),
-            attn=chunk_first(decayed_gram(q, k, g, strict=False)),
-            q_decayed=chunk_first(q * decay_in),
-            k_decayed=chunk_first(k * decay_out),
-            gamma=chunk_first(gamma),
+    def check(self, inputs: GLAInputs) -> None:
+        g = inputs.g
+        if not hasattr(g, "ndim") or g.ndim not in (3, 4):
+            raise ValueError(
+                "`g` must have layout (batch, seq, value_heads) for a decay per head (Mamba-2) "
+                "or (batch, seq, value_heads, K) for a decay per key channel (GLA); got "
+                f"{getattr(g, 'shape', type(g).__name__)}."
+            )
+        check_arrays(
+            {
+                "q": (inputs.q, ("batch", "seq", "heads", "K")),
+                "k": (inputs.k, ("batch", "seq", "heads", "K")),
+                "v": (inputs.v, ("batch", "seq", "value_heads", "V")),
+                "g": (g, ("batch", "seq", "value_heads", "K")[: g.ndim]),
+            }
         )
 
-    def step(self, factors: GatedLinearAttentionFactors, h: State) -> tuple[State, Array]:
-        f = factors
-        o = _einsum("bhck,bhkv->bhcv", f.q_decayed, h) + _einsum("bhij,bhjv->bhiv", f.attn, f.v)
-        return self.advance(f, h), o
+    def state(self, inputs: GLAInputs) -> jax.ShapeDtypeStruct:
+        b, _, hv, dv = inputs.v.shape
+        dtype = compute_dtype(*jax.tree.leaves(inputs))
+        return jax.ShapeDtypeStruct((b, hv, inputs.q.shape[-1], dv), dtype)
 
-    def advance(self, factors: GatedLinearAttentionFactors, h: State) -> State:
-        f = factors
-        return f.gamma[..., :, None] * h + _einsum("bhck,bhcv->bhkv", f.k_decayed, f.v)
+    def prepare(self, chunks: GLAInputs) -> GatedLinearAttentionFactors:
+        dt = compute_dtype(*jax.tree.leaves(chunks))
+        dk = chunks.q.shape[-1]
+        r = chunks.v.shape[3] // chunks.q.shape[3]
+        q, k = chunks.q.astype(dt), chunks.k.astype(dt)
+        if self.use_qk_l2norm:
+            q, k = l2norm(q), l2norm(k)
+        q = q * jnp.asarray(dk**-0.5 if self.scale is None else self.scale, dt)
+        # Value head j reads key head j // r: (N, B, HV, C, K).
+        q, k = (chunk_major(jnp.repeat(x, r, axis=3)) for x in (q, k))
+        v = chunk_major(chunks.v.astype(dt))
+        per_channel = chunks.g.ndim == 5
+        g = chunk_major(chunks.g.astype(dt), features=int(per_channel))
+        decay_in, decay_out = cumulative_decays(g, per_channel)
+        return GatedLinearAttentionFactors(
+            v=v,
+            attn=decayed_gram(q, k, g, strict=False),
+            q_decayed=q * decay_in,
+            k_decayed_t=jnp.swapaxes(k * decay_out, -1, -2),
+            gamma=jnp.broadcast_to(decay_in[..., -1, :], k.shape[:-2] + k.shape[-1:]),
+        )
 
-    def identity_map(self) -> DiagonalAffineMap:
-        b, hv, dk, dv = self.state_shape()
-        return DiagonalAffineMap.identity(dk, dv, (b, hv), self.state_dtype())
+    def step(self, factors: GatedLinearAttentionFactors, h: Array) -> tuple[Array, Array]:
+        f = factors
+        o = einsum("bhck,bhkv->bhcv", f.q_decayed, h) + einsum("bhij,bhjv->bhiv", f.attn, f.v)
+        return f.gamma[..., :, None] * h + einsum("bhkc,bhcv->bhkv", f.k_decayed_t, f.v), o
 
     def chunk_map(self, factors: GatedLinearAttentionFactors) -> DiagonalAffineMap:
         f = factors
-        return DiagonalAffineMap(f.gamma, _einsum("bhck,bhcv->bhkv", f.k_decayed, f.v))
+        return DiagonalAffineMap(f.gamma, einsum("bhkc,bhcv->bhkv", f.k_decayed_t, f.v))
 
     def compose(
         self, factors: GatedLinearAttentionFactors, running: DiagonalAffineMap
     ) -> DiagonalAffineMap:
-        return DiagonalAffineMap(factors.gamma * running.decay, self.advance(factors, running.U))
+        # Diagonal maps compose elementwise: no dense K x K matrix is ever formed.
+        chunk = self.chunk_map(factors)
+        return DiagonalAffineMap(chunk.decay * running.decay, chunk(running.U))
 
-    def finalize(self, outputs: Array) -> ValueTensor:
-        o = from_chunks(jnp.moveaxis(outputs, 0, 2), self.v.shape[1])  # (B, HV, T, V)
-        return jnp.moveaxis(o, 1, 2).astype(self.v.dtype)
+    def finalize(self, outputs: Float[Array, "n b h c v"], chunks: GLAInputs) -> Array:
+        return from_chunk_major(outputs).astype(chunks.v.dtype)
+
+
+@overload
+def chunk_gla(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    g: GateTensor | KeyGateTensor,
+    *,
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: Literal[True],
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+) -> tuple[ValueTensor, States]: ...
+
+
+@overload
+def chunk_gla(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    g: GateTensor | KeyGateTensor,
+    *,
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+) -> tuple[ValueTensor, States | None]: ...
 
 
 def chunk_gla(
@@ -167,15 +178,20 @@ def chunk_gla(
     g: GateTensor | KeyGateTensor,
     *,
     scale: float | None = None,
-    initial_state: State | None = None,
+    initial_state: States | None = None,
     output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
     chunk_size: int = 64,
-) -> tuple[ValueTensor, State | None]:
-    r"""Gated linear attention / Mamba-2 in chunked form: the training path.
+) -> tuple[ValueTensor, States | None]:
+    r"""Gated linear attention / Mamba-2 in chunked (WY) form: the training path.
 
     $h \leftarrow \mathrm{diag}(e^{g_t}) h + k_t v_t^\top$, $o_t = h^\top (s\, q_t)$, with a
     decay per key channel (GLA) or one per head (Mamba-2). For Mamba-2's SSD, pass
     `q = C`, `k = B * dt`, `v = x`, `g = dt * A` (per head) and `scale=1.0`.
+
+    Any sequence length works (the last chunk is padded with identity steps). The state and
+    the chunk algebra run in float32 (float64 for float64 inputs).
 
     **Arguments:**
 
@@ -187,17 +203,122 @@ def chunk_gla(
     - `scale`: query scale, default `K ** -0.5`.
     - `initial_state`: the state before the first token, `(B, HV, K, V)`; zeros if `None`.
     - `output_final_state`: also return the state after the last token.
+    - `use_qk_l2norm`: L2-normalise `q` and `k` over `K` (eps `1e-6`) first.
+    - `cu_seqlens`: packed documents (batch size 1): the document offsets
+        `[0, len_0, len_0 + len_1, ..., T]`, a list or an int array of shape `(N + 1,)`
+        (the flash-linear-attention convention). The state resets at each document start,
+        no chunk mixes two documents, and `initial_state` / the final state are per
+        document, `(N, HV, K, V)`.
     - `chunk_size`: tokens per chunk.
 
     **Returns:**
 
     `(o, final_state)`: `o` of shape `(B, T, HV, V)` in `v`'s dtype, and the final state
-    `(B, HV, K, V)` in float32 if `output_final_state`, else `None`.
+    `(B, HV, K, V)` (float32; float64 for float64 inputs) if `output_final_state`, else
+    `None`.
     """
-    check_gla_inputs(q, k, v, g, initial_state)
-    rec = GatedLinearAttention(q, k, v, g, scale=scale, chunk_size=chunk_size)
-    o, h = run_local(rec, initial_state)
-    return o, (h if output_final_state else None)
+    return run(
+        GatedLinearAttention(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        GLAInputs(q, k, v, g),
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+    )
+
+
+@overload
+def recurrent_gla(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    g: GateTensor | KeyGateTensor,
+    *,
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: Literal[True],
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+) -> tuple[ValueTensor, States]: ...
+
+
+@overload
+def recurrent_gla(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    g: GateTensor | KeyGateTensor,
+    *,
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+) -> tuple[ValueTensor, States | None]: ...
+
+
+def recurrent_gla(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    g: GateTensor | KeyGateTensor,
+    *,
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+) -> tuple[ValueTensor, States | None]:
+    r"""Gated linear attention / Mamba-2 token by token: the decoding path.
+
+    The same recurrence as [`deltanet_cp.chunk_gla`][], one token per step
+    (the engine with `chunk_size=1`: a `lax.scan` over tokens); the same arguments
+    (without `chunk_size`) and results.
+    """
+    return run(
+        GatedLinearAttention(chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        GLAInputs(q, k, v, g),
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+    )
+
+
+@overload
+def chunk_gla_cp(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    g: GateTensor | KeyGateTensor,
+    *,
+    axis_name: str,
+    layout: ContiguousLayout = Contiguous(),
+    exchange: AbstractExchange | ExchangeName = "allgather",
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: Literal[True],
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+) -> tuple[ValueTensor, States]: ...
+
+
+@overload
+def chunk_gla_cp(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    g: GateTensor | KeyGateTensor,
+    *,
+    axis_name: str,
+    layout: ContiguousLayout = Contiguous(),
+    exchange: AbstractExchange | ExchangeName = "allgather",
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+) -> tuple[ValueTensor, States | None]: ...
 
 
 def chunk_gla_cp(
@@ -208,82 +329,146 @@ def chunk_gla_cp(
     *,
     axis_name: str,
     layout: ContiguousLayout = Contiguous(),
-    strategy: str = "allgather",
-    chunk_size: int = 64,
+    exchange: AbstractExchange | ExchangeName = "allgather",
     scale: float | None = None,
-    initial_state: State | None = None,
+    initial_state: States | None = None,
     output_final_state: bool = False,
-) -> tuple[ValueTensor, State | None]:
-    r"""Chunked gated linear attention with context parallelism, inside `jax.shard_map`.
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+) -> tuple[ValueTensor, States | None]:
+    r"""[`deltanet_cp.chunk_gla`][] with context parallelism, inside `jax.shard_map`.
 
-    The sequence axis (axis 1 of `q`, `k`, `v`, `g`) is sharded over `axis_name`, rank `r`
-    holding a contiguous slice; each argument here is this rank's slice. The transition is
-    diagonal, so a rank's map is `K + K V` numbers per batch element and value head (the
-    `"allgather"` and `"ppermute"` strategies move that; `"ring"` moves one `K x V` state).
+    The sequence axis (axis 1 of every per-token argument) is sharded over `axis_name`,
+    rank `r` holding a contiguous slice; each argument here is this rank's slice (any number
+    of tokens per rank). Ranks exchange one diagonal map, `K + K V` numbers per batch
+    element and value head (or less, depending on `exchange`): the payload does not grow
+    with the sequence length.
 
     **Arguments:**
 
-    - `q`, `k`, `v`, `g`, `scale`, `chunk_size`: as in [`deltanet_cp.chunk_gla`][], for this
-        rank's tokens.
-    - `axis_name`: the mesh axis the sequence is sharded over.
-    - `layout`: must be [`deltanet_cp.Contiguous`][] (the default).
-    - `strategy`: `"allgather"`, `"ppermute"`, `"ring"` or `"auto"`.
+    - `q, k, v, g`, `scale`, `use_qk_l2norm`, `chunk_size`: as in
+        [`deltanet_cp.chunk_gla`][], for this rank's tokens.
     - `initial_state`: the state before the first token of the whole sequence, replicated;
         zeros if `None`.
-    - `output_final_state`: also return the state after the last token of the sequence.
+    - `output_final_state`: also return the state after the last token of the sequence
+        (the same on every rank).
+    - `cu_seqlens`: packed documents: the *global* document offsets, the same on every rank;
+        documents may cross rank boundaries.
+    - `axis_name`: the mesh axis the sequence is sharded over.
+    - `layout`: [`deltanet_cp.Contiguous`][] (the default) is the only layout accepted; a
+        [`deltanet_cp.Zigzag`][] is a type error for pyright and a `ValueError` at run time.
+    - `exchange`: how ranks exchange their maps: [`deltanet_cp.AllGather`][] (the default),
+        [`deltanet_cp.PPermute`][], [`deltanet_cp.Ring`][], [`deltanet_cp.Auto`][], or their
+        shorthands `"allgather"`, `"ppermute"`, `"ring"`, `"auto"`.
 
     **Returns:**
 
     `(o, final_state)`: this rank's outputs `(B, T_local, HV, V)` in `v`'s dtype, and the
-    global final state `(B, HV, K, V)` (the same on every rank) or `None`.
+    global final state or `None`.
     """
-    check_contiguous(layout, "chunk_gla_cp")
-    check_gla_inputs(q, k, v, g, initial_state)
-    rec = GatedLinearAttention(q, k, v, g, scale=scale, chunk_size=chunk_size)
-    return run_context_parallel(
-        rec,
-        initial_state,
+    return run(
+        GatedLinearAttention(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        GLAInputs(q, k, v, g),
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
         axis_name=axis_name,
         layout=layout,
-        strategy=strategy,
-        output_final_state=output_final_state,
+        exchange=exchange,
     )
 
 
-def recurrent_gla(
+@overload
+def chunk_gla_sharded(
     q: QKTensor,
     k: QKTensor,
     v: ValueTensor,
     g: GateTensor | KeyGateTensor,
     *,
+    mesh: jax.sharding.Mesh,
+    axis_name: str,
+    batch_axis: str | None = None,
+    layout: ContiguousLayout = Contiguous(),
+    exchange: AbstractExchange | ExchangeName = "allgather",
     scale: float | None = None,
-    initial_state: State | None = None,
+    initial_state: States | None = None,
+    output_final_state: Literal[True],
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+) -> tuple[ValueTensor, States]: ...
+
+
+@overload
+def chunk_gla_sharded(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    g: GateTensor | KeyGateTensor,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name: str,
+    batch_axis: str | None = None,
+    layout: ContiguousLayout = Contiguous(),
+    exchange: AbstractExchange | ExchangeName = "allgather",
+    scale: float | None = None,
+    initial_state: States | None = None,
     output_final_state: bool = False,
-) -> tuple[ValueTensor, State | None]:
-    r"""Gated linear attention / Mamba-2 token by token (a `lax.scan` over time).
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+) -> tuple[ValueTensor, States | None]: ...
 
-    Takes the same arguments as [`deltanet_cp.chunk_gla`][] (without `chunk_size`) and
-    returns the same `(o, final_state)`.
+
+def chunk_gla_sharded(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    g: GateTensor | KeyGateTensor,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name: str,
+    batch_axis: str | None = None,
+    layout: ContiguousLayout = Contiguous(),
+    exchange: AbstractExchange | ExchangeName = "allgather",
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+) -> tuple[ValueTensor, States | None]:
+    r"""[`deltanet_cp.chunk_gla_cp`][] on global arrays: does the `shard_map`.
+
+    Shards the sequence axis over `axis_name` of `mesh` (and optionally the batch over
+    `batch_axis`), runs the context-parallel kernel and returns global arrays. Compiled
+    once per input shapes and mesh. Use it at the top level; inside your own `shard_map`,
+    call `chunk_gla_cp`.
+
+    **Arguments:**
+
+    - `q, k, v, g`, `scale`, `initial_state`, `output_final_state`, `use_qk_l2norm`,
+        `cu_seqlens`, `chunk_size`: as in [`deltanet_cp.chunk_gla`][],
+        global arrays. The sequence length must be divisible by the size of `axis_name`.
+    - `mesh`: a `jax.sharding.Mesh` with an axis named `axis_name`.
+    - `axis_name`: the mesh axis to shard the sequence over.
+    - `batch_axis`: optionally, a mesh axis to shard the batch over (data parallelism).
+    - `layout`, `exchange`: as in [`deltanet_cp.chunk_gla_cp`][].
+
+    **Returns:**
+
+    `(o, final_state)` as global arrays.
     """
-    check_gla_inputs(q, k, v, g, initial_state)
-    dt = compute_dtype(q, k, v, g)
-    b, _, h, dk = q.shape
-    hv, dv = v.shape[2], v.shape[3]
-    scale = dk**-0.5 if scale is None else scale
-    r = hv // h
-    qf = jnp.repeat(q.astype(dt) * jnp.asarray(scale, dt), r, axis=2)
-    kf = jnp.repeat(k.astype(dt), r, axis=2)
-    gf = g.astype(dt)
-    if gf.ndim == 3:
-        gf = gf[..., None]  # one decay per head: the same for every key channel
-    h0 = jnp.zeros((b, hv, dk, dv), dt) if initial_state is None else initial_state.astype(dt)
-
-    def body(state, xs):
-        q_t, k_t, v_t, g_t = xs
-        state = jnp.exp(g_t)[..., :, None] * state + k_t[..., :, None] * v_t[..., None, :]
-        return state, _einsum("bhkv,bhk->bhv", state, q_t)
-
-    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (qf, kf, v.astype(dt), gf))
-    h_final, o = jax.lax.scan(body, h0, xs)
-    o = jnp.moveaxis(o, 0, 1).astype(v.dtype)
-    return o, (h_final if output_final_state else None)
+    return run_sharded(
+        GatedLinearAttention(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        GLAInputs(q, k, v, g),
+        mesh=mesh,
+        axis_name=axis_name,
+        batch_axis=batch_axis,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        layout=layout,
+        exchange=exchange,
+    )

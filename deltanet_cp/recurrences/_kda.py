@@ -7,317 +7,385 @@ One token, per value head, with `g_t` a log decay per key channel:
     o_t = h^T (scale q_t)
 
 One chunk is an affine map of the incoming state, `h -> (diag(gamma) - k~^T w) h + k~^T u`
-with `gamma = exp(G_C)` a vector over the key channels (see `_common.py`).
+with `gamma = exp(G_C)` a vector over the key channels. transformers' and
+flash-linear-attention's call shapes are in `deltanet_cp.interop`.
 """
+
+from typing import ClassVar, Literal, overload
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
-from jaxtyping import Array, Int
 
-from .._affine import AffineMap
-from .._chunking import from_chunks, to_chunks
-from .._custom_types import GateTensor, QKTensor, State, States, ValueTensor
-from .._engine import AbstractChunkedRecurrence, run_context_parallel, run_local, run_packed
-from .._layout import check_contiguous, Contiguous, ContiguousLayout
-from ._common import (
-    check_chunk_size,
-    delta_advance,
-    delta_chunk_map,
-    delta_compose,
-    delta_factors,
-    delta_step,
-    DeltaFactors,
-    KeyGateTensor,
-)
-from ._gated_delta import _einsum, _head_major, check_inputs, compute_dtype, l2norm
+from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, States, ValueTensor
+from .._engine import run, run_sharded
+from .._exchange import AbstractExchange, ExchangeName
+from .._layout import Contiguous, ContiguousLayout
+from ._delta_family import AbstractDeltaRule, DeltaInputs, GateKind
 
 
-class KimiDeltaAttention(AbstractChunkedRecurrence[DeltaFactors, AffineMap]):
-    """Kimi Delta Attention as a chunked recurrence (one call's inputs).
+class KimiDeltaAttention(AbstractDeltaRule):
+    """Kimi Delta Attention: a decay per token, value head and key channel, then a delta
+    update.
+
+    A static configuration; the inputs are a [`deltanet_cp.DeltaInputs`][] with `g` of
+    shape `(B, T, HV, K)`, handed to [`deltanet_cp.run`][] beside it. Decays between
+    tokens of a chunk are formed exactly for any gates, however negative (a blocked
+    segment sum, no difference of cumulative sums).
 
     **Arguments:**
 
-    - `q`, `k`: queries and keys, `(B, T, H, K)`.
-    - `v`: values, `(B, T, HV, V)`, with `HV` a multiple of `H`.
-    - `g`: log decays per key channel (`<= 0`), `(B, T, HV, K)`.
-    - `beta`: delta-rule step sizes in `[0, 1]`, `(B, T, HV)`.
-    - `scale`: query scale; defaults to `K ** -0.5`.
-    - `use_qk_l2norm`: L2-normalise `q` and `k` over `K` first.
     - `chunk_size`: tokens per chunk.
+    - `scale`: query scale; `K ** -0.5` if `None`.
+    - `use_qk_l2norm`: L2-normalise `q` and `k` over `K` (eps `1e-6`) first.
     """
 
-    q: QKTensor
-    k: QKTensor
-    v: ValueTensor
-    g: KeyGateTensor
-    beta: GateTensor
-    scale: float = eqx.field(static=True)
-    use_qk_l2norm: bool = eqx.field(static=True)
-    chunk_size: int = eqx.field(static=True)
+    chunk_size: int = eqx.field(default=64, static=True)
+    scale: float | None = eqx.field(default=None, static=True)
+    use_qk_l2norm: bool = eqx.field(default=False, static=True)
+    gate: ClassVar[GateKind] = "key"
+    householder: ClassVar[bool] = False
 
-    def __init__(
-        self,
-        q: QKTensor,
-        k: QKTensor,
-        v: ValueTensor,
-        g: KeyGateTensor,
-        beta: GateTensor,
-        *,
-        scale: float | None = None,
-        use_qk_l2norm: bool = False,
-        chunk_size: int = 64,
-    ):
-        check_inputs(q, k, v, g, beta, g_per_key=True)
-        check_chunk_size(chunk_size)
-        self.q, self.k, self.v, self.g, self.beta = q, k, v, g, beta
-        self.scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-        self.use_qk_l2norm = use_qk_l2norm
-        self.chunk_size = chunk_size
 
-    def state_shape(self) -> tuple[int, ...]:
-        b, _, hv, dv = self.v.shape
-        return (b, hv, self.q.shape[-1], dv)
+@overload
+def chunk_kimi_delta_attention(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    g: KeyGateTensor,
+    beta: GateTensor,
+    *,
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: Literal[True],
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+) -> tuple[ValueTensor, States]: ...
 
-    def state_dtype(self):
-        return compute_dtype(self.q, self.k, self.v, self.g, self.beta)
 
-    def prepare(self) -> DeltaFactors:
-        dt = self.state_dtype()
-        q, k = self.q.astype(dt), self.k.astype(dt)
-        if self.use_qk_l2norm:
-            q, k = l2norm(q), l2norm(k)
-        q = q * jnp.asarray(self.scale, dt)
-        r = self.v.shape[2] // self.q.shape[2]
-        c = self.chunk_size
-        return delta_factors(
-            to_chunks(_head_major(q, r), c),
-            to_chunks(_head_major(k, r), c),
-            to_chunks(_head_major(self.v.astype(dt)), c),
-            to_chunks(_head_major(self.beta.astype(dt)), c),
-            to_chunks(_head_major(self.g.astype(dt)), c),  # (B, HV, N, C, K): per channel
-        )
-
-    def step(self, factors: DeltaFactors, h: State) -> tuple[State, Array]:
-        return delta_step(factors, h)
-
-    def advance(self, factors: DeltaFactors, h: State) -> State:
-        return delta_advance(factors, h)
-
-    def identity_map(self) -> AffineMap:
-        b, hv, dk, dv = self.state_shape()
-        return AffineMap.identity(dk, dv, (b, hv), self.state_dtype())
-
-    def chunk_map(self, factors: DeltaFactors) -> AffineMap:
-        return delta_chunk_map(factors)
-
-    def compose(self, factors: DeltaFactors, running: AffineMap) -> AffineMap:
-        return delta_compose(factors, running)
-
-    def finalize(self, outputs: Array) -> ValueTensor:
-        o = from_chunks(jnp.moveaxis(outputs, 0, 2), self.v.shape[1])  # (B, HV, T, V)
-        return jnp.moveaxis(o, 1, 2).astype(self.q.dtype)  # like Kimi Linear: q's dtype
+@overload
+def chunk_kimi_delta_attention(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    g: KeyGateTensor,
+    beta: GateTensor,
+    *,
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+) -> tuple[ValueTensor, States | None]: ...
 
 
 def chunk_kimi_delta_attention(
-    query: QKTensor,
-    key: QKTensor,
-    value: ValueTensor,
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
     g: KeyGateTensor,
     beta: GateTensor,
-    chunk_size: int = 64,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
     *,
     scale: float | None = None,
-    cu_seqlens: Int[Array, " docs_plus_one"] | None = None,
+    initial_state: States | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
 ) -> tuple[ValueTensor, States | None]:
     r"""Kimi Delta Attention in chunked (WY) form: the training path.
 
-    The arguments are those of Kimi Linear's `chunk_kimi_delta_attention` in Hugging Face
-    transformers (plus `scale`), and so are the results. Per token and value head:
-    $h \leftarrow \mathrm{diag}(e^{g_t}) h$, then
+    Per token and value head: $h \leftarrow \mathrm{diag}(e^{g_t}) h$, then
     $h \leftarrow h + k_t (\beta_t (v_t - h^\top k_t))^\top$, $o_t = h^\top (s\, q_t)$.
 
-    Decays between tokens of a chunk are formed exactly for any gates, however negative
-    (see `decayed_gram` in `deltanet_cp/recurrences/_common.py`). The math runs in float32
-    (float64 for float64 inputs).
+    Any sequence length works (the last chunk is padded with identity steps). The state and
+    the chunk algebra run in float32 (float64 for float64 inputs).
 
     **Arguments:**
 
-    - `query`, `key`: shape `(B, T, H, K)`.
-    - `value`: shape `(B, T, HV, V)`; `HV` must be a multiple of `H` (transformers has
-        `HV = H`), and value head `j` reads key head `j // (HV // H)`.
+    - `q`, `k`: queries and keys, shape `(B, T, H, K)`.
+    - `v`: values, shape `(B, T, HV, V)`; `HV` must be a multiple of `H` and value head `j`
+        reads key head `j // (HV // H)`.
     - `g`: natural-log decays per key channel, $\le 0$, shape `(B, T, HV, K)`.
     - `beta`: step sizes in $[0, 1]$, shape `(B, T, HV)`.
-    - `chunk_size`: tokens per chunk.
+    - `scale`: query scale, default `K ** -0.5`.
     - `initial_state`: the state before the first token, `(B, HV, K, V)`; zeros if `None`.
     - `output_final_state`: also return the state after the last token.
-    - `use_qk_l2norm_in_kernel`: L2-normalise `query` and `key` over `K` (eps `1e-6`) first.
-    - `scale`: query scale, default `K ** -0.5`.
+    - `use_qk_l2norm`: L2-normalise `q` and `k` over `K` (eps `1e-6`) first.
     - `cu_seqlens`: packed documents (batch size 1): the document offsets
-        `[0, len_0, len_0 + len_1, ..., T]`, shape `(N + 1,)`. The state resets at each
-        document start, no chunk mixes two documents, and `initial_state` / the final
-        state are per document, `(N, HV, K, V)`.
+        `[0, len_0, len_0 + len_1, ..., T]`, a list or an int array of shape `(N + 1,)`
+        (the flash-linear-attention convention). The state resets at each document start,
+        no chunk mixes two documents, and `initial_state` / the final state are per
+        document, `(N, HV, K, V)`.
+    - `chunk_size`: tokens per chunk.
 
     **Returns:**
 
-    `(o, final_state)`: `o` of shape `(B, T, HV, V)` in `query`'s dtype, and the final
-    state `(B, HV, K, V)` in float32 if `output_final_state`, else `None`.
+    `(o, final_state)`: `o` of shape `(B, T, HV, V)` in `v`'s dtype, and the final state
+    `(B, HV, K, V)` (float32; float64 for float64 inputs) if `output_final_state`, else
+    `None`.
     """
-    if cu_seqlens is not None:
-        check_inputs(query, key, value, g, beta, g_per_key=True)
-        return run_packed(
-            _builder(scale, use_qk_l2norm_in_kernel, chunk_size),
-            (query, key, value, g, beta),
-            cu_seqlens,
-            initial_state,
-            chunk_size=chunk_size,
-            output_final_state=output_final_state,
-        )
-    check_inputs(query, key, value, g, beta, initial_state, g_per_key=True)
-    rec = KimiDeltaAttention(
-        query,
-        key,
-        value,
-        g,
-        beta,
-        scale=scale,
-        use_qk_l2norm=use_qk_l2norm_in_kernel,
-        chunk_size=chunk_size,
+    return run(
+        KimiDeltaAttention(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        DeltaInputs(q, k, v, g, beta),
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
     )
-    o, h = run_local(rec, initial_state)
-    return o, (h if output_final_state else None)
 
 
-def chunk_kimi_delta_attention_cp(
-    query: QKTensor,
-    key: QKTensor,
-    value: ValueTensor,
+@overload
+def recurrent_kimi_delta_attention(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
     g: KeyGateTensor,
     beta: GateTensor,
-    chunk_size: int = 64,
+    *,
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: Literal[True],
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+) -> tuple[ValueTensor, States]: ...
+
+
+@overload
+def recurrent_kimi_delta_attention(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    g: KeyGateTensor,
+    beta: GateTensor,
+    *,
+    scale: float | None = None,
     initial_state: States | None = None,
     output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    *,
-    axis_name: str,
-    layout: ContiguousLayout = Contiguous(),
-    strategy: str = "allgather",
-    scale: float | None = None,
-    cu_seqlens: Int[Array, " docs_plus_one"] | None = None,
-) -> tuple[ValueTensor, States | None]:
-    r"""Chunked Kimi Delta Attention with context parallelism, called inside `jax.shard_map`.
-
-    The sequence axis (axis 1 of every argument but `initial_state`) is sharded over
-    `axis_name`, rank `r` holding a contiguous slice; each argument here is this rank's
-    slice. Ranks exchange one `(K, K)` + `(K, V)` map per batch element and value head
-    (or less, depending on `strategy`).
-
-    **Arguments:**
-
-    - `query`, `key`, `value`, `g`, `beta`, `chunk_size`, `use_qk_l2norm_in_kernel`,
-        `scale`: as in [`deltanet_cp.chunk_kimi_delta_attention`][], for this rank's tokens.
-    - `initial_state`: the state before the first token of the whole sequence, replicated;
-        zeros if `None`.
-    - `output_final_state`: also return the state after the last token of the sequence.
-    - `axis_name`: the mesh axis the sequence is sharded over.
-    - `layout`: must be [`deltanet_cp.Contiguous`][] (the default).
-    - `strategy`: `"allgather"`, `"ppermute"`, `"ring"` or `"auto"`.
-    - `cu_seqlens`: packed documents: the *global* document offsets, the same array on
-        every rank (replicated); documents may cross rank boundaries. `initial_state` and
-        the final state are then per document, `(N, HV, K, V)`.
-
-    **Returns:**
-
-    `(o, final_state)`: this rank's outputs `(B, T_local, HV, V)` in `query`'s dtype, and
-    the global final state `(B, HV, K, V)` (the same on every rank) or `None`.
-    """
-    check_contiguous(layout, "chunk_kimi_delta_attention_cp")
-    if cu_seqlens is not None:
-        check_inputs(query, key, value, g, beta, g_per_key=True)
-        return run_packed(
-            _builder(scale, use_qk_l2norm_in_kernel, chunk_size),
-            (query, key, value, g, beta),
-            cu_seqlens,
-            initial_state,
-            chunk_size=chunk_size,
-            output_final_state=output_final_state,
-            axis_name=axis_name,
-            layout=layout,
-            strategy=strategy,
-        )
-    check_inputs(query, key, value, g, beta, initial_state, g_per_key=True)
-    rec = KimiDeltaAttention(
-        query,
-        key,
-        value,
-        g,
-        beta,
-        scale=scale,
-        use_qk_l2norm=use_qk_l2norm_in_kernel,
-        chunk_size=chunk_size,
-    )
-    return run_context_parallel(
-        rec,
-        initial_state,
-        axis_name=axis_name,
-        layout=layout,
-        strategy=strategy,
-        output_final_state=output_final_state,
-    )
-
-
-def _builder(scale, use_qk_l2norm, chunk_size):
-    def build(q, k, v, g, beta):
-        return KimiDeltaAttention(
-            q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size
-        )
-
-    return build
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+) -> tuple[ValueTensor, States | None]: ...
 
 
 def recurrent_kimi_delta_attention(
-    query: QKTensor,
-    key: QKTensor,
-    value: ValueTensor,
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
     g: KeyGateTensor,
     beta: GateTensor,
-    initial_state: State | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
     *,
     scale: float | None = None,
-) -> tuple[ValueTensor, State | None]:
-    r"""Kimi Delta Attention token by token (a `lax.scan` over time): the decoding path.
+    initial_state: States | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+) -> tuple[ValueTensor, States | None]:
+    r"""Kimi Delta Attention token by token: the decoding path.
 
-    Takes the same arguments as [`deltanet_cp.chunk_kimi_delta_attention`][] (without
-    `chunk_size`) and returns the same `(o, final_state)`.
+    The same recurrence as [`deltanet_cp.chunk_kimi_delta_attention`][], one token per step
+    (the engine with `chunk_size=1`: a `lax.scan` over tokens); the same arguments
+    (without `chunk_size`) and results.
     """
-    check_inputs(query, key, value, g, beta, initial_state, g_per_key=True)
-    dt = compute_dtype(query, key, value, g, beta)
-    b, _, h, dk = query.shape
-    hv, dv = value.shape[2], value.shape[3]
-    scale = dk**-0.5 if scale is None else scale
-    qf, kf = query.astype(dt), key.astype(dt)
-    if use_qk_l2norm_in_kernel:
-        qf, kf = l2norm(qf), l2norm(kf)
-    r = hv // h
-    qf = jnp.repeat(qf * jnp.asarray(scale, dt), r, axis=2)
-    kf = jnp.repeat(kf, r, axis=2)
-    h0 = jnp.zeros((b, hv, dk, dv), dt) if initial_state is None else initial_state.astype(dt)
-
-    def body(state, xs):
-        q_t, k_t, v_t, g_t, beta_t = xs
-        state = jnp.exp(g_t)[..., :, None] * state
-        delta = beta_t[..., None] * (v_t - _einsum("bhkv,bhk->bhv", state, k_t))
-        state = state + k_t[..., :, None] * delta[..., None, :]
-        return state, _einsum("bhkv,bhk->bhv", state, q_t)
-
-    xs = tuple(
-        jnp.moveaxis(x, 1, 0) for x in (qf, kf, value.astype(dt), g.astype(dt), beta.astype(dt))
+    return run(
+        KimiDeltaAttention(chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        DeltaInputs(q, k, v, g, beta),
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
     )
-    h_final, o = jax.lax.scan(body, h0, xs)
-    o = jnp.moveaxis(o, 0, 1).astype(query.dtype)
-    return o, (h_final if output_final_state else None)
+
+
+@overload
+def chunk_kimi_delta_attention_cp(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    g: KeyGateTensor,
+    beta: GateTensor,
+    *,
+    axis_name: str,
+    layout: ContiguousLayout = Contiguous(),
+    exchange: AbstractExchange | ExchangeName = "allgather",
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: Literal[True],
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+) -> tuple[ValueTensor, States]: ...
+
+
+@overload
+def chunk_kimi_delta_attention_cp(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    g: KeyGateTensor,
+    beta: GateTensor,
+    *,
+    axis_name: str,
+    layout: ContiguousLayout = Contiguous(),
+    exchange: AbstractExchange | ExchangeName = "allgather",
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+) -> tuple[ValueTensor, States | None]: ...
+
+
+def chunk_kimi_delta_attention_cp(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    g: KeyGateTensor,
+    beta: GateTensor,
+    *,
+    axis_name: str,
+    layout: ContiguousLayout = Contiguous(),
+    exchange: AbstractExchange | ExchangeName = "allgather",
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+) -> tuple[ValueTensor, States | None]:
+    r"""[`deltanet_cp.chunk_kimi_delta_attention`][] with context parallelism (in `shard_map`).
+
+    The sequence axis (axis 1 of every per-token argument) is sharded over `axis_name`,
+    rank `r` holding a contiguous slice; each argument here is this rank's slice (any number
+    of tokens per rank). Ranks exchange one `(K, K)` + `(K, V)` map per batch element and value head
+    (or less, depending on `exchange`): the payload does not grow with the sequence length.
+
+    **Arguments:**
+
+    - `q, k, v, g, beta`, `scale`, `use_qk_l2norm`, `chunk_size`: as in
+        [`deltanet_cp.chunk_kimi_delta_attention`][], for this rank's tokens.
+    - `initial_state`: the state before the first token of the whole sequence, replicated;
+        zeros if `None`.
+    - `output_final_state`: also return the state after the last token of the sequence
+        (the same on every rank).
+    - `cu_seqlens`: packed documents: the *global* document offsets, the same on every rank;
+        documents may cross rank boundaries.
+    - `axis_name`: the mesh axis the sequence is sharded over.
+    - `layout`: [`deltanet_cp.Contiguous`][] (the default) is the only layout accepted; a
+        [`deltanet_cp.Zigzag`][] is a type error for pyright and a `ValueError` at run time.
+    - `exchange`: how ranks exchange their maps: [`deltanet_cp.AllGather`][] (the default),
+        [`deltanet_cp.PPermute`][], [`deltanet_cp.Ring`][], [`deltanet_cp.Auto`][], or their
+        shorthands `"allgather"`, `"ppermute"`, `"ring"`, `"auto"`.
+
+    **Returns:**
+
+    `(o, final_state)`: this rank's outputs `(B, T_local, HV, V)` in `v`'s dtype, and the
+    global final state or `None`.
+    """
+    return run(
+        KimiDeltaAttention(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        DeltaInputs(q, k, v, g, beta),
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        axis_name=axis_name,
+        layout=layout,
+        exchange=exchange,
+    )
+
+
+@overload
+def chunk_kimi_delta_attention_sharded(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    g: KeyGateTensor,
+    beta: GateTensor,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name: str,
+    batch_axis: str | None = None,
+    layout: ContiguousLayout = Contiguous(),
+    exchange: AbstractExchange | ExchangeName = "allgather",
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: Literal[True],
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+) -> tuple[ValueTensor, States]: ...
+
+
+@overload
+def chunk_kimi_delta_attention_sharded(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    g: KeyGateTensor,
+    beta: GateTensor,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name: str,
+    batch_axis: str | None = None,
+    layout: ContiguousLayout = Contiguous(),
+    exchange: AbstractExchange | ExchangeName = "allgather",
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+) -> tuple[ValueTensor, States | None]: ...
+
+
+def chunk_kimi_delta_attention_sharded(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    g: KeyGateTensor,
+    beta: GateTensor,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name: str,
+    batch_axis: str | None = None,
+    layout: ContiguousLayout = Contiguous(),
+    exchange: AbstractExchange | ExchangeName = "allgather",
+    scale: float | None = None,
+    initial_state: States | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+) -> tuple[ValueTensor, States | None]:
+    r"""[`deltanet_cp.chunk_kimi_delta_attention_cp`][] on global arrays: does the `shard_map`.
+
+    Shards the sequence axis over `axis_name` of `mesh` (and optionally the batch over
+    `batch_axis`), runs the context-parallel kernel and returns global arrays. Compiled
+    once per input shapes and mesh. Use it at the top level; inside your own `shard_map`,
+    call `chunk_kimi_delta_attention_cp`.
+
+    **Arguments:**
+
+    - `q, k, v, g, beta`, `scale`, `initial_state`, `output_final_state`, `use_qk_l2norm`,
+        `cu_seqlens`, `chunk_size`: as in [`deltanet_cp.chunk_kimi_delta_attention`][],
+        global arrays. The sequence length must be divisible by the size of `axis_name`.
+    - `mesh`: a `jax.sharding.Mesh` with an axis named `axis_name`.
+    - `axis_name`: the mesh axis to shard the sequence over.
+    - `batch_axis`: optionally, a mesh axis to shard the batch over (data parallelism).
+    - `layout`, `exchange`: as in [`deltanet_cp.chunk_kimi_delta_attention_cp`][].
+
+    **Returns:**
+
+    `(o, final_state)` as global arrays.
+    """
+    return run_sharded(
+        KimiDeltaAttention(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        DeltaInputs(q, k, v, g, beta),
+        mesh=mesh,
+        axis_name=axis_name,
+        batch_axis=batch_axis,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        layout=layout,
+        exchange=exchange,
+    )

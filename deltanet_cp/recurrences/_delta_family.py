@@ -1,0 +1,255 @@
+r"""What Gated DeltaNet, DeltaNet, KDA and Gated DeltaProduct share: their inputs, their
+chunk factors, one chunk step, and the abstract class the four final classes derive from.
+
+The four differ only in their decays and in how many delta updates a token makes. With
+per-channel log decays $g_t$ (one per head is the same decay on every channel; none is
+$g = 0$), $G_i = \sum_{t \le i} g_t$ from the chunk start, and $s$ updates emitting $c$
+outputs, one chunk is an affine map of the incoming state:
+
+    A_ij   = beta_i sum_c k_ic k_jc exp(G_ic - G_jc)   (i > j)
+    T      = (I + A)^-1                                 (unit lower triangular)
+    w      = T (beta * exp(G) * k),   u = T (beta * v)
+    attn   = tril_inclusive(sum_c q_ic k_jc exp(G_ic - G_jc)),   q_g = q * exp(G)
+    v_new  = u - w h
+    o      = q_g h + attn v_new = (q_g - attn w) h + attn u
+    h_next = diag(gamma) h + k~^T v_new,   gamma = exp(G_C),   k~ = k * exp(G_C - G)
+
+$T$ comes from [`unit_lower_inverse`](recursive blocking, batched matmuls), the decays
+from a compensated prefix sum (per token) or the blocked exact Gram (per channel).
+"""
+
+from typing import ClassVar, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from .._affine import AffineMap
+from .._chunking import chunk_major, from_chunk_major
+from .._engine import AbstractRecurrence
+from ._helpers import (
+    check_arrays,
+    compensated_cumsum,
+    compute_dtype,
+    cumulative_decays,
+    decayed_gram,
+    einsum,
+    l2norm,
+    lift,
+    unit_lower_inverse,
+)
+
+
+# How a delta-rule recurrence decays its state: per head, per key channel, optionally per
+# head, or not at all.
+GateKind = Literal["head", "key", "optional", "none"]
+
+
+class DeltaInputs(eqx.Module):
+    """The per-token inputs of a delta-rule recurrence (time on axis 1 of every array).
+
+    **Arguments:**
+
+    - `q`: queries, `(B, T, H, K)`.
+    - `k`: keys, `(B, T, H, K)`; `(B, T, n_h, H, K)` for Gated DeltaProduct.
+    - `v`: values, `(B, T, HV, V)`; `(B, T, n_h, HV, V)` for Gated DeltaProduct.
+    - `g`: log decays `<= 0`: `(B, T, HV)` per head, `(B, T, HV, K)` per key channel
+        (KDA), or `None` (DeltaNet).
+    - `beta`: step sizes, `(B, T, HV)`; `(B, T, n_h, HV)` for Gated DeltaProduct.
+    """
+
+    q: Float[Array, "batch seq heads k"]
+    k: Float[Array, "batch seq *nh heads k"]
+    v: Float[Array, "batch seq *nh vheads v"]
+    g: Float[Array, "batch seq vheads *k"] | None
+    beta: Float[Array, "batch seq *nh vheads"]
+
+
+class DeltaFactors(eqx.Module):
+    r"""The per-chunk quantities of a delta-rule recurrence that do not depend on the state.
+
+    Every field has leading axes `(n_chunks, batch, value_heads)`. A chunk makes `s` delta
+    updates (its tokens; for Gated DeltaProduct `n_h` per token) and emits `c` outputs.
+
+    - `wq`: $w$ (rows `:s`) stacked over $q e^{G} - \mathrm{attn}\, w$ (rows `s:`), so one
+        product with the state gives both $w h$ and the state's share of the outputs.
+    - `u`: $u$, so that $v_\text{new} = u - w h$.
+    - `o_intra`: $\mathrm{attn}\, u$, the outputs' share that does not depend on the state.
+    - `k_decayed_t`: $\tilde k^\top = (k e^{G_C - G})^\top$, shape `(..., K, s)`.
+    - `gamma`: $e^{G_C}$, the decay over the whole chunk per key channel.
+    """
+
+    wq: Float[Array, "n b h sc k"]
+    u: Float[Array, "n b h s v"]
+    o_intra: Float[Array, "n b h c v"]
+    k_decayed_t: Float[Array, "n b h k s"]
+    gamma: Float[Array, "n b h k"]
+
+    @property
+    def w(self) -> Float[Array, "*chunks b h s k"]:
+        """The WY factor $w$ (the first `s` rows of `wq`)."""
+        return self.wq[..., : self.u.shape[-2], :]
+
+
+class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]):
+    """The delta-rule family: a delta update per step, with or without decay.
+
+    Final subclasses hold the fields `chunk_size`, `scale` and `use_qk_l2norm`, and say
+    with `gate` whether decays are per head (`"head"`), per key channel (`"key"`), optional
+    per head (`"optional"`) or absent (`"none"`), and with `householder` whether a token
+    makes several updates (the `n_h` axis of Gated DeltaProduct).
+    """
+
+    scale: eqx.AbstractVar[float | None]
+    use_qk_l2norm: eqx.AbstractVar[bool]
+    gate: ClassVar[GateKind]
+    householder: ClassVar[bool]
+
+    def check(self, inputs: DeltaInputs) -> None:
+        name = type(self).__name__
+        nh = ("householder_steps",) if self.householder else ()
+        if self.gate == "none" and inputs.g is not None:
+            raise ValueError(f"{name} has no decay: pass `g=None`.")
+        if self.gate in ("head", "key") and inputs.g is None:
+            raise ValueError(f"{name} needs the log decays `g`; got None.")
+        per_key = ("K",) if self.gate == "key" else ()
+        check_arrays(
+            {
+                "q": (inputs.q, ("batch", "seq", "heads", "K")),
+                "k": (inputs.k, ("batch", "seq", *nh, "heads", "K")),
+                "v": (inputs.v, ("batch", "seq", *nh, "value_heads", "V")),
+                "g": (inputs.g, ("batch", "seq", "value_heads", *per_key)),
+                "beta": (inputs.beta, ("batch", "seq", *nh, "value_heads")),
+            }
+        )
+
+    def state(self, inputs: DeltaInputs) -> jax.ShapeDtypeStruct:
+        b, hv, dv = inputs.v.shape[0], inputs.v.shape[-2], inputs.v.shape[-1]
+        return jax.ShapeDtypeStruct((b, hv, inputs.q.shape[-1], dv), _dtype(inputs))
+
+    def prepare(self, chunks: DeltaInputs) -> DeltaFactors:
+        # Everything here is batched over all chunks at once, chunk axis first, so the scan
+        # reads contiguous slices and only the products with the state remain sequential.
+        dt = _dtype(chunks)
+        b, n, c, h, dk = chunks.q.shape
+        nh = chunks.k.shape[3] if self.householder else 1
+        hv, dv = chunks.v.shape[-2], chunks.v.shape[-1]
+        r = hv // h
+        q, k = chunks.q.astype(dt), chunks.k.astype(dt)
+        if self.use_qk_l2norm:
+            q, k = l2norm(q), l2norm(k)
+        q = q * jnp.asarray(dk**-0.5 if self.scale is None else self.scale, dt)
+        # A token's n_h updates are n_h pseudo-tokens in a row: the decay on the first, the
+        # output after the last.
+        s = c * nh
+        k = chunk_major(k.reshape(b, n, s, h, dk))  # (N, B, H, S, K)
+        v = chunk_major(chunks.v.astype(dt).reshape(b, n, s, h, r, dv))  # (N, B, H, r, S, V)
+        beta = chunk_major(chunks.beta.astype(dt).reshape(b, n, s, h, r), features=0)
+        g = chunks.g
+        if g is not None:
+            g = g.astype(dt)
+            if nh > 1:  # (B, N, C, HV) -> (B, N, C, n_h, HV), the decay on the first step
+                g = jnp.concatenate([g[:, :, :, None], jnp.zeros((b, n, c, nh - 1, hv), dt)], 3)
+            per_key = self.gate == "key"
+            g = g.reshape(b, n, s, h, r, *((dk,) if per_key else ()))
+            g = chunk_major(g, features=int(per_key))
+        return _factors(chunk_major(q), k, v, g, beta, rows=slice(nh - 1, None, nh))
+
+    def step(self, factors: DeltaFactors, h: Float[Array, "b h k v"]) -> tuple[Array, Array]:
+        f = factors
+        s = f.u.shape[-2]
+        y = einsum("bhck,bhkv->bhcv", f.wq, h)  # [w h; (q_g - attn w) h]
+        v_new = f.u - y[..., :s, :]
+        o = y[..., s:, :] + f.o_intra
+        h_next = f.gamma[..., None] * h + einsum("bhks,bhsv->bhkv", f.k_decayed_t, v_new)
+        return h_next, o
+
+    def chunk_map(self, factors: DeltaFactors) -> AffineMap:
+        f = factors
+        dk = f.wq.shape[-1]
+        eye = lift(jnp.eye(dk, dtype=f.wq.dtype), f.gamma.ndim + 1)
+        m = f.gamma[..., None] * eye - einsum("bhks,bhsj->bhkj", f.k_decayed_t, f.w)
+        return AffineMap(m, einsum("bhks,bhsv->bhkv", f.k_decayed_t, f.u))
+
+    def compose(self, factors: DeltaFactors, running: AffineMap) -> AffineMap:
+        # [M | U] <- diag(gamma) [M | U] + k~^T ([0 | u] - w [M | U]): 2 K (K + V) s
+        # multiply-adds per chunk in two products, instead of a dense K^3 one.
+        f = factors
+        dk = running.M.shape[-1]
+        mu = jnp.concatenate([running.M, running.U], axis=-1)
+        rhs = jnp.concatenate([jnp.zeros_like(f.w), f.u], axis=-1)
+        rhs = rhs - einsum("bhsk,bhkd->bhsd", f.w, mu)
+        mu = f.gamma[..., None] * mu + einsum("bhks,bhsd->bhkd", f.k_decayed_t, rhs)
+        return AffineMap(mu[..., :dk], mu[..., dk:])
+
+    def finalize(self, outputs: Float[Array, "n b h c v"], chunks: DeltaInputs) -> Array:
+        return from_chunk_major(outputs).astype(chunks.v.dtype)
+
+
+def _dtype(inputs: DeltaInputs) -> jnp.dtype:
+    return compute_dtype(*jax.tree.leaves(inputs))
+
+
+def _factors(q, k, v, g, beta, *, rows: slice) -> DeltaFactors:
+    """The factors from chunk-major inputs: `q: (N, B, H, C, K)`, `k: (N, B, H, S, K)`,
+    `v: (N, B, H, r, S, V)`, `beta: (N, B, H, r, S)`, `g: None`, `(N, B, H, r, S)` or
+    `(N, B, H, r, S, K)`; `rows` picks the `C` output positions among the `S` updates.
+
+    Products of keys with keys or queries are formed once per key head and broadcast over
+    its `r` value heads, unless the decay is per channel (it then differs per value head).
+    """
+    dt = k.dtype
+    s, dk = k.shape[-2], k.shape[-1]
+    r = v.shape[3]
+    lead = v.shape[:4]  # (N, B, H, r)
+    incl = lift(jnp.tril(jnp.ones((s, s), dtype=bool)), 6)
+    strict = lift(jnp.tril(jnp.ones((s, s), dtype=bool), k=-1), 6)
+    zero = jnp.zeros((), dt)
+    kr, qr = k[:, :, :, None], q[:, :, :, None]  # (N, B, H, 1, ., K)
+    if g is not None and g.ndim == k.ndim + 1:  # one decay per key channel: exact blocked Gram
+        kb, qb = jnp.broadcast_to(kr, (*lead, s, dk)), jnp.broadcast_to(qr, (*lead, s, dk))
+        a = decayed_gram(kb, kb, g, strict=True) * beta[..., :, None]
+        attn = decayed_gram(qb, kb, g, strict=False)[..., rows, :]
+        decay_in, decay_out = cumulative_decays(g, per_channel=True)
+        q_decayed, k_decayed = qb * decay_in[..., rows, :], kb * decay_out
+        bk = (beta[..., None] * decay_in) * kb
+        gamma = decay_in[..., -1, :]
+    else:
+        qk = einsum("...ik,...jk->...ij", qr, kr)  # (N, B, H, 1, C, S)
+        kk = einsum("...ik,...jk->...ij", kr, kr)
+        if g is None:
+            attn = jnp.where(incl[..., rows, :], qk, zero)
+            a = jnp.where(strict, kk, zero) * beta[..., :, None]
+            q_decayed, k_decayed, bk = qr, kr, beta[..., None] * kr
+            gamma = jnp.ones((*lead, dk), dt)
+        else:
+            cum, err = compensated_cumsum(g)  # G_i from the chunk start, and its rounding error
+            # G_i - G_j without cancellation: the float32 difference plus that of the errors.
+            seg = (cum[..., :, None] - cum[..., None, :]) + jax.lax.stop_gradient(
+                err[..., :, None] - err[..., None, :]
+            )
+            decay = jnp.exp(jnp.where(incl, seg, -jnp.inf))  # masked before exp
+            decay_in = jnp.exp(cum)  # e^{G_i}
+            attn = qk * decay[..., rows, :]
+            a = jnp.where(strict, kk * decay, zero) * beta[..., :, None]
+            q_decayed = decay_in[..., rows, None] * qr
+            k_decayed = kr * decay[..., -1, :, None]  # k e^{G_C - G_i}
+            bk = (beta * decay_in)[..., None] * kr
+            gamma = jnp.broadcast_to(decay_in[..., -1:], (*lead, dk))
+    rhs = jnp.concatenate([bk, beta[..., None] * v], axis=-1)  # (N, B, H, r, S, K + V)
+    wu = einsum("...ij,...jd->...id", unit_lower_inverse(a), rhs)
+    a_wu = einsum("...ij,...jd->...id", attn, wu)  # [attn w | attn u]
+    q_out = jnp.broadcast_to(q_decayed, (*lead, *q_decayed.shape[-2:])) - a_wu[..., :dk]
+    k_decayed = jnp.broadcast_to(k_decayed, (*lead, s, dk))
+
+    def heads(x):  # (N, B, H, r, ...) -> (N, B, HV, ...); value head j reads key head j // r
+        return x.reshape(x.shape[:2] + (x.shape[2] * r,) + x.shape[4:])
+
+    return DeltaFactors(
+        wq=heads(jnp.concatenate([wu[..., :dk], q_out], axis=-2)),
+        u=heads(wu[..., dk:]),
+        o_intra=heads(a_wu[..., dk:]),
+        k_decayed_t=heads(jnp.swapaxes(k_decayed, -1, -2)),
+        gamma=heads(gamma),
+    )

@@ -1,0 +1,181 @@
+"""The registry of recurrences the property tests run over (lineax's tests/helpers.py is
+the model): a new recurrence gets the whole battery of tests/test_recurrences.py by adding
+one `Family` to `FAMILIES`.
+
+The float64 loops and input generators live in tests/helpers.py, which does not import the
+library; this module pairs them with the library's public functions.
+"""
+
+import dataclasses
+import functools as ft
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+import deltanet_cp as dcp
+
+from .helpers import (
+    delta_product_reference,
+    delta_reference,
+    gated_delta_reference,
+    gla_reference,
+    kda_reference,
+    make_delta_inputs,
+    make_delta_product_inputs,
+    make_gated_delta_inputs,
+    make_gla_inputs,
+    make_kda_inputs,
+    Reference,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One recurrence: its four public entry points, its configuration, its float64 loop.
+
+    **Fields:**
+
+    - `name`: the test id.
+    - `chunk`, `recurrent`, `chunk_cp`, `chunk_sharded`: the public functions
+        `chunk_X`, `recurrent_X`, `chunk_X_cp`, `chunk_X_sharded`.
+    - `recurrence`: the configuration class, `recurrence(chunk_size=, scale=, use_qk_l2norm=)`.
+    - `inputs`: the public positional arguments -> the engine's inputs PyTree.
+    - `make`: `make(seed, *, b, t, h, hv, dk, dv, dtype) -> (args, initial_state)`, the
+        arguments in public order with sensible ranges, the state `(b, hv, dk, dv)` float32.
+    - `reference`: the float64 loop, `reference(*args, scale=, initial_state=, l2norm=,
+        cu_seqlens=) -> (o, final_state)`.
+    - `arg_names`: the public positional argument names, in order.
+    - `gate`: the name of the log-decay argument, `None` if there is none.
+    - `gate_per_channel`: whether that gate has one value per key channel (its last axis K).
+    - `l2norm`: whether `use_qk_l2norm` applies.
+    """
+
+    name: str
+    chunk: Callable[..., Any]
+    recurrent: Callable[..., Any]
+    chunk_cp: Callable[..., Any]
+    chunk_sharded: Callable[..., Any]
+    recurrence: Callable[..., Any]
+    inputs: Callable[..., Any]
+    make: Callable[..., tuple[tuple[Any, ...], jax.Array]]
+    reference: Reference
+    arg_names: tuple[str, ...]
+    gate: str | None
+    gate_per_channel: bool = False
+    l2norm: bool = True
+
+    def __repr__(self) -> str:
+        return self.name
+
+    def gate_index(self) -> int | None:
+        return None if self.gate is None else self.arg_names.index(self.gate)
+
+
+def _delta_inputs(q, k, v, g, beta):
+    return dcp.DeltaInputs(q, k, v, g, beta)
+
+
+def _ungated_delta_inputs(q, k, v, beta):
+    return dcp.DeltaInputs(q, k, v, None, beta)
+
+
+def _gla_inputs(q, k, v, g):
+    return dcp.GLAInputs(q, k, v, g)
+
+
+GATED_DELTA_RULE = Family(
+    name="gated_delta_rule",
+    chunk=dcp.chunk_gated_delta_rule,
+    recurrent=dcp.recurrent_gated_delta_rule,
+    chunk_cp=dcp.chunk_gated_delta_rule_cp,
+    chunk_sharded=dcp.chunk_gated_delta_rule_sharded,
+    recurrence=dcp.GatedDeltaRule,
+    inputs=_delta_inputs,
+    make=make_gated_delta_inputs,
+    reference=gated_delta_reference,
+    arg_names=("q", "k", "v", "g", "beta"),
+    gate="g",
+)
+
+DELTA_RULE = Family(
+    name="delta_rule",
+    chunk=dcp.chunk_delta_rule,
+    recurrent=dcp.recurrent_delta_rule,
+    chunk_cp=dcp.chunk_delta_rule_cp,
+    chunk_sharded=dcp.chunk_delta_rule_sharded,
+    recurrence=dcp.DeltaRule,
+    inputs=_ungated_delta_inputs,
+    make=make_delta_inputs,
+    reference=delta_reference,
+    arg_names=("q", "k", "v", "beta"),
+    gate=None,
+)
+
+KIMI_DELTA_ATTENTION = Family(
+    name="kimi_delta_attention",
+    chunk=dcp.chunk_kimi_delta_attention,
+    recurrent=dcp.recurrent_kimi_delta_attention,
+    chunk_cp=dcp.chunk_kimi_delta_attention_cp,
+    chunk_sharded=dcp.chunk_kimi_delta_attention_sharded,
+    recurrence=dcp.KimiDeltaAttention,
+    inputs=_delta_inputs,
+    make=make_kda_inputs,
+    reference=kda_reference,
+    arg_names=("q", "k", "v", "g", "beta"),
+    gate="g",
+    gate_per_channel=True,
+)
+
+GLA = Family(
+    name="gla",
+    chunk=dcp.chunk_gla,
+    recurrent=dcp.recurrent_gla,
+    chunk_cp=dcp.chunk_gla_cp,
+    chunk_sharded=dcp.chunk_gla_sharded,
+    recurrence=dcp.GatedLinearAttention,
+    inputs=_gla_inputs,
+    make=make_gla_inputs,
+    reference=gla_reference,
+    arg_names=("q", "k", "v", "g"),
+    gate="g",
+    gate_per_channel=True,
+)
+
+GLA_PER_HEAD = dataclasses.replace(
+    GLA,
+    name="gla_per_head",
+    make=ft.partial(make_gla_inputs, per_channel=False),
+    gate_per_channel=False,
+)
+
+GATED_DELTA_PRODUCT = Family(
+    name="gated_delta_product",
+    chunk=dcp.chunk_gated_delta_product,
+    recurrent=dcp.recurrent_gated_delta_product,
+    chunk_cp=dcp.chunk_gated_delta_product_cp,
+    chunk_sharded=dcp.chunk_gated_delta_product_sharded,
+    recurrence=dcp.GatedDeltaProduct,
+    inputs=_delta_inputs,
+    make=make_delta_product_inputs,  # n_h = 2 householder steps per token
+    reference=delta_product_reference,
+    arg_names=("q", "k", "v", "g", "beta"),
+    gate="g",
+)
+
+FAMILIES = [
+    GATED_DELTA_RULE,
+    DELTA_RULE,
+    KIMI_DELTA_ATTENTION,
+    GLA,
+    GLA_PER_HEAD,
+    GATED_DELTA_PRODUCT,
+]
+DELTA_FAMILIES = [GATED_DELTA_RULE, DELTA_RULE, KIMI_DELTA_ATTENTION, GATED_DELTA_PRODUCT]
+
+EXCHANGES = [dcp.AllGather(), dcp.PPermute(), dcp.Ring(), dcp.Auto()]
+EXCHANGE_NAMES = ["allgather", "ppermute", "ring", "auto"]
+
+
+def exchange_id(exchange) -> str:
+    return exchange if isinstance(exchange, str) else f"{type(exchange).__name__}()"
