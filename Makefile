@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-slow test-all lint docs bench clean
+.PHONY: demo test test-slow test-all lint docs bench bench-gpu bench-gpu-wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,21 +39,45 @@ lint: $(VENV)/.installed-dev $(VENV)/.installed-test
 docs: $(VENV)/.installed-docs
 	$(BIN)/mkdocs build --strict --site-dir site
 
-# Benchmarks run in their own environment with the peers we compare against (torch, transformers);
-# they are never dependencies of the library. pip picks the local CPU wheel by the exact pin.
+# Benchmarks run in their own environment with the peers we compare against (torch, transformers,
+# MaxText); they are never dependencies of the library. pip picks the local CPU wheel by the exact
+# pin. MaxText's wheel declares Python >= 3.12 and pulls flax and much more: it is downloaded for
+# 3.12 and installed without its dependencies (benchmarks/_maxtext.py reads the one kernel file
+# from it without importing the package).
 BENCH_VENV ?= .venv-bench
 BENCH := $(BENCH_VENV)/bin
+MAXTEXT ?= maxtext==0.2.5
 
 $(BENCH_VENV)/.installed: pyproject.toml
 	test -x $(BENCH)/python || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH)/python -m pip install --quiet "torch==2.13.0" transformers -e .
+	rm -rf $(BENCH_VENV)/wheels
+	$(BENCH)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		-d $(BENCH_VENV)/wheels "$(MAXTEXT)"
+	$(BENCH)/python -m pip install --quiet --no-deps --ignore-requires-python $(BENCH_VENV)/wheels/*.whl
 	touch $@
 
 bench: $(BENCH_VENV)/.installed
 	$(BENCH)/python benchmarks/vs_transformers.py
+	$(BENCH)/python benchmarks/vs_maxtext.py
 	$(BENCH)/python benchmarks/cp_cost.py
 	$(BENCH)/python benchmarks/cpu_bound.py
 	$(BENCH)/python benchmarks/first_call.py
+
+# On a CUDA machine with jax, torch, triton and transformers and no network: ours vs FLA's Triton
+# kernel vs MaxText (benchmarks/accelerator.py; ends within 8 minutes). `make bench-gpu-wheels`,
+# run where there is a network, fills $(WHEELS) with what that machine lacks; carry it over.
+# `python benchmarks/accelerator.py --quick` runs the same script on a CPU (tiny shapes, no FLA).
+GPU_PYTHON ?= python3
+WHEELS ?= wheels
+
+bench-gpu:
+	$(GPU_PYTHON) benchmarks/accelerator.py --wheels $(WHEELS)
+
+bench-gpu-wheels:
+	$(PYTHON) -m pip download --no-deps -d $(WHEELS) fla-core einops equinox jaxtyping wadler-lindig
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d $(WHEELS) \
+		"$(MAXTEXT)"
 
 clean:
 	rm -rf $(VENV) site .pytest_cache

@@ -120,6 +120,20 @@ def machine_line() -> str:
     return f"{cores} cores, load average {load} (1, 5, 15 min)"
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of process `pid` (all its threads) from /proc; None if unknown.
+
+    A process whose CPU time stops advancing while it should be computing is deadlocked
+    (jaxlib's CPU triangular solve can be, see `benchmarks/vs_maxtext.py`).
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def print_table(headers: list[str], rows: list[list], title: str | None = None) -> None:
     """Print a plain Markdown table."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]

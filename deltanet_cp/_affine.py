@@ -54,6 +54,15 @@ class AbstractAffineMap(eqx.Module):
     def identity_like(self) -> "AbstractAffineMap":
         """The identity map with the same batch shape, sizes and dtype as `self`."""
 
+    @abc.abstractmethod
+    def adjoint(self, offset: Float[Array, "*batch k v"]) -> "AbstractAffineMap":
+        r"""The map $\lambda \mapsto M^\top \lambda + \text{offset}$, of the same kind.
+
+        What carries a cotangent backwards through this map: if $h' = M h + U$ and the
+        loss asks $\lambda$ of $h'$ and `offset` of $h$ directly, it asks
+        $M^\top \lambda + \text{offset}$ of $h$.
+        """
+
 
 class AffineMap(AbstractAffineMap):
     r"""A dense affine map $h \mapsto M h + U$ with $M$ a $K \times K$ matrix.
@@ -119,6 +128,10 @@ class AffineMap(AbstractAffineMap):
         """The identity map $(I, 0)$ with the same batch shape, sizes and dtype as `self`."""
         eye = jnp.eye(self.M.shape[-1], dtype=self.M.dtype)
         return AffineMap(jnp.broadcast_to(eye, self.M.shape), jnp.zeros_like(self.U))
+
+    def adjoint(self, offset: Float[Array, "*batch k v"]) -> "AffineMap":
+        r"""The map $\lambda \mapsto M^\top \lambda + \text{offset}$."""
+        return AffineMap(jnp.swapaxes(self.M, -1, -2), offset)
 
 
 class DiagonalAffineMap(AbstractAffineMap):
@@ -188,6 +201,10 @@ class DiagonalAffineMap(AbstractAffineMap):
     def identity_like(self) -> "DiagonalAffineMap":
         """The identity map (`decay = 1`, `U = 0`) with the same shapes and dtype as `self`."""
         return DiagonalAffineMap(jnp.ones_like(self.decay), jnp.zeros_like(self.U))
+
+    def adjoint(self, offset: Float[Array, "*batch k v"]) -> "DiagonalAffineMap":
+        r"""The map $\lambda \mapsto \mathrm{diag}(d) \lambda + \text{offset}$."""
+        return DiagonalAffineMap(self.decay, offset)
 
 
 def _same_kind(first: _Map, second: AbstractAffineMap) -> _Map:

@@ -7,7 +7,8 @@ documents and context parallelism; padding, chunking and packing happen here, on
 """
 
 import abc
-from typing import Any, Generic, Literal, overload, TypeVar
+import functools as ft
+from typing import Any, cast, Generic, Literal, overload, TypeVar
 
 import equinox as eqx
 import jax
@@ -18,7 +19,7 @@ from ._affine import AbstractAffineMap
 from ._chunking import num_chunks, split_chunks
 from ._exchange import AbstractExchange, as_exchange, ExchangeName
 from ._layout import check_contiguous, Contiguous, ContiguousLayout
-from ._packing import as_cu_seqlens, pack, Segments, segments, unpack
+from ._packing import as_cu_seqlens, pack, segments, unpack
 
 
 _Inputs = TypeVar("_Inputs")
@@ -34,8 +35,9 @@ class AbstractRecurrence(eqx.Module, Generic[_Inputs, _Factors, _Map]):
     batch on axis 0 and time on axis 1. Every method below is one the engine calls:
 
     - `state(inputs)`: the shape and dtype of the recurrent state;
-    - `prepare(chunks)`: everything that does not depend on the incoming state, for all
-        chunks at once;
+    - `prepare(chunks)`: everything that does not depend on the incoming state (the
+        engine calls it on one chunk at a time inside its scans, and again in the
+        backward, so the factors of the whole sequence never exist at once);
     - `step(factors, h)`: one chunk, from its incoming state to its outgoing state and
         outputs;
     - `chunk_map(factors)`: one chunk as an explicit affine map (context parallelism);
@@ -186,8 +188,11 @@ def run(
 
     1. a local pass from a zero state, composing the chunks into this rank's map;
     2. the exchange of maps: the state entering this rank;
-    3. a local pass again from the true incoming state, reusing phase 1's factors, emitting
-       outputs.
+    3. a local pass again from the true incoming state, emitting outputs.
+
+    Differentiated by hand: the forward keeps one state per chunk, and the backward is
+    three phases again, the exchange walking the ranks in reverse (see the concept page
+    "The three phases").
 
     Compiled once per input shape and configuration (`equinox.filter_jit`); inside a
     caller's `jit` or `shard_map` it is inlined.
@@ -261,15 +266,26 @@ def _run(
         doc_states = _doc_states(state, seg.num_docs, initial_state)
         h0 = jnp.zeros(state.shape, state.dtype)
         chunks = _split(jax.tree.map(lambda x: pack(x, seg), inputs), seg.num_chunks, c)
-    factors = recurrence.prepare(chunks)
-
+    diff, static = eqx.partition(_by_chunk(chunks), eqx.is_inexact_array)
+    marks = None if seg is None else (seg.start_doc, seg.end_doc, seg.empty_doc)
     if axis_name is None:
-        outputs, final = _local_pass(recurrence, factors, h0, seg, doc_states)
+        out = _local(recurrence, diff, static, h0, marks, doc_states)
+        outputs, final, finals = cast(tuple[PyTree, Any, Any], out)
+        final = final if seg is None else finals
     else:
-        mine = _local_map(recurrence, factors, axis_name, seg, doc_states)
         need_final = output_final_state and seg is None
-        h_in, final = exchange(mine, h0, axis_name=axis_name, need_final_state=need_final)
-        outputs, finals = _local_pass(recurrence, factors, _varying(h_in, factors), seg, doc_states)
+        out = _context_parallel(
+            recurrence,
+            exchange,
+            axis_name,
+            need_final,
+            diff,
+            static,
+            h0,
+            marks,
+            doc_states,
+        )
+        outputs, final, finals = cast(tuple[PyTree, Any, Any], out)
         if seg is not None and output_final_state:
             # Each document ends on exactly one rank (or, if empty, starts on one): one
             # all-reduce of the per-document final states, which grows with their number.
@@ -325,74 +341,242 @@ def _doc_states(state: jax.ShapeDtypeStruct, num_docs: int, initial_state: Array
     return initial_state[:, None].astype(state.dtype)
 
 
-def _local_pass(
-    recurrence: AbstractRecurrence,
-    factors: PyTree,
-    h0: Array,
-    seg: Segments | None,
-    doc_states: Array | None,
-) -> tuple[PyTree, Array]:
-    """One pass over all chunks from `h0`, emitting outputs.
+def _by_chunk(chunks: PyTree) -> PyTree:
+    """`(B, N, C, ...)` -> `(N, B, C, ...)`: the scans below walk the leading chunk axis."""
+    return jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), chunks)
 
-    **Returns:**
 
-    `(outputs, final_state)`, outputs stacked on a leading chunk axis. With `seg`, the
-    state is reset at each document's first chunk and `final_state` is instead the stack of
-    the final states of the documents that end in this pass (zeros for the others, except
-    documents that are empty and start here, whose final state is their initial state).
+def _factors(recurrence: AbstractRecurrence, x: PyTree) -> PyTree:
+    """One chunk's factors, from that chunk's inputs `(B, C, ...)`.
+
+    Factors are formed chunk by chunk inside the scans, never for all chunks at once: the
+    working set is one chunk's, whatever the sequence length, and the backward recomputes
+    them from the inputs instead of keeping them.
     """
-    if seg is None:
-        h, outputs = jax.lax.scan(lambda h, f: recurrence.step(f, h), h0, factors)
-        return outputs, h
+    f = recurrence.prepare(jax.tree.map(lambda a: a[:, None], x))
+    return jax.tree.map(lambda a: a[0], f)
 
-    assert doc_states is not None
-    empty = seg.empty_doc.reshape((-1,) + (1,) * h0.ndim)
-    finals = jnp.where(empty, doc_states, jnp.zeros_like(doc_states))
 
-    def body(carry, xs):
+# The local pass, differentiated by hand. Its forward keeps only the state entering each
+# chunk; its backward is one reverse scan over the chunks carrying the state's cotangent,
+# each chunk's factors recomputed from its inputs and differentiated with `jax.vjp`. The
+# packed-document version resets the state at each document's first chunk (`marks`: per
+# chunk, the document starting / ending there or -1; per document, whether it is empty and
+# starts here) and collects the final state of each document that ends here.
+
+
+def _pass(recurrence, diff, static, h0, marks, doc_states, *, keep_states: bool):
+    xs = (diff, static)  # floating inputs (differentiated), and the rest (masks, ...)
+
+    def run_chunk(h, x):
+        return recurrence.step(_factors(recurrence, eqx.combine(*x)), h)
+
+    if marks is None:
+
+        def body(h, x):
+            h_next, out = run_chunk(h, x)
+            return h_next, (out, h if keep_states else None)
+
+        h, (outputs, states) = jax.lax.scan(body, h0, xs)
+        return (outputs, h, None), states
+
+    start, end, empty = marks
+    finals = jnp.where(empty.reshape((-1,) + (1,) * h0.ndim), doc_states, 0 * doc_states)
+
+    def body_docs(carry, inp):
         h, finals = carry
-        f, start, end = xs
-        h = jnp.where(start >= 0, doc_states[jnp.maximum(start, 0)], h)
-        h, out = recurrence.step(f, h)
-        slot = jnp.maximum(end, 0)
-        finals = finals.at[slot].set(jnp.where(end >= 0, h, finals[slot]))
-        return (h, finals), out
+        x, s, e = inp
+        h = jnp.where(s >= 0, doc_states[jnp.maximum(s, 0)], h)
+        h_next, out = run_chunk(h, x)
+        slot = jnp.maximum(e, 0)
+        finals = finals.at[slot].set(jnp.where(e >= 0, h_next, finals[slot]))
+        return (h_next, finals), (out, h if keep_states else None)
 
-    xs = (factors, seg.start_doc, seg.end_doc)
-    (_, finals), outputs = jax.lax.scan(body, (h0, finals), xs)
-    return outputs, finals
+    (h, finals), (outputs, states) = jax.lax.scan(body_docs, (h0, finals), (xs, start, end))
+    return (outputs, h, finals), states
 
 
-def _local_map(
-    recurrence: AbstractRecurrence,
-    factors: PyTree,
-    axis_name: str,
-    seg: Segments | None,
-    doc_states: Array | None,
-) -> AbstractAffineMap:
+def _pass_backward(recurrence, diff, static, states, marks, doc_states, cts):
+    """The cotangents of `(diff, h0, doc_states)` given those of `(outputs, h, finals)`."""
+    d_outputs, d_h, d_finals = cts
+
+    def chunk_vjp(x, h, d_out, d_next):
+        def f(x_diff, h):
+            return recurrence.step(_factors(recurrence, eqx.combine(x_diff, x[1])), h)
+
+        _, pull = jax.vjp(f, x[0], h)
+        return pull((d_next, d_out))
+
+    xs = (diff, static)
+    if marks is None:
+
+        def body(d_next, inp):
+            x, h, d_out = inp
+            dx, dh = chunk_vjp(x, h, d_out, d_next)
+            return dh, dx
+
+        dh0, dxs = jax.lax.scan(body, d_h, (xs, states, d_outputs), reverse=True)
+        return dxs, dh0, None
+
+    start, end, empty = marks
+    d_docs = jnp.where(empty.reshape((-1,) + (1,) * d_h.ndim), d_finals, 0 * d_finals)
+
+    def body_docs(carry, inp):
+        d_next, d_docs = carry
+        x, h, d_out, s, e = inp
+        d_next = d_next + jnp.where(e >= 0, d_finals[jnp.maximum(e, 0)], 0 * d_next)
+        dx, dh = chunk_vjp(x, h, d_out, d_next)
+        slot = jnp.maximum(s, 0)
+        d_docs = d_docs.at[slot].add(jnp.where(s >= 0, dh, 0 * dh))
+        return (jnp.where(s >= 0, 0 * dh, dh), d_docs), dx
+
+    init = (d_h, d_docs)
+    (dh0, d_docs), dxs = jax.lax.scan(
+        body_docs, init, (xs, states, d_outputs, start, end), reverse=True
+    )
+    return dxs, dh0, d_docs
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _local(recurrence, diff, static, h0, marks, doc_states):
+    """One pass over all chunks from `h0`: `(outputs, final_state, document_finals)`."""
+    out, _ = _pass(recurrence, diff, static, h0, marks, doc_states, keep_states=False)
+    return out
+
+
+def _local_fwd(recurrence, diff, static, h0, marks, doc_states):
+    out, states = _pass(recurrence, diff, static, h0, marks, doc_states, keep_states=True)
+    return out, (diff, static, states, marks, doc_states)
+
+
+def _local_bwd(recurrence, res, cts):
+    diff, static, states, marks, doc_states = res
+    dxs, dh0, d_docs = _pass_backward(recurrence, diff, static, states, marks, doc_states, cts)
+    return dxs, None, dh0, None, d_docs
+
+
+_local.defvjp(_local_fwd, _local_bwd)
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _context_parallel(
+    recurrence, exchange, axis_name, need_final, diff, static, h0, marks, doc_states
+):
+    """The three phases: `(outputs, final_state or None, document_finals or None)`."""
+    out, _ = _three_phases(
+        recurrence,
+        exchange,
+        axis_name,
+        need_final,
+        diff,
+        static,
+        h0,
+        marks,
+        doc_states,
+        False,
+    )
+    return out
+
+
+def _three_phases(
+    recurrence,
+    exchange,
+    axis_name,
+    need_final,
+    diff,
+    static,
+    h0,
+    marks,
+    doc_states,
+    keep,
+):
+    mine = _local_map(recurrence, diff, static, axis_name, marks, doc_states)
+    h_in, h_final = exchange(mine, h0, axis_name=axis_name, need_final_state=need_final)
+    (outputs, _, finals), states = _pass(
+        recurrence,
+        diff,
+        static,
+        _varying(h_in, diff),
+        marks,
+        doc_states,
+        keep_states=keep,
+    )
+    return (outputs, h_final, finals), (mine, states)
+
+
+def _context_parallel_fwd(
+    recurrence, exchange, axis_name, need_final, diff, static, h0, marks, doc_states
+):
+    out, (mine, states) = _three_phases(
+        recurrence,
+        exchange,
+        axis_name,
+        need_final,
+        diff,
+        static,
+        h0,
+        marks,
+        doc_states,
+        True,
+    )
+    return out, (diff, static, states, marks, doc_states, mine, h0)
+
+
+def _context_parallel_bwd(recurrence, exchange, axis_name, need_final, res, cts):
+    # The backward has three phases too. The cotangent of the state entering rank r is
+    # lambda_r = g_r + M_r^T lambda_{r+1}, with g_r what rank r's own outputs ask of it: an
+    # affine map of lambda_{r+1}, so the exchange composes these maps from the last rank
+    # backwards, starting from the final state's cotangent. Nothing per chunk is kept but
+    # the states of phase 3.
+    diff, static, states, marks, doc_states, mine, h0 = res
+    d_outputs, d_final, d_finals = cts
+    zero = jnp.zeros_like(states[0])
+    _, g, _ = _pass_backward(
+        recurrence, diff, static, states, marks, doc_states, (d_outputs, zero, d_finals)
+    )
+    start = d_final if need_final else jnp.zeros_like(h0)
+    lam_next, lam0 = exchange(
+        mine.adjoint(g), start, axis_name=axis_name, need_final_state=True, reverse=True
+    )
+    cts = (d_outputs, _varying(lam_next, diff), d_finals)
+    dxs, _, d_docs = _pass_backward(recurrence, diff, static, states, marks, doc_states, cts)
+    d_docs = None if d_docs is None else jax.lax.psum(d_docs, axis_name)
+    return dxs, None, lam0, None, d_docs
+
+
+_context_parallel.defvjp(_context_parallel_fwd, _context_parallel_bwd)
+
+
+def _local_map(recurrence, diff, static, axis_name, marks, doc_states) -> AbstractAffineMap:
     """The affine map of all chunks together (phase 1): no outputs, state from zero.
 
-    With `seg`, a document's first chunk is preceded by the constant map to that document's
-    initial state ($M = 0$): what enters it does not matter.
+    With packed documents, a document's first chunk is preceded by the constant map to that
+    document's initial state ($M = 0$): what enters it does not matter.
     """
-    first = jax.tree.map(lambda x: x[0], factors)
-    shapes = eqx.filter_eval_shape(recurrence.chunk_map, first)
+    xs = (diff, static)
+
+    def compose(running, x):
+        return recurrence.compose(_factors(recurrence, eqx.combine(*x)), running)
+
+    def chunk_map(x):
+        return recurrence.chunk_map(_factors(recurrence, eqx.combine(*x)))
+
+    shapes = eqx.filter_eval_shape(chunk_map, jax.tree.map(lambda a: a[0], xs))
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    init = _varying(zeros.identity_like(), factors)
-    if seg is None:
-        running, _ = jax.lax.scan(lambda m, f: (recurrence.compose(f, m), None), init, factors)
+    init = _varying(zeros.identity_like(), diff)
+    if marks is None:
+        running, _ = jax.lax.scan(lambda m, x: (compose(m, x), None), init, xs)
         return running
 
-    assert doc_states is not None
     constant = jax.tree.map(jnp.zeros_like, init)
 
-    def body(running, xs):
-        f, start = xs
-        reset = eqx.tree_at(lambda m: m.U, constant, doc_states[jnp.maximum(start, 0)])
-        running = jax.tree.map(lambda a, b: jnp.where(start >= 0, a, b), reset, running)
-        return recurrence.compose(f, running), None
+    def body(running, inp):
+        x, s = inp
+        reset = eqx.tree_at(lambda m: m.U, constant, doc_states[jnp.maximum(s, 0)])
+        running = jax.tree.map(lambda a, b: jnp.where(s >= 0, a, b), reset, running)
+        return compose(running, x), None
 
-    running, _ = jax.lax.scan(body, init, (factors, seg.start_doc))
+    running, _ = jax.lax.scan(body, init, (xs, marks[0]))
     return running
 
 

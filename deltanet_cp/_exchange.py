@@ -33,6 +33,7 @@ class AbstractExchange(eqx.Module):
         *,
         axis_name: str,
         need_final_state: bool,
+        reverse: bool = False,
     ) -> tuple[Array, Array | None]:
         """The state entering this rank and, if asked, the state after the last rank.
 
@@ -42,6 +43,8 @@ class AbstractExchange(eqx.Module):
         - `h0`: the state before the first token of the whole sequence (replicated).
         - `axis_name`: the context-parallel mesh axis.
         - `need_final_state`: also return the state after the last token, on every rank.
+        - `reverse`: walk the ranks from the last to the first (rank `cp - 1` comes first):
+            what the backward pass uses to carry cotangents from the end of the sequence.
 
         **Returns:**
 
@@ -54,7 +57,12 @@ class AbstractExchange(eqx.Module):
 
     @abc.abstractmethod
     def payload_elements(
-        self, cp: int, *, map_elements: int, state_elements: int, final_state: bool = False
+        self,
+        cp: int,
+        *,
+        map_elements: int,
+        state_elements: int,
+        final_state: bool = False,
     ) -> int:
         """Elements each rank receives (the largest over ranks).
 
@@ -105,11 +113,13 @@ class AllGather(AbstractExchange):
     What the original design, flash-linear-attention's KCP and LASP-2 do.
     """
 
-    def __call__(self, local, h0, *, axis_name, need_final_state):
+    def __call__(self, local, h0, *, axis_name, need_final_state, reverse=False):
         maps = jax.tree.map(lambda x: jax.lax.all_gather(x, axis_name, to="invarying"), local)
-        rank = jax.lax.axis_index(axis_name)
+        if reverse:
+            maps = jax.tree.map(lambda x: jnp.flip(x, axis=0), maps)
+        position = _position(axis_name, reverse)
         exclusive = prefix_scan(maps, exclusive=True)
-        h_in = jax.tree.map(lambda x: x[rank], exclusive)(h0)
+        h_in = jax.tree.map(lambda x: x[position], exclusive)(h0)
         if not need_final_state:
             return h_in, None
         # The state leaving the last rank: its own map after its exclusive prefix.
@@ -131,26 +141,28 @@ class PPermute(AbstractExchange):
     $\lfloor 2 (cp - 1) / cp \cdot B H_V K V \rfloor$). What MaxText's CP path does.
     """
 
-    def __call__(self, local, h0, *, axis_name, need_final_state):
-        # Round j: rank r receives from r - 2^j the composition of the window of ranks ending
-        # at r - 2^j, and prepends it both to its exclusive prefix (which never contains its
-        # own map) and to its inclusive one (which is what it sends).
+    def __call__(self, local, h0, *, axis_name, need_final_state, reverse=False):
+        # Round j: position p receives from p - 2^j the composition of the window of ranks
+        # ending at p - 2^j, and prepends it both to its exclusive prefix (which never
+        # contains its own map) and to its inclusive one (which is what it sends).
         cp = jax.lax.axis_size(axis_name)
-        rank = jax.lax.axis_index(axis_name)
+        position = _position(axis_name, reverse)
         exclusive = local.identity_like()
         inclusive = local
         shift = 1
         while shift < cp:
-            perm = [(i, i + shift) for i in range(cp - shift)]
+            perm = [
+                (_rank(i, cp, reverse), _rank(i + shift, cp, reverse)) for i in range(cp - shift)
+            ]
             received = jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, perm), inclusive)
-            has_sender = rank >= shift
+            has_sender = position >= shift
             exclusive = _select(has_sender, received.then(exclusive), exclusive)
             inclusive = _select(has_sender, received.then(inclusive), inclusive)
             shift *= 2
         h_in = exclusive(h0)
         if not need_final_state:
             return h_in, None
-        return h_in, _from_last_rank(local(h_in), rank, cp, axis_name)
+        return h_in, _from_last(local(h_in), position, cp, axis_name)
 
     def rounds(self, cp: int) -> int:
         return math.ceil(math.log2(cp)) if cp > 1 else 0
@@ -169,16 +181,17 @@ class Ring(AbstractExchange):
     more. What LASP and ZeCO do.
     """
 
-    def __call__(self, local, h0, *, axis_name, need_final_state):
+    def __call__(self, local, h0, *, axis_name, need_final_state, reverse=False):
         cp = jax.lax.axis_size(axis_name)
-        rank = jax.lax.axis_index(axis_name)
+        position = _position(axis_name, reverse)
         h_in = h0
         for i in range(cp - 1):
-            received = jax.lax.ppermute(local(h_in), axis_name, [(i, i + 1)])
-            h_in = jnp.where(rank == i + 1, received, h_in)
+            perm = [(_rank(i, cp, reverse), _rank(i + 1, cp, reverse))]
+            received = jax.lax.ppermute(local(h_in), axis_name, perm)
+            h_in = jnp.where(position == i + 1, received, h_in)
         if not need_final_state:
             return h_in, None
-        return h_in, _from_last_rank(local(h_in), rank, cp, axis_name)
+        return h_in, _from_last(local(h_in), position, cp, axis_name)
 
     def rounds(self, cp: int) -> int:
         return cp - 1
@@ -221,14 +234,20 @@ class Auto(AbstractExchange):
             ),
         )
 
-    def __call__(self, local, h0, *, axis_name, need_final_state):
+    def __call__(self, local, h0, *, axis_name, need_final_state, reverse=False):
         chosen = self.choose(
             jax.lax.axis_size(axis_name),
             map_elements=_size(local),
             state_elements=h0.size,
             itemsize=h0.dtype.itemsize,
         )
-        return chosen(local, h0, axis_name=axis_name, need_final_state=need_final_state)
+        return chosen(
+            local,
+            h0,
+            axis_name=axis_name,
+            need_final_state=need_final_state,
+            reverse=reverse,
+        )
 
     def rounds(self, cp: int) -> int:
         raise TypeError("Auto() has no fixed number of rounds: ask `Auto().choose(...)`.")
@@ -236,7 +255,10 @@ class Auto(AbstractExchange):
     def payload_elements(self, cp, *, map_elements, state_elements, final_state=False):
         chosen = self.choose(cp, map_elements=map_elements, state_elements=state_elements)
         return chosen.payload_elements(
-            cp, map_elements=map_elements, state_elements=state_elements, final_state=final_state
+            cp,
+            map_elements=map_elements,
+            state_elements=state_elements,
+            final_state=final_state,
         )
 
 
@@ -269,9 +291,19 @@ def _all_reduce(cp: int, state_elements: int, needed: bool) -> int:
     return (2 * (cp - 1) * state_elements) // cp if needed else 0
 
 
-def _from_last_rank(x, rank, cp, axis_name):
-    """Broadcast the last rank's `x` to every rank (one all-reduce of a state)."""
-    return jax.lax.psum(jnp.where(rank == cp - 1, x, jnp.zeros_like(x)), axis_name)
+def _position(axis_name: str, reverse: bool) -> Array:
+    """This rank's place in the walk: its index, or counted from the last rank."""
+    rank = jax.lax.axis_index(axis_name)
+    return jax.lax.axis_size(axis_name) - 1 - rank if reverse else rank
+
+
+def _rank(position: int, cp: int, reverse: bool) -> int:
+    return cp - 1 - position if reverse else position
+
+
+def _from_last(x, position, cp, axis_name):
+    """Broadcast the last position's `x` to every rank (one all-reduce of a state)."""
+    return jax.lax.psum(jnp.where(position == cp - 1, x, jnp.zeros_like(x)), axis_name)
 
 
 def _select(pred, on_true, on_false):

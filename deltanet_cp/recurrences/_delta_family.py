@@ -129,8 +129,8 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
         return jax.ShapeDtypeStruct((b, hv, inputs.q.shape[-1], dv), _dtype(inputs))
 
     def prepare(self, chunks: DeltaInputs) -> DeltaFactors:
-        # Everything here is batched over all chunks at once, chunk axis first, so the scan
-        # reads contiguous slices and only the products with the state remain sequential.
+        # Batched over whatever chunks it is given (the engine gives one at a time), chunk
+        # axis first; products of keys are formed once per key head.
         dt = _dtype(chunks)
         b, n, c, h, dk = chunks.q.shape
         nh = chunks.k.shape[3] if self.householder else 1
