@@ -346,14 +346,15 @@ def _by_chunk(chunks: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), chunks)
 
 
-def _factors(recurrence: AbstractRecurrence, x: PyTree) -> PyTree:
-    """One chunk's factors, from that chunk's inputs `(B, C, ...)`.
+def _factors(recurrence: AbstractRecurrence, x: tuple[PyTree, PyTree]) -> PyTree:
+    """One chunk's factors, from that chunk's inputs `(B, C, ...)`, split as
+    `(floating, other)` by `eqx.partition`.
 
     Factors are formed chunk by chunk inside the scans, never for all chunks at once: the
     working set is one chunk's, whatever the sequence length, and the backward recomputes
     them from the inputs instead of keeping them.
     """
-    f = recurrence.prepare(jax.tree.map(lambda a: a[:, None], x))
+    f = recurrence.prepare(jax.tree.map(lambda a: a[:, None], eqx.combine(*x)))
     return jax.tree.map(lambda a: a[0], f)
 
 
@@ -369,7 +370,7 @@ def _pass(recurrence, diff, static, h0, marks, doc_states, *, keep_states: bool)
     xs = (diff, static)  # floating inputs (differentiated), and the rest (masks, ...)
 
     def run_chunk(h, x):
-        return recurrence.step(_factors(recurrence, eqx.combine(*x)), h)
+        return recurrence.step(_factors(recurrence, x), h)
 
     if marks is None:
 
@@ -402,7 +403,7 @@ def _pass_backward(recurrence, diff, static, states, marks, doc_states, cts):
 
     def chunk_vjp(x, h, d_out, d_next):
         def f(x_diff, h):
-            return recurrence.step(_factors(recurrence, eqx.combine(x_diff, x[1])), h)
+            return recurrence.step(_factors(recurrence, (x_diff, x[1])), h)
 
         _, pull = jax.vjp(f, x[0], h)
         return pull((d_next, d_out))
@@ -556,10 +557,10 @@ def _local_map(recurrence, diff, static, axis_name, marks, doc_states) -> Abstra
     xs = (diff, static)
 
     def compose(running, x):
-        return recurrence.compose(_factors(recurrence, eqx.combine(*x)), running)
+        return recurrence.compose(_factors(recurrence, x), running)
 
     def chunk_map(x):
-        return recurrence.chunk_map(_factors(recurrence, eqx.combine(*x)))
+        return recurrence.chunk_map(_factors(recurrence, x))
 
     shapes = eqx.filter_eval_shape(chunk_map, jax.tree.map(lambda a: a[0], xs))
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)

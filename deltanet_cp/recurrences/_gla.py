@@ -128,13 +128,6 @@ class GatedLinearAttention(
         f = factors
         return DiagonalAffineMap(f.gamma, einsum("bhkc,bhcv->bhkv", f.k_decayed_t, f.v))
 
-    def compose(
-        self, factors: GatedLinearAttentionFactors, running: DiagonalAffineMap
-    ) -> DiagonalAffineMap:
-        # Diagonal maps compose elementwise: no dense K x K matrix is ever formed.
-        chunk = self.chunk_map(factors)
-        return DiagonalAffineMap(chunk.decay * running.decay, chunk(running.U))
-
     def finalize(self, outputs: Float[Array, "n b h c v"], chunks: GLAInputs) -> Array:
         return from_chunk_major(outputs).astype(chunks.v.dtype)
 
