@@ -11,6 +11,7 @@ from ._affine import (
 from ._engine import (
     AbstractRecurrence as AbstractRecurrence,
     run as run,
+    run_contiguous as run_contiguous,
     run_sharded as run_sharded,
 )
 from ._exchange import (
@@ -28,6 +29,9 @@ from ._hlo import (
 from ._layout import (
     AbstractLayout as AbstractLayout,
     Contiguous as Contiguous,
+    from_zigzag as from_zigzag,
+    Layout as Layout,
+    to_zigzag as to_zigzag,
     Zigzag as Zigzag,
 )
 from ._packing import (

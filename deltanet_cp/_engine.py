@@ -17,8 +17,18 @@ from jaxtyping import Array, PyTree
 
 from ._affine import AbstractAffineMap
 from ._chunking import num_chunks, split_chunks
-from ._exchange import AbstractExchange, as_exchange, ExchangeName
-from ._layout import check_contiguous, Contiguous, ContiguousLayout
+from ._exchange import _position, AbstractExchange, as_exchange, ExchangeName
+from ._layout import (
+    check_contiguous,
+    check_layout,
+    Contiguous,
+    ContiguousLayout,
+    from_zigzag,
+    Layout,
+    to_zigzag,
+    Zigzag,
+    zigzag_half,
+)
 from ._packing import as_cu_seqlens, pack, segments, unpack
 
 
@@ -150,7 +160,7 @@ def run(
     output_final_state: Literal[True],
     cu_seqlens: Any = None,
     axis_name: str | None = None,
-    layout: ContiguousLayout = Contiguous(),
+    layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
 ) -> tuple[PyTree, Array]: ...
 
@@ -164,7 +174,7 @@ def run(
     output_final_state: bool = False,
     cu_seqlens: Any = None,
     axis_name: str | None = None,
-    layout: ContiguousLayout = Contiguous(),
+    layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
 ) -> tuple[PyTree, Array | None]: ...
 
@@ -177,22 +187,29 @@ def run(
     output_final_state: bool = False,
     cu_seqlens: Any = None,
     axis_name: str | None = None,
-    layout: ContiguousLayout = Contiguous(),
+    layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
 ) -> tuple[PyTree, Array | None]:
     """Run a chunked recurrence: on one device, over packed documents, context-parallel.
 
     On one device (`axis_name=None`) this is one pass over the chunks. With `axis_name`, it
-    is called inside `jax.shard_map`, `inputs` holding this rank's contiguous slice of the
-    sequence, and runs the three phases of context parallelism:
+    is called inside `jax.shard_map`, `inputs` holding this rank's shard of the sequence,
+    and runs the three phases of context parallelism:
 
     1. a local pass from a zero state, composing the chunks into this rank's map;
     2. the exchange of maps: the state entering this rank;
     3. a local pass again from the true incoming state, emitting outputs.
 
+    The phases run in [`deltanet_cp.run_contiguous`][], over contiguous, in-order slices
+    only. A [`deltanet_cp.Contiguous`][] shard is one such slice. A
+    [`deltanet_cp.Zigzag`][] shard is two: the first pieces of all ranks are the first half
+    of the sequence, in rank order; the second pieces are the second half, in *reverse*
+    rank order. So a zigzag shard is two calls, the second walking the ranks from the
+    last to the first and starting from the state the first one ends in.
+
     Differentiated by hand: the forward keeps one state per chunk, and the backward is
-    three phases again, the exchange walking the ranks in reverse (see the concept page
-    "The three phases").
+    three phases again, the exchange walking the ranks the other way (see the concept
+    page "The three phases").
 
     Compiled once per input shape and configuration (`equinox.filter_jit`); inside a
     caller's `jit` or `shard_map` it is inlined.
@@ -207,37 +224,138 @@ def run(
     - `output_final_state`: also return the state after the last token (under context
         parallelism, the global one, on every rank).
     - `cu_seqlens`: packed documents (batch size 1): the *global* document offsets
-        `[0, len_0, len_0 + len_1, ..., T]`, a list or an int array of shape `(N + 1,)`,
-        the same on every rank. The state resets at each document start, no chunk mixes
-        two documents, documents may cross rank boundaries, and the initial and final
-        states are per document.
+        `[0, len_0, len_0 + len_1, ..., T]`, in sequence order whatever the layout, a list
+        or an int array of shape `(N + 1,)`, the same on every rank. The state resets at
+        each document start, no chunk mixes two documents, documents may cross rank and
+        piece boundaries, and the initial and final states are per document.
     - `axis_name`: the mesh axis the sequence is sharded over, or `None` on one device.
-    - `layout`: must be [`deltanet_cp.Contiguous`][] (a [`deltanet_cp.Zigzag`][] is a type
-        error for pyright and a `ValueError` at run time).
+    - `layout`: how the sequence is laid out over `axis_name`: [`deltanet_cp.Contiguous`][]
+        (the default) or [`deltanet_cp.Zigzag`][] (the local length must then be even).
+        Ignored on one device.
     - `exchange`: how ranks exchange their maps: [`deltanet_cp.AllGather`][],
         [`deltanet_cp.PPermute`][], [`deltanet_cp.Ring`][], [`deltanet_cp.Auto`][], or the
         shorthands `"allgather"`, `"ppermute"`, `"ring"`, `"auto"`.
 
     **Returns:**
 
-    `(outputs, final_state)`: outputs in the recurrence's public layout (this rank's tokens
-    under context parallelism), and the final state or `None`.
+    `(outputs, final_state)`: outputs in the recurrence's public layout (this rank's tokens,
+    in the layout's order, under context parallelism), and the final state or `None`.
     """
-    if axis_name is not None:
-        check_contiguous(layout)
-    exchange = as_exchange(exchange)
-    if cu_seqlens is not None:
+    check_layout(layout)
+    packed = cu_seqlens is not None
+    if packed:
         batch, length = _batch_and_length(inputs)
         total = length if axis_name is None else length * jax.lax.axis_size(axis_name)
         cu_seqlens = as_cu_seqlens(cu_seqlens, batch, total)
+    # With packed documents, `initial_state` holds the documents' initial states.
+    h0, doc_h0 = (None, initial_state) if packed else (initial_state, None)
+    engine = ft.partial(
+        run_contiguous,
+        recurrence,
+        axis_name=axis_name,
+        exchange=exchange,
+        cu_seqlens=cu_seqlens,
+        document_states=doc_h0,
+    )
+    if axis_name is None or isinstance(layout, Contiguous):
+        outputs, final, finals = engine(
+            inputs, initial_state=h0, output_final_state=output_final_state and not packed
+        )
+    else:
+        # The first pieces in rank order, then the second pieces in reverse rank order from
+        # the state the first ones end in (on every rank).
+        _, length = _batch_and_length(inputs)
+        half = zigzag_half(length)
+        first, second = (
+            jax.tree.map(lambda x: x[:, part], inputs)
+            for part in (slice(None, half), slice(half, None))
+        )
+        out_first, middle, finals_first = engine(first, initial_state=h0, output_final_state=True)
+        out_second, final, finals_second = engine(
+            second,
+            initial_state=middle,
+            output_final_state=output_final_state and not packed,
+            start=jax.lax.axis_size(axis_name) * half,
+            reverse=True,
+        )
+        outputs = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), out_first, out_second)
+        finals = None
+        if finals_first is not None and finals_second is not None:
+            finals = finals_first + finals_second
+    if not output_final_state:
+        return outputs, None
+    if packed:
+        assert finals is not None
+        final = finals if axis_name is None else jax.lax.psum(finals, axis_name)
+    return outputs, final
+
+
+def run_contiguous(
+    recurrence: AbstractRecurrence,
+    inputs: PyTree,
+    *,
+    layout: ContiguousLayout = Contiguous(),
+    axis_name: str | None = None,
+    exchange: AbstractExchange | ExchangeName = "allgather",
+    initial_state: Array | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Any = None,
+    document_states: Array | None = None,
+    start: int = 0,
+    reverse: bool = False,
+) -> tuple[PyTree, Array | None, Array | None]:
+    """The engine: the three phases over one contiguous, in-order slice per rank.
+
+    Every context-parallel function of the library ends here, once per contiguous slice:
+    once for a [`deltanet_cp.Contiguous`][] shard, twice for a [`deltanet_cp.Zigzag`][]
+    one (see [`deltanet_cp.run`][]). It accepts `layout=Contiguous()` and nothing else: a
+    `Zigzag` is a pyright error and a `ValueError`, since reading a zigzag shard as one
+    slice would compose its two pieces as if they were adjacent.
+
+    The ranks' slices, in rank order (or in reverse rank order with `reverse=True`), are
+    consecutive tokens `[start, start + cp * length)` of the sequence.
+
+    **Arguments:**
+
+    - `recurrence`, `inputs`, `axis_name`, `exchange`: as in [`deltanet_cp.run`][].
+    - `layout`: must be [`deltanet_cp.Contiguous`][].
+    - `initial_state`: the state entering the first slice (replicated); zeros if `None`.
+    - `output_final_state`: also return the state after the last slice, on every rank.
+    - `cu_seqlens`: packed documents, as in [`deltanet_cp.run`][]: the global offsets of
+        the whole sequence (which may extend past this run of slices).
+    - `document_states`: with `cu_seqlens`, the documents' initial states, stacked
+        `(num_docs, *state.shape[1:])`; zeros if `None`.
+    - `start`: the sequence position of the first slice's first token.
+    - `reverse`: the last rank holds the first slice and rank 0 the last.
+
+    **Returns:**
+
+    `(outputs, final_state, document_finals)`: this rank's outputs; the state after the
+    last token of the last slice (or `None`); and, with `cu_seqlens`, the final states of
+    the documents that end in this rank's slice, `(num_docs, *state.shape[1:])`, zeros for
+    the others (sum them over ranks for every document's), else `None`.
+    """
+    check_contiguous(layout)
+    if not isinstance(start, int) or start < 0:
+        raise ValueError(f"`start` must be a non-negative int; got {start!r}.")
+    exchange = as_exchange(exchange)
+    if cu_seqlens is not None:
+        batch, length = _batch_and_length(inputs)
+        walk = length if axis_name is None else length * jax.lax.axis_size(axis_name)
+        cu_seqlens = as_cu_seqlens(cu_seqlens, batch, start + walk, at_least=True)
+    elif document_states is not None:
+        raise ValueError("`document_states` are per document: pass `cu_seqlens` too.")
     return _run(
         recurrence,
         inputs,
         initial_state,
         cu_seqlens,
+        document_states,
         output_final_state=output_final_state,
         axis_name=axis_name,
         exchange=exchange,
+        start=start,
+        reverse=reverse,
     )
 
 
@@ -247,57 +365,54 @@ def _run(
     inputs: PyTree,
     initial_state: Array | None,
     cu_seqlens: Array | None,
+    document_states: Array | None,
     *,
     output_final_state: bool,
     axis_name: str | None,
     exchange: AbstractExchange,
-) -> tuple[PyTree, Array | None]:
+    start: int,
+    reverse: bool,
+) -> tuple[PyTree, Array | None, Array | None]:
     recurrence.check(inputs)
     state = recurrence.state(inputs)
     c = recurrence.chunk_size
     _, length = _batch_and_length(inputs)
+    h0 = _initial_state(state, initial_state)
     if cu_seqlens is None:
         seg, doc_states = None, None
-        h0 = _initial_state(state, initial_state)
         chunks = _split(inputs, num_chunks(length, c), c)
     else:
-        offset = 0 if axis_name is None else jax.lax.axis_index(axis_name) * length
+        offset = start
+        if axis_name is not None:
+            offset = offset + _position(axis_name, reverse) * length
         seg = segments(cu_seqlens, length, c, offset)
-        doc_states = _doc_states(state, seg.num_docs, initial_state)
-        h0 = jnp.zeros(state.shape, state.dtype)
+        doc_states = _doc_states(state, seg.num_docs, document_states)
         chunks = _split(jax.tree.map(lambda x: pack(x, seg), inputs), seg.num_chunks, c)
     diff, static = eqx.partition(_by_chunk(chunks), eqx.is_inexact_array)
     marks = None if seg is None else (seg.start_doc, seg.end_doc, seg.empty_doc)
     if axis_name is None:
         out = _local(recurrence, diff, static, h0, marks, doc_states)
-        outputs, final, finals = cast(tuple[PyTree, Any, Any], out)
-        final = final if seg is None else finals
     else:
-        need_final = output_final_state and seg is None
         out = _context_parallel(
             recurrence,
             exchange,
             axis_name,
-            need_final,
+            output_final_state,
+            reverse,
             diff,
             static,
             h0,
             marks,
             doc_states,
         )
-        outputs, final, finals = cast(tuple[PyTree, Any, Any], out)
-        if seg is not None and output_final_state:
-            # Each document ends on exactly one rank (or, if empty, starts on one): one
-            # all-reduce of the per-document final states, which grows with their number.
-            final = jax.lax.psum(finals, axis_name)
-
+    outputs, final, finals = cast(tuple[PyTree, Any, Any], out)
     outputs = recurrence.finalize(outputs, chunks)
     if seg is None:
         outputs = jax.tree.map(lambda y: y[:, :length], outputs)
     else:
         outputs = jax.tree.map(lambda y: unpack(y, seg), outputs)
-        final = None if final is None else final[:, 0]
-    return outputs, (final if output_final_state else None)
+        finals = finals[:, 0]
+    return outputs, (final if output_final_state else None), finals
 
 
 def _batch_and_length(inputs: PyTree) -> tuple[int, int]:
@@ -459,75 +574,42 @@ def _local_bwd(recurrence, res, cts):
 _local.defvjp(_local_fwd, _local_bwd)
 
 
-@ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+@ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
 def _context_parallel(
-    recurrence, exchange, axis_name, need_final, diff, static, h0, marks, doc_states
+    recurrence, exchange, axis_name, need_final, reverse, diff, static, h0, marks, doc_states
 ):
     """The three phases: `(outputs, final_state or None, document_finals or None)`."""
-    out, _ = _three_phases(
-        recurrence,
-        exchange,
-        axis_name,
-        need_final,
-        diff,
-        static,
-        h0,
-        marks,
-        doc_states,
-        False,
-    )
+    walk = (recurrence, exchange, axis_name, need_final, reverse)
+    out, _ = _three_phases(walk, diff, static, h0, marks, doc_states, keep=False)
     return out
 
 
-def _three_phases(
-    recurrence,
-    exchange,
-    axis_name,
-    need_final,
-    diff,
-    static,
-    h0,
-    marks,
-    doc_states,
-    keep,
-):
+def _three_phases(walk, diff, static, h0, marks, doc_states, *, keep):
+    recurrence, exchange, axis_name, need_final, reverse = walk
     mine = _local_map(recurrence, diff, static, axis_name, marks, doc_states)
-    h_in, h_final = exchange(mine, h0, axis_name=axis_name, need_final_state=need_final)
+    h_in, h_final = exchange(
+        mine, h0, axis_name=axis_name, need_final_state=need_final, reverse=reverse
+    )
+    h_in = _varying(h_in, diff)
     (outputs, _, finals), states = _pass(
-        recurrence,
-        diff,
-        static,
-        _varying(h_in, diff),
-        marks,
-        doc_states,
-        keep_states=keep,
+        recurrence, diff, static, h_in, marks, doc_states, keep_states=keep
     )
     return (outputs, h_final, finals), (mine, states)
 
 
 def _context_parallel_fwd(
-    recurrence, exchange, axis_name, need_final, diff, static, h0, marks, doc_states
+    recurrence, exchange, axis_name, need_final, reverse, diff, static, h0, marks, doc_states
 ):
-    out, (mine, states) = _three_phases(
-        recurrence,
-        exchange,
-        axis_name,
-        need_final,
-        diff,
-        static,
-        h0,
-        marks,
-        doc_states,
-        True,
-    )
+    walk = (recurrence, exchange, axis_name, need_final, reverse)
+    out, (mine, states) = _three_phases(walk, diff, static, h0, marks, doc_states, keep=True)
     return out, (diff, static, states, marks, doc_states, mine, h0)
 
 
-def _context_parallel_bwd(recurrence, exchange, axis_name, need_final, res, cts):
+def _context_parallel_bwd(recurrence, exchange, axis_name, need_final, reverse, res, cts):
     # The backward has three phases too. The cotangent of the state entering rank r is
     # lambda_r = g_r + M_r^T lambda_{r+1}, with g_r what rank r's own outputs ask of it: an
-    # affine map of lambda_{r+1}, so the exchange composes these maps from the last rank
-    # backwards, starting from the final state's cotangent. Nothing per chunk is kept but
+    # affine map of lambda_{r+1}, so the exchange composes these maps walking the ranks the
+    # other way, starting from the final state's cotangent. Nothing per chunk is kept but
     # the states of phase 3.
     diff, static, states, marks, doc_states, mine, h0 = res
     d_outputs, d_final, d_finals = cts
@@ -537,7 +619,11 @@ def _context_parallel_bwd(recurrence, exchange, axis_name, need_final, res, cts)
     )
     start = d_final if need_final else jnp.zeros_like(h0)
     lam_next, lam0 = exchange(
-        mine.adjoint(g), start, axis_name=axis_name, need_final_state=True, reverse=True
+        mine.adjoint(g),
+        start,
+        axis_name=axis_name,
+        need_final_state=True,
+        reverse=not reverse,
     )
     cts = (d_outputs, _varying(lam_next, diff), d_finals)
     dxs, _, d_docs = _pass_backward(recurrence, diff, static, states, marks, doc_states, cts)
@@ -610,7 +696,7 @@ def run_sharded(
     initial_state: Array | None = None,
     output_final_state: bool = False,
     cu_seqlens: Any = None,
-    layout: ContiguousLayout = Contiguous(),
+    layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
 ) -> tuple[PyTree, Array | None]:
     """[`deltanet_cp.run`][] with context parallelism on global arrays: does the `shard_map`.
@@ -623,8 +709,14 @@ def run_sharded(
     **Arguments:**
 
     - `recurrence`, `inputs`, `initial_state`, `output_final_state`, `cu_seqlens`,
-        `layout`, `exchange`: as in [`deltanet_cp.run`][], with global arrays. The sequence
-        length must be divisible by the size of `axis_name`.
+        `exchange`: as in [`deltanet_cp.run`][], with global arrays in sequence order. The
+        sequence length must be divisible by the size of `axis_name` (by twice it under
+        `Zigzag`).
+    - `layout`: [`deltanet_cp.Contiguous`][] or [`deltanet_cp.Zigzag`][]. Under `Zigzag`
+        the arrays are permuted with [`deltanet_cp.to_zigzag`][] on the way in and back
+        with [`deltanet_cp.from_zigzag`][] on the way out (two reorders of the sharded
+        arrays); in a training loop, keep the data in zigzag order instead and call
+        [`deltanet_cp.run`][] inside your own `shard_map`.
     - `mesh`: a `jax.sharding.Mesh` with an axis named `axis_name`.
     - `axis_name`: the mesh axis to shard the sequence over.
     - `batch_axis`: optionally, a mesh axis to shard the batch over (data parallelism).
@@ -633,19 +725,21 @@ def run_sharded(
 
     `(outputs, final_state)` as global arrays.
     """
-    check_contiguous(layout)
+    check_layout(layout)
     exchange = as_exchange(exchange)
     if axis_name not in mesh.shape:
         raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {dict(mesh.shape)}.")
     recurrence.check(inputs)
     batch, length = _batch_and_length(inputs)
     cp = mesh.shape[axis_name]
-    if length % cp:
+    pieces = cp if isinstance(layout, Contiguous) else 2 * cp
+    if length % pieces:
         raise ValueError(
-            f"The sequence length ({length}) must be divisible by the context-parallel size "
-            f"(mesh axis {axis_name!r} has {cp} devices): pad the sequence to a multiple of "
-            f"{cp} (for example with g = 0, beta = 0 and zero q, k, v, which leaves the state "
-            "unchanged) or pick a cp that divides it."
+            f"The sequence length ({length}) must be divisible by {pieces} (mesh axis "
+            f"{axis_name!r} has {cp} devices, and layout={layout!r} cuts the sequence into "
+            f"{pieces} pieces): pad the sequence to a multiple of {pieces} (for example with "
+            "g = 0, beta = 0 and zero q, k, v, which leaves the state unchanged) or pick a "
+            "cp that divides it."
         )
     if cu_seqlens is not None:
         if batch_axis is not None:
@@ -672,6 +766,7 @@ def run_sharded(
         axis_name=axis_name,
         specs=(seq, state),
         exchange=exchange,
+        layout=layout,
     )
 
 
@@ -687,9 +782,12 @@ def _sharded(
     axis_name,
     specs,
     exchange,
+    layout,
 ):
     seq, state = specs
     P = jax.sharding.PartitionSpec
+    zigzag = isinstance(layout, Zigzag)
+    cp = mesh.shape[axis_name]
 
     def per_rank(inputs, initial_state, cu_seqlens):
         return run(
@@ -699,6 +797,7 @@ def _sharded(
             output_final_state=output_final_state,
             cu_seqlens=cu_seqlens,
             axis_name=axis_name,
+            layout=layout,
             exchange=exchange,
         )
 
@@ -708,4 +807,9 @@ def _sharded(
         in_specs=(seq, state, P()),
         out_specs=(seq, state if output_final_state else None),
     )
-    return fn(inputs, initial_state, cu_seqlens)
+    if zigzag:
+        inputs = jax.tree.map(lambda x: to_zigzag(x, cp, axis=1), inputs)
+    outputs, final = fn(inputs, initial_state, cu_seqlens)
+    if zigzag:
+        outputs = jax.tree.map(lambda y: from_zigzag(y, cp, axis=1), outputs)
+    return outputs, final

@@ -7,6 +7,7 @@ rank's whole shard) and the initial state replicated. Payloads are counted as el
 """
 
 import abc
+import functools as ft
 import math
 from typing import Literal, TypeAlias
 
@@ -16,13 +17,16 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from ._affine import AbstractAffineMap, prefix_scan
+from ._layout import Contiguous, Layout
 
 
 class AbstractExchange(eqx.Module):
     """How the ranks of a context-parallel axis turn their maps into incoming states.
 
-    A concrete exchange implements the collective (`__call__`), says how many elements
-    each rank receives (`payload_elements`) and in how many sequential rounds (`rounds`).
+    A concrete exchange implements the collective (`__call__`: one walk over the ranks,
+    forwards or backwards), says how many elements each rank receives in one walk
+    (`received`, from which `payload_elements` follows for either layout) and in how many
+    sequential rounds (`rounds`).
     """
 
     @abc.abstractmethod
@@ -44,7 +48,8 @@ class AbstractExchange(eqx.Module):
         - `axis_name`: the context-parallel mesh axis.
         - `need_final_state`: also return the state after the last token, on every rank.
         - `reverse`: walk the ranks from the last to the first (rank `cp - 1` comes first):
-            what the backward pass uses to carry cotangents from the end of the sequence.
+            what the second pieces of a [`deltanet_cp.Zigzag`][] shard need, and what the
+            backward pass of a forward walk uses to carry cotangents from the end.
 
         **Returns:**
 
@@ -52,10 +57,37 @@ class AbstractExchange(eqx.Module):
         """
 
     @abc.abstractmethod
-    def rounds(self, cp: int) -> int:
-        """Sequential communication rounds over `cp` ranks (the latency term)."""
+    def received(
+        self,
+        cp: int,
+        *,
+        map_elements: int,
+        state_elements: int,
+        final_state: bool = False,
+        reverse: bool = False,
+    ) -> tuple[int, ...]:
+        """Elements each rank receives in one walk over the ranks, indexed by rank.
+
+        **Arguments:**
+
+        - `cp`, `map_elements`, `state_elements`, `final_state`: as in
+            `payload_elements`.
+        - `reverse`: the walk goes from the last rank to the first.
+
+        **Returns:**
+
+        A tuple of `cp` element counts.
+        """
 
     @abc.abstractmethod
+    def rounds(self, cp: int, *, layout: Layout = Contiguous()) -> int:
+        """Sequential communication rounds over `cp` ranks (the latency term), not counting
+        the final state's broadcast.
+
+        Under [`deltanet_cp.Zigzag`][], the two walks' exchanges of maps are independent of
+        each other; what they wait for is the state leaving the first walk.
+        """
+
     def payload_elements(
         self,
         cp: int,
@@ -63,8 +95,13 @@ class AbstractExchange(eqx.Module):
         map_elements: int,
         state_elements: int,
         final_state: bool = False,
+        layout: Layout = Contiguous(),
     ) -> int:
         """Elements each rank receives (the largest over ranks).
+
+        Under [`deltanet_cp.Zigzag`][] it is two walks (see [`deltanet_cp.run`][]): the
+        first pieces in rank order, ending in a state every rank needs (so its final state
+        is always broadcast), then the second pieces in reverse rank order.
 
         **Arguments:**
 
@@ -74,12 +111,21 @@ class AbstractExchange(eqx.Module):
             [`deltanet_cp.DiagonalAffineMap`][].
         - `state_elements`: the elements of one state, $B H_V K V$.
         - `final_state`: whether the global final state is also returned on every rank.
+        - `layout`: [`deltanet_cp.Contiguous`][] or [`deltanet_cp.Zigzag`][].
 
         **Returns:**
 
         The number of elements (multiply by the itemsize, 4 for float32, for bytes); 0 when
         `cp == 1`.
         """
+        received = ft.partial(
+            self.received, cp, map_elements=map_elements, state_elements=state_elements
+        )
+        if isinstance(layout, Contiguous):
+            return max(received(final_state=final_state))
+        first = received(final_state=True)
+        second = received(final_state=final_state, reverse=True)
+        return max(a + b for a, b in zip(first, second))
 
     def estimated_seconds(
         self,
@@ -90,20 +136,21 @@ class AbstractExchange(eqx.Module):
         itemsize: int = 4,
         latency: float = 10e-6,
         bandwidth: float = 50e9,
+        layout: Layout = Contiguous(),
     ) -> float:
         r"""The alpha-beta cost model: `rounds * latency + bytes_received / bandwidth`.
 
         **Arguments:**
 
-        - `cp`, `map_elements`, `state_elements`: as in `payload_elements`.
+        - `cp`, `map_elements`, `state_elements`, `layout`: as in `payload_elements`.
         - `itemsize`: bytes per element (4 for float32 maps).
         - `latency`: seconds per communication round ($\alpha$).
         - `bandwidth`: bytes per second into one rank ($1/\beta$).
         """
         payload = self.payload_elements(
-            cp, map_elements=map_elements, state_elements=state_elements
+            cp, map_elements=map_elements, state_elements=state_elements, layout=layout
         )
-        return self.rounds(cp) * latency + payload * itemsize / bandwidth
+        return self.rounds(cp, layout=layout) * latency + payload * itemsize / bandwidth
 
 
 class AllGather(AbstractExchange):
@@ -126,11 +173,12 @@ class AllGather(AbstractExchange):
         last_map, last_entering = (jax.tree.map(lambda x: x[-1], m) for m in (maps, exclusive))
         return h_in, last_map(last_entering(h0))
 
-    def rounds(self, cp: int) -> int:
+    def rounds(self, cp: int, *, layout: Layout = Contiguous()) -> int:
+        # Both walks' gathers at once; the state between them is formed locally.
         return 0 if cp == 1 else 1
 
-    def payload_elements(self, cp, *, map_elements, state_elements, final_state=False):
-        return (cp - 1) * map_elements
+    def received(self, cp, *, map_elements, state_elements, final_state=False, reverse=False):
+        return ((cp - 1) * map_elements,) * cp
 
 
 class PPermute(AbstractExchange):
@@ -164,13 +212,18 @@ class PPermute(AbstractExchange):
             return h_in, None
         return h_in, _from_last(local(h_in), position, cp, axis_name)
 
-    def rounds(self, cp: int) -> int:
-        return math.ceil(math.log2(cp)) if cp > 1 else 0
-
-    def payload_elements(self, cp, *, map_elements, state_elements, final_state=False):
+    def rounds(self, cp: int, *, layout: Layout = Contiguous()) -> int:
+        # Both walks' scans at once, then the state between them is broadcast.
         if cp == 1:
             return 0
-        return self.rounds(cp) * map_elements + _all_reduce(cp, state_elements, final_state)
+        return _log2(cp) + (0 if isinstance(layout, Contiguous) else 1)
+
+    def received(self, cp, *, map_elements, state_elements, final_state=False, reverse=False):
+        # Position p receives in round j iff p >= 2^j.
+        final = _all_reduce(cp, state_elements, final_state)
+        counts = [sum(1 for j in range(_log2(cp)) if p >= 2**j) for p in range(cp)]
+        per_position = [n * map_elements + final for n in counts]
+        return tuple(per_position[_rank(r, cp, reverse)] for r in range(cp))
 
 
 class Ring(AbstractExchange):
@@ -193,13 +246,16 @@ class Ring(AbstractExchange):
             return h_in, None
         return h_in, _from_last(local(h_in), position, cp, axis_name)
 
-    def rounds(self, cp: int) -> int:
-        return cp - 1
+    def rounds(self, cp: int, *, layout: Layout = Contiguous()) -> int:
+        # A forward wave, the state between the walks broadcast, a backward wave.
+        if cp == 1 or isinstance(layout, Contiguous):
+            return cp - 1
+        return 2 * (cp - 1) + 1
 
-    def payload_elements(self, cp, *, map_elements, state_elements, final_state=False):
-        if cp == 1:
-            return 0
-        return state_elements + _all_reduce(cp, state_elements, final_state)
+    def received(self, cp, *, map_elements, state_elements, final_state=False, reverse=False):
+        final = _all_reduce(cp, state_elements, final_state)
+        per_position = [(state_elements if p > 0 else 0) + final for p in range(cp)]
+        return tuple(per_position[_rank(r, cp, reverse)] for r in range(cp))
 
 
 class Auto(AbstractExchange):
@@ -219,7 +275,13 @@ class Auto(AbstractExchange):
     bandwidth: float = 50e9
 
     def choose(
-        self, cp: int, *, map_elements: int, state_elements: int, itemsize: int = 4
+        self,
+        cp: int,
+        *,
+        map_elements: int,
+        state_elements: int,
+        itemsize: int = 4,
+        layout: Layout = Contiguous(),
     ) -> AbstractExchange:
         """The concrete exchange this model picks for these sizes."""
         return min(
@@ -231,6 +293,7 @@ class Auto(AbstractExchange):
                 itemsize=itemsize,
                 latency=self.latency,
                 bandwidth=self.bandwidth,
+                layout=layout,
             ),
         )
 
@@ -249,16 +312,37 @@ class Auto(AbstractExchange):
             reverse=reverse,
         )
 
-    def rounds(self, cp: int) -> int:
+    def rounds(self, cp: int, *, layout: Layout = Contiguous()) -> int:
         raise TypeError("Auto() has no fixed number of rounds: ask `Auto().choose(...)`.")
 
-    def payload_elements(self, cp, *, map_elements, state_elements, final_state=False):
+    def received(self, cp, *, map_elements, state_elements, final_state=False, reverse=False):
         chosen = self.choose(cp, map_elements=map_elements, state_elements=state_elements)
+        return chosen.received(
+            cp,
+            map_elements=map_elements,
+            state_elements=state_elements,
+            final_state=final_state,
+            reverse=reverse,
+        )
+
+    def payload_elements(
+        self,
+        cp,
+        *,
+        map_elements,
+        state_elements,
+        final_state=False,
+        layout: Layout = Contiguous(),
+    ):
+        chosen = self.choose(
+            cp, map_elements=map_elements, state_elements=state_elements, layout=layout
+        )
         return chosen.payload_elements(
             cp,
             map_elements=map_elements,
             state_elements=state_elements,
             final_state=final_state,
+            layout=layout,
         )
 
 
@@ -281,6 +365,10 @@ def as_exchange(exchange: "AbstractExchange | ExchangeName") -> AbstractExchange
         f"Unknown exchange {exchange!r}; pass AllGather(), PPermute(), Ring() or Auto(...), "
         f"or one of the shorthands {tuple(_BY_NAME)}."
     )
+
+
+def _log2(cp: int) -> int:
+    return math.ceil(math.log2(cp)) if cp > 1 else 0
 
 
 def _size(tree) -> int:

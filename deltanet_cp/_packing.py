@@ -52,12 +52,15 @@ class Segments(eqx.Module):
         return self.start_doc.shape[0]
 
 
-def as_cu_seqlens(cu_seqlens: Any, batch: int, total: int) -> Int[Array, " docs_plus_one"]:
+def as_cu_seqlens(
+    cu_seqlens: Any, batch: int, total: int, *, at_least: bool = False
+) -> Int[Array, " docs_plus_one"]:
     """`cu_seqlens` as an int32 array, checked: a `ValueError` names what to change.
 
     Shapes and dtypes are checked at once; the values (starting at 0, not decreasing,
-    ending at the global length `total`) are checked with `equinox.error_if`, so they are
-    checked under `jax.jit` too: a bad traced value raises when the computation runs.
+    ending at the global length `total`, or at or after it if `at_least`) are checked with
+    `equinox.error_if`, so they are checked under `jax.jit` too: a bad traced value raises
+    when the computation runs.
     """
     if batch != 1:
         raise ValueError(
@@ -79,13 +82,12 @@ def as_cu_seqlens(cu_seqlens: Any, batch: int, total: int) -> Int[Array, " docs_
             f"{cu_seqlens.shape}."
         )
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
-    bad = (cu[0] != 0) | jnp.any(cu[1:] < cu[:-1]) | (cu[-1] != total)
-    return eqx.error_if(
-        cu,
-        bad,
-        f"`cu_seqlens` must start at 0, not decrease, and end at the (global) sequence "
-        f"length {total}.",
+    short = cu[-1] < total if at_least else cu[-1] != total
+    bad = (cu[0] != 0) | jnp.any(cu[1:] < cu[:-1]) | short
+    end = (
+        f"at or after position {total}" if at_least else f"at the (global) sequence length {total}"
     )
+    return eqx.error_if(cu, bad, f"`cu_seqlens` must start at 0, not decrease, and end {end}.")
 
 
 def num_padded_chunks(length: int, num_docs: int, chunk_size: int) -> int:

@@ -23,6 +23,8 @@ import jax.random as jr
 import numpy as np
 import pytest
 
+import deltanet_cp as dcp
+
 
 Reference = Callable[..., tuple[np.ndarray, np.ndarray]]
 
@@ -322,14 +324,16 @@ def elementwise_check(grad, loss, arrays, i, *, eps=1e-6) -> float:
     return rel_err(grad, numeric)
 
 
-def value_and_grad_fn(fn, n_args, *, cp=None):
+def value_and_grad_fn(fn, n_args, *, cp=None, zigzag=False):
     """A jitted `(*args) -> (o, h, grads)` for `fn(*args) -> (o, h)` of `n_args` arguments;
     the gradients are of a fixed weighted sum of `o` and `h` w.r.t. every argument. Build it
     once per module, so every test calling it with the same shapes shares one compilation.
 
     With `cp`, `fn` is a per-rank function run inside `jax.shard_map` over a mesh axis named
     `"cp"` of `cp` devices: every argument but the last is sharded over its axis 1 (the
-    sequence), the last (the initial state) is replicated, and so is the final state.
+    sequence), the last (the initial state) is replicated, and so is the final state. With
+    `zigzag`, the sequence is put in zigzag order on the way in (`to_zigzag`) and back on the
+    way out, so arguments, outputs and gradients are all in sequence order.
     """
     from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -341,7 +345,13 @@ def value_and_grad_fn(fn, n_args, *, cp=None):
         else:
             seq, rep = P(None, "cp"), P()
             specs = (seq,) * (len(a) - 1) + (rep,)
+            if zigzag:
+                assert cp is not None
+                a = (*(dcp.to_zigzag(x, cp) for x in a[:-1]), a[-1])
             o, h = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=(seq, rep))(*a)
+            if zigzag:
+                assert cp is not None
+                o = dcp.from_zigzag(o, cp)
         wo = jnp.cos(jnp.arange(o.size, dtype=o.dtype)).reshape(o.shape)
         wh = jnp.sin(jnp.arange(h.size, dtype=h.dtype)).reshape(h.shape)
         return jnp.sum(o * wo) + jnp.sum(h * wh), (o, h)

@@ -2,6 +2,8 @@
 recurrence): the exchanges' payloads against the compiled HLO, their cost model, the layout
 and argument checks at every context-parallel entry point, low precision across ranks."""
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,7 +34,15 @@ def _mesh(cp):
     return jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
 
 
-def _compiled_text(family: Family, cp: int, exchange, t: int, final_state: bool, **shape):
+def _compiled_text(
+    family: Family,
+    cp: int,
+    exchange,
+    t: int,
+    final_state: bool,
+    layout: dcp.Layout = dcp.Contiguous(),
+    **shape,
+):
     """The compiled HLO of `chunk_X_cp` over a `cp`-device mesh."""
     mesh = _mesh(cp)
     args, h0 = family.make(0, t=t, **shape)
@@ -45,6 +55,7 @@ def _compiled_text(family: Family, cp: int, exchange, t: int, final_state: bool,
             exchange=exchange,
             initial_state=h0,
             output_final_state=final_state,
+            layout=layout,
         )
         return o if h is None else (o, h)
 
@@ -66,7 +77,7 @@ def _received(text: str) -> int:
 DENSE = dict(b=1, h=1, hv=2, dk=16, dv=8)  # map: B HV K (K + V); state: B HV K V
 
 
-def _payload(exchange, cp: int, final_state: bool = False) -> int:
+def _payload(exchange, cp: int, final_state: bool = False, layout=dcp.Contiguous()) -> int:
     """Elements received per rank for the dense maps of the `DENSE` shapes."""
     b, hv, dk, dv = DENSE["b"], DENSE["hv"], DENSE["dk"], DENSE["dv"]
     return exchange.payload_elements(
@@ -74,28 +85,46 @@ def _payload(exchange, cp: int, final_state: bool = False) -> int:
         map_elements=b * hv * dk * (dk + dv),
         state_elements=b * hv * dk * dv,
         final_state=final_state,
+        layout=layout,
     )
+
+
+def _layout_id(layout) -> str:
+    return type(layout).__name__.lower()
 
 
 @pytest.mark.parametrize(
-    "exchange, cp",
+    "exchange, cp, layout",
     [
-        pytest.param(ex, cp, marks=() if cp == 4 else (pytest.mark.slow,))
+        pytest.param(ex, cp, layout, marks=() if cp == 4 else (pytest.mark.slow,))
         for ex in [dcp.AllGather(), dcp.PPermute(), dcp.Ring()]
         for cp in [2, 4, 8]
+        for layout in [dcp.Contiguous(), dcp.Zigzag()]
     ],
-    ids=lambda x: exchange_id(x) if not isinstance(x, int) else f"cp{x}",
+    ids=lambda x: (
+        f"cp{x}"
+        if isinstance(x, int)
+        else _layout_id(x)
+        if isinstance(x, dcp.AbstractLayout)
+        else exchange_id(x)
+    ),
 )
-def test_payload_is_constant_in_sequence_length(exchange, cp, fast_compile):
-    expected = 4 * _payload(exchange, cp)
+def test_payload_is_constant_in_sequence_length(exchange, cp, layout, fast_compile):
+    # Bytes received per rank, read from the compiled module, equal the exchange's formula
+    # at two sequence lengths 16x apart. Under zigzag: two walks, the state between them
+    # broadcast by an all-reduce unless the all-gather forms it locally.
+    expected = 4 * _payload(exchange, cp, layout=layout)
     for t in [256, 4096]:
-        text = _compiled_text(GATED_DELTA_RULE, cp, exchange, t, False, **DENSE)
+        text = _compiled_text(GATED_DELTA_RULE, cp, exchange, t, False, layout, **DENSE)
         found = dcp.collectives(text)
         assert _received(text) == expected, (t, [(c.kind, c.shapes) for c in found])
     kinds = {c.kind for c in dcp.collectives(text)}
-    assert kinds == (
-        {"all-gather"} if isinstance(exchange, dcp.AllGather) else {"collective-permute"}
-    )
+    if isinstance(exchange, dcp.AllGather):
+        assert kinds == {"all-gather"}
+    elif isinstance(layout, dcp.Contiguous):
+        assert kinds == {"collective-permute"}
+    else:
+        assert kinds == {"collective-permute", "all-reduce"}
 
 
 @pytest.mark.parametrize(
@@ -103,11 +132,12 @@ def test_payload_is_constant_in_sequence_length(exchange, cp, fast_compile):
     [*EXCHANGES[:3], *(pytest.param(x, marks=pytest.mark.slow) for x in [dcp.Auto(), "ring"])],
     ids=exchange_id,
 )
-def test_payload_with_final_state(exchange, fast_compile):
+@pytest.mark.parametrize("layout", [dcp.Contiguous(), dcp.Zigzag()], ids=_layout_id)
+def test_payload_with_final_state(exchange, layout, fast_compile):
     cp = 4
     module = exchange if not isinstance(exchange, str) else dcp.Ring()
-    text = _compiled_text(GATED_DELTA_RULE, cp, exchange, 256, True, **DENSE)
-    assert _received(text) == 4 * _payload(module, cp, final_state=True)
+    text = _compiled_text(GATED_DELTA_RULE, cp, exchange, 256, True, layout, **DENSE)
+    assert _received(text) == 4 * _payload(module, cp, final_state=True, layout=layout)
 
 
 def test_payload_is_a_diagonal_map():
@@ -145,7 +175,7 @@ def test_payload_formulas():
         assert payload(ex, 8, final_state=True) > payload(ex, 8)
 
 
-def _sizes(batch_heads, dk, dv):
+def _sizes(batch_heads, dk, dv) -> dict[str, Any]:
     return dict(map_elements=batch_heads * dk * (dk + dv), state_elements=batch_heads * dk * dv)
 
 
@@ -173,41 +203,78 @@ def test_auto_follows_the_cost_model():
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=_name)
-def test_zigzag_refused_everywhere(family):
-    # With the runtime type checker on: the signature admits any layout at run time so the
+def test_engine_refuses_zigzag(family):
+    # The engine runs the three phases over one contiguous slice per rank; a zigzag shard
+    # reaches it only as its two pieces (through `run` and the public functions). With the
+    # runtime type checker on: the signature admits any layout at run time so the
     # explanation always comes through.
-    args, h0 = family.make(0, b=1, t=32, h=1, hv=2, dk=8, dv=6)
+    args, _ = family.make(0, b=1, t=32, h=1, hv=2, dk=8, dv=6)
     recurrence = family.recurrence(chunk_size=8)
     inputs = family.inputs(*args)
-    calls = {
-        "chunk_cp": lambda: family.chunk_cp(*args, axis_name="cp", layout=dcp.Zigzag()),
-        "chunk_sharded": lambda: family.chunk_sharded(
-            *args, mesh=_mesh(2), axis_name="cp", layout=dcp.Zigzag()
-        ),
-        "run": lambda: dcp.run(recurrence, inputs, axis_name="cp", layout=dcp.Zigzag()),  # pyright: ignore[reportArgumentType]
-        "run_sharded": lambda: dcp.run_sharded(
-            recurrence,
-            inputs,
-            mesh=_mesh(2),
-            axis_name="cp",
-            layout=dcp.Zigzag(),  # pyright: ignore[reportArgumentType]
-        ),
-    }
-    for name, call in calls.items():
-        with pytest.raises(ValueError, match="load balancing must be off") as info:
-            call()
-        assert "contiguous, in-order slice" in str(info.value), name
+    for axis_name in ["cp", None]:
+        with pytest.raises(ValueError, match=r"requires layout=Contiguous\(\)") as info:
+            dcp.run_contiguous(
+                recurrence,
+                inputs,
+                axis_name=axis_name,
+                layout=dcp.Zigzag(),  # pyright: ignore[reportArgumentType]
+            )
+        assert "contiguous, in-order slice per rank" in str(info.value)
+        assert "Pass layout=Zigzag() to deltanet_cp.run" in str(info.value)
 
 
-def test_zigzag_refused_without_runtime_typecheck(without_runtime_typecheck):
+def test_engine_refuses_zigzag_without_runtime_typecheck(without_runtime_typecheck):
     args, _ = GATED_DELTA_RULE.make(0, b=1, t=32, h=1, hv=2, dk=8, dv=6)
-    with pytest.raises(ValueError, match="load balancing must be off"):
-        dcp.chunk_gated_delta_rule_sharded(
-            *args,
-            mesh=_mesh(2),
+    inputs = GATED_DELTA_RULE.inputs(*args)
+    with pytest.raises(ValueError, match=r"requires layout=Contiguous\(\)"):
+        dcp.run_contiguous(
+            dcp.GatedDeltaRule(chunk_size=8),
+            inputs,
             axis_name="cp",
             layout=dcp.Zigzag(),  # pyright: ignore[reportArgumentType]
         )
+
+
+def test_unknown_layout_refused(without_runtime_typecheck):
+    args, _ = GATED_DELTA_RULE.make(0, b=1, t=32, h=1, hv=2, dk=8, dv=6)
+    for bad in ["zigzag", dcp.AbstractLayout()]:
+        with pytest.raises(ValueError, match=r"layout=Contiguous\(\) or layout=Zigzag\(\)"):
+            dcp.chunk_gated_delta_rule_sharded(
+                *args,
+                mesh=_mesh(2),
+                axis_name="cp",
+                layout=bad,  # pyright: ignore[reportArgumentType]
+            )
+
+
+def test_zigzag_argument_checks():
+    # An odd number of tokens per rank, or a global length not a multiple of 2 cp.
+    args, _ = GATED_DELTA_RULE.make(0, b=1, t=24, h=1, hv=2, dk=8, dv=6)
+    with pytest.raises(ValueError, match=r"must be divisible by 16 .* layout=Zigzag\(\)"):
+        dcp.chunk_gated_delta_rule_sharded(
+            *args, mesh=_mesh(8), axis_name="cp", layout=dcp.Zigzag()
+        )
+    mesh = _mesh(8)
+    seq = P(None, "cp")
+
+    def per_rank(args):
+        return dcp.chunk_gated_delta_rule_cp(*args, axis_name="cp", layout=dcp.Zigzag())[0]
+
+    fn = jax.shard_map(per_rank, mesh=mesh, in_specs=((seq,) * len(args),), out_specs=seq)
+    with pytest.raises(ValueError, match="local sequence length must be even; got 3"):
+        jax.eval_shape(fn, jax.device_put(args, NamedSharding(mesh, seq)))
+    with pytest.raises(ValueError, match="divisible by 2 \\* cp = 16"):
+        dcp.to_zigzag(args[0], 8)
+
+
+def test_to_and_from_zigzag():
+    x = jnp.arange(2 * 24).reshape(2, 24)
+    z = dcp.to_zigzag(x, 3)
+    pieces = [list(range(4 * p, 4 * p + 4)) for p in [0, 5, 1, 4, 2, 3]]
+    assert z[0].tolist() == sum(pieces, [])
+    assert (dcp.from_zigzag(z, 3) == x).all()
+    assert (dcp.from_zigzag(dcp.to_zigzag(x.T, 2, axis=0), 2, axis=0) == x.T).all()
+    assert (dcp.to_zigzag(x, 1) == x).all()
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=_name)

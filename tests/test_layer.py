@@ -183,11 +183,16 @@ def test_prefill_then_decode(getkey):
     assert rel_err(y0, full[0]) <= 1e-5
 
 
+def test_unknown_layout(getkey, without_runtime_typecheck):
+    layer = GatedDeltaNet(*SIZES, key=getkey())
+    x = jr.normal(getkey(), (8, SIZES[0]))
+    with pytest.raises(ValueError, match=r"layout=Contiguous\(\) or layout=Zigzag\(\)"):
+        layer(x, axis_name="cp", layout="zigzag")  # pyright: ignore[reportArgumentType]
+
+
 def test_errors(getkey):
     layer = GatedDeltaNet(*SIZES, key=getkey())
     x = jr.normal(getkey(), (8, SIZES[0]))
-    with pytest.raises(ValueError, match="layout=Contiguous"):
-        layer(x, axis_name="cp", layout=dcp.Zigzag())  # pyright: ignore[reportArgumentType]
     mesh = _mesh(4)
     f = jax.shard_map(
         lambda x: layer(x, axis_name="cp"), mesh=mesh, in_specs=P("cp"), out_specs=P("cp")
@@ -213,19 +218,24 @@ def _cp_problem():
     return layer, x, state, w_out, w_state
 
 
-def _cp_apply(cp: int, exchange: str):
+def _cp_apply(cp: int, exchange: str, layout: dcp.Layout = dcp.Contiguous()):
     """`(apply, x, w_out)`: `apply(params, x, state) -> (y, new_state)` at CP degree `cp`
-    (`cp == 1`: the single-device path), and the sequence-shaped inputs placed for it."""
+    (`cp == 1`: the single-device path), and the sequence-shaped inputs placed for it (in
+    zigzag order under `Zigzag`: `y` comes back in that order too)."""
     layer, x, _, w_out, _ = _cp_problem()
     static = eqx.partition(layer, eqx.is_array)[1]
 
     def apply(params, x, state, axis_name=None):
         m = eqx.combine(params, static)
-        call = ft.partial(m, return_state=True, axis_name=axis_name, exchange=exchange)
+        call = ft.partial(
+            m, return_state=True, axis_name=axis_name, exchange=exchange, layout=layout
+        )
         return jax.vmap(call)(x, state)
 
     if cp == 1:
         return apply, x, w_out
+    if isinstance(layout, dcp.Zigzag):
+        x, w_out = dcp.to_zigzag(x, cp), dcp.to_zigzag(w_out, cp)
     mesh = _mesh(cp)
     seq = P(None, "cp")
     sharded = jax.shard_map(
@@ -238,10 +248,11 @@ def _cp_apply(cp: int, exchange: str):
     return sharded, place(x), place(w_out)
 
 
-def _cp_loss_and_grads(cp: int, exchange: str = "allgather"):
-    """Output, final state, and grads of a loss of both w.r.t. parameters, input and state."""
+def _cp_loss_and_grads(cp: int, exchange: str = "allgather", layout: dcp.Layout = dcp.Contiguous()):
+    """Output, final state, and grads of a loss of both w.r.t. parameters, input and state
+    (output and input gradient in sequence order)."""
     layer, _, state, _, w_state = _cp_problem()
-    apply, x, w_out = _cp_apply(cp, exchange)
+    apply, x, w_out = _cp_apply(cp, exchange, layout)
 
     def loss(params, x, state):
         y, new = apply(params, x, state)
@@ -250,6 +261,9 @@ def _cp_loss_and_grads(cp: int, exchange: str = "allgather"):
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
     grads, (y, new) = grad(eqx.filter(layer, eqx.is_array), x, state)
+    if isinstance(layout, dcp.Zigzag):
+        y = dcp.from_zigzag(np.asarray(y), cp)
+        grads = (grads[0], dcp.from_zigzag(np.asarray(grads[1]), cp), grads[2])
     return y, new, grads
 
 
@@ -288,6 +302,21 @@ def test_cp_invariance(cp):
     assert rel_err(new1.conv[0], conv_ref) <= 1e-6
 
     y, new, grads = _cp_loss_and_grads(cp)
+    assert rel_err(y, y1) <= 1e-5
+    assert _max_leaf_err(new, new1) <= 1e-5
+    errs = jax.tree.map(rel_err, grads, grads1)
+    assert max(jax.tree.leaves(errs)) <= 1e-5, errs
+
+
+@pytest.mark.parametrize(
+    "cp, exchange",
+    [(2, "ring"), (4, "allgather"), pytest.param(8, "ppermute", marks=pytest.mark.slow)],
+)
+def test_zigzag_invariance(cp, exchange):
+    """On zigzag shards (the convolution's halo and the recurrence follow the chain): the
+    outputs, final state and all gradients equal one device's."""
+    y1, new1, grads1 = _cp1()
+    y, new, grads = _cp_loss_and_grads(cp, exchange, dcp.Zigzag())
     assert rel_err(y, y1) <= 1e-5
     assert _max_leaf_err(new, new1) <= 1e-5
     errs = jax.tree.map(rel_err, grads, grads1)

@@ -423,6 +423,129 @@ def test_cp_gradients_match_loop(family, exchange, cp):
 
 
 # ---------------------------------------------------------------------------------------
+# The zigzag layout: rank r holds pieces r and 2cp-1-r of 2cp
+# ---------------------------------------------------------------------------------------
+
+# 48 tokens: on 2, 4 and 8 ranks, pieces of 12, 6 and 3 tokens (never whole chunks of 8).
+ZIGZAG_SHAPE = dict(b=1, t=48, h=1, hv=2, dk=8, dv=6)
+
+
+@ft.cache
+def _zigzag_grad_fn(family: Family, cp: int, exchange, chunk_size: int = CHUNK):
+    """Value and gradient of `chunk_X_cp(..., layout=Zigzag())` on arrays in sequence order
+    (put in zigzag order on the way in, and back on the way out)."""
+
+    def fn(*a):
+        return family.chunk_cp(
+            *a[:-1],
+            axis_name="cp",
+            exchange=exchange,
+            layout=dcp.Zigzag(),
+            initial_state=a[-1],
+            output_final_state=True,
+            **_options(family, chunk_size=chunk_size),
+        )
+
+    return value_and_grad_fn(fn, len(family.arg_names) + 1, cp=cp, zigzag=True)
+
+
+@pytest.mark.parametrize(
+    "family, exchange, cp",
+    pairwise(
+        [FAMILIES, EXCHANGES, [2, 4, 8]],
+        ids=[_name, exchange_id, lambda cp: f"cp{cp}"],
+        cover=[],  # every family, every exchange, every cp in the default run
+    ),
+)
+def test_zigzag_matches_loop(family, exchange, cp):
+    # Forward, final state and gradients w.r.t. every input and the initial state.
+    args, h0 = family.make(31, **ZIGZAG_SHAPE)
+    o, final, grads = _zigzag_grad_fn(family, cp, exchange)(*args, h0)
+    expected_o, expected_h = _reference(family, args, h0)
+    assert o.shape == expected_o.shape and o.dtype == args[2].dtype
+    assert rel_err(o, expected_o) <= 1e-5
+    assert rel_err(final, expected_h) <= 1e-5
+    _check_gradients(family, args, h0, grads)
+
+
+# On 4 ranks, 8 pieces of 8 tokens; on 8 ranks, 16 pieces of 4 (the chunk size): documents
+# crossing piece boundaries, rank boundaries and the middle of the sequence (where the chain
+# turns back), one ending at the middle, empty ones at a piece boundary and at the end.
+ZIGZAG_DOCS = [[0, 5, 5, 40, 41, 64], [0, 16, 16, 32, 61, 64, 64]]
+
+
+def _zigzag_packed_params():
+    return [
+        pytest.param(
+            f,
+            cp,
+            ex,
+            cu,
+            id=f"{f.name}-cp{cp}-{exchange_id(ex)}-docs{k}",
+            marks=() if (cp == (4, 8)[i % 2] and k == (i // 2) % 2) else (pytest.mark.slow,),
+        )
+        for i, f in enumerate(FAMILIES)
+        for cp in [2, 4, 8]
+        for ex in [EXCHANGES[i % 3]]
+        for k, cu in enumerate(ZIGZAG_DOCS)
+    ]
+
+
+@pytest.mark.parametrize("family, cp, exchange, cu", _zigzag_packed_params())
+def test_zigzag_packed_documents(family, cp, exchange, cu):
+    # Packed documents on zigzag shards: outputs, per-document final states from
+    # per-document initial states, and their gradients.
+    args, _ = family.make(27, **PACKED)
+    h0 = _doc_states(28, cu)
+
+    def fn(*a):
+        return family.chunk_cp(
+            *a[:-1],
+            axis_name="cp",
+            exchange=exchange,
+            layout=dcp.Zigzag(),
+            cu_seqlens=cu,
+            initial_state=a[-1],
+            output_final_state=True,
+            **_options(family, chunk_size=4),
+        )
+
+    o, finals, grads = value_and_grad_fn(fn, len(args) + 1, cp=cp, zigzag=True)(*args, h0)
+    expected_o, expected_h = _reference(family, args, h0, cu_seqlens=cu)
+    assert rel_err(o, expected_o) <= 1e-5
+    assert rel_err(finals, expected_h) <= 1e-5
+    names = [*family.arg_names, "initial_state"]
+
+    def loss(a):
+        return weighted_loss(*_reference(family, a[:-1], a[-1], cu_seqlens=cu))
+
+    for name, err in zip(names, directional_check(grads, loss, [*args, h0])):
+        assert err <= 1e-4, (name, err)
+
+
+@pytest.mark.parametrize(
+    "family", _families(lambda i, f: f.name in ("kimi_delta_attention", "gla_per_head"))
+)
+def test_zigzag_sharded_matches_loop(family):
+    # `_sharded` takes and returns arrays in sequence order; with a data-parallel axis too.
+    mesh = jax.make_mesh((2, 4), ("data", "cp"))
+    args, h0 = family.make(32, **{**ZIGZAG_SHAPE, "b": 2})
+    o, final = family.chunk_sharded(
+        *args,
+        mesh=mesh,
+        axis_name="cp",
+        batch_axis="data",
+        layout=dcp.Zigzag(),
+        initial_state=h0,
+        output_final_state=True,
+        **_options(family),
+    )
+    expected_o, expected_h = _reference(family, args, h0)
+    assert rel_err(o, expected_o) <= 1e-5
+    assert rel_err(final, expected_h) <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------
 # `_sharded`: global arrays in and out
 # ---------------------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""Static checks: pyright refuses a non-contiguous layout for the context-parallel kernels."""
+"""Static checks: pyright refuses a non-contiguous layout for the engine, `run_contiguous`,
+and accepts both layouts at the public context-parallel functions."""
 
 import json
 import pathlib

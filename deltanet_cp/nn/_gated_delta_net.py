@@ -10,7 +10,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._engine import run
 from .._exchange import AbstractExchange, ExchangeName
-from .._layout import check_contiguous, Contiguous, ContiguousLayout
+from .._layout import check_layout, Contiguous, Layout
 from ..recurrences._delta_family import DeltaInputs
 from ..recurrences._gated_delta import GatedDeltaRule, recurrent_gated_delta_rule
 from ._conv import CausalConv1d
@@ -204,6 +204,7 @@ class GatedDeltaNet(eqx.Module):
         state: GatedDeltaNetState | None = None,
         *,
         axis_name: str | None = None,
+        layout: Layout = Contiguous(),
     ) -> tuple[Array, Array, Array, Array, Array, Array]:
         """Everything the layer computes before the gated delta rule (for inspection).
 
@@ -216,7 +217,8 @@ class GatedDeltaNet(eqx.Module):
         `z: (seq, HV, V)`, and the log decays `g` and step sizes `beta`, `(seq, HV)`.
         """
         mixed, z, b, a = self._project(x)
-        mixed, _ = self.conv1d(mixed, None if state is None else state.conv, axis_name=axis_name)
+        conv_state = None if state is None else state.conv
+        mixed, _ = self.conv1d(mixed, conv_state, axis_name=axis_name, layout=layout)
         return self._split(jax.nn.silu(mixed), z, b, a)
 
     @overload
@@ -227,7 +229,7 @@ class GatedDeltaNet(eqx.Module):
         *,
         return_state: Literal[False] = False,
         axis_name: str | None = None,
-        layout: ContiguousLayout = Contiguous(),
+        layout: Layout = Contiguous(),
         exchange: AbstractExchange | ExchangeName = "allgather",
     ) -> Float[Array, "seq hidden"]: ...
 
@@ -239,7 +241,7 @@ class GatedDeltaNet(eqx.Module):
         *,
         return_state: Literal[True],
         axis_name: str | None = None,
-        layout: ContiguousLayout = Contiguous(),
+        layout: Layout = Contiguous(),
         exchange: AbstractExchange | ExchangeName = "allgather",
     ) -> tuple[Float[Array, "seq hidden"], GatedDeltaNetState]: ...
 
@@ -250,20 +252,22 @@ class GatedDeltaNet(eqx.Module):
         *,
         return_state: bool = False,
         axis_name: str | None = None,
-        layout: ContiguousLayout = Contiguous(),
+        layout: Layout = Contiguous(),
         exchange: AbstractExchange | ExchangeName = "allgather",
     ) -> Float[Array, "seq hidden"] | tuple[Float[Array, "seq hidden"], GatedDeltaNetState]:
         """**Arguments:**
 
         - `x`: one sequence, `(seq, hidden)`; inside `jax.shard_map` with `axis_name`, this
-            rank's contiguous slice of it (at least `conv_kernel_size - 1` tokens).
+            rank's shard of it under `layout` (each contiguous piece at least
+            `conv_kernel_size - 1` tokens).
         - `state`: the state before the first token (a prefix already processed), or `None`
             to start from zeros. With `axis_name`, replicated on every rank.
         - `return_state`: also return the state after the last token (replicated on every
             rank with `axis_name`), for generation.
         - `axis_name`: the `shard_map` axis that time is sharded over, or `None`.
-        - `layout`: how time is laid out over `axis_name`; only
-            [`deltanet_cp.Contiguous`][] is accepted.
+        - `layout`: how time is laid out over `axis_name`: [`deltanet_cp.Contiguous`][]
+            (the default) or [`deltanet_cp.Zigzag`][] (each rank's shard is its two pieces,
+            concatenated; the convolution's halo and the recurrence follow the chain).
         - `exchange`: how ranks exchange recurrent state: [`deltanet_cp.AllGather`][]
             (the default), [`deltanet_cp.PPermute`][], [`deltanet_cp.Ring`][],
             [`deltanet_cp.Auto`][] or their string shorthands.
@@ -273,12 +277,11 @@ class GatedDeltaNet(eqx.Module):
         The output, `(seq, hidden)`, in `x`'s dtype; with `return_state`, the pair
         `(output, new_state)`.
         """
-        if axis_name is not None:
-            check_contiguous(layout, "GatedDeltaNet")
+        check_layout(layout, "GatedDeltaNet")
         mixed, z, b, a = self._project(x)
         conv_state, h0 = (None, None) if state is None else (state.conv, state.recurrent)
         mixed, new_conv = self.conv1d(
-            mixed, conv_state, axis_name=axis_name, return_state=return_state
+            mixed, conv_state, axis_name=axis_name, return_state=return_state, layout=layout
         )
         q, k, v, z, g, beta = self._split(jax.nn.silu(mixed), z, b, a)
         o, h = run(

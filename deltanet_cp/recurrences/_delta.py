@@ -16,7 +16,7 @@ import jax
 from .._custom_types import CuSeqlens, GateTensor, QKTensor, States, ValueTensor
 from .._engine import run, run_sharded
 from .._exchange import AbstractExchange, ExchangeName
-from .._layout import Contiguous, ContiguousLayout
+from .._layout import Contiguous, Layout
 from ._delta_family import AbstractDeltaRule, DeltaInputs, GateKind
 
 
@@ -191,7 +191,7 @@ def chunk_delta_rule_cp(
     beta: GateTensor,
     *,
     axis_name: str,
-    layout: ContiguousLayout = Contiguous(),
+    layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
     scale: float | None = None,
     initial_state: States | None = None,
@@ -210,7 +210,7 @@ def chunk_delta_rule_cp(
     beta: GateTensor,
     *,
     axis_name: str,
-    layout: ContiguousLayout = Contiguous(),
+    layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
     scale: float | None = None,
     initial_state: States | None = None,
@@ -228,7 +228,7 @@ def chunk_delta_rule_cp(
     beta: GateTensor,
     *,
     axis_name: str,
-    layout: ContiguousLayout = Contiguous(),
+    layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
     scale: float | None = None,
     initial_state: States | None = None,
@@ -240,7 +240,7 @@ def chunk_delta_rule_cp(
     r"""[`deltanet_cp.chunk_delta_rule`][] with context parallelism, inside `jax.shard_map`.
 
     The sequence axis (axis 1 of every per-token argument) is sharded over `axis_name`,
-    rank `r` holding a contiguous slice; each argument here is this rank's slice (any number
+    rank `r` holding its shard under `layout`; each argument here is this rank's shard (any number
     of tokens per rank). Ranks exchange one `(K, K)` + `(K, V)` map per batch element and value head
     (or less, depending on `exchange`): the payload does not grow with the sequence length.
 
@@ -255,8 +255,10 @@ def chunk_delta_rule_cp(
     - `cu_seqlens`: packed documents: the *global* document offsets, the same on every rank;
         documents may cross rank boundaries.
     - `axis_name`: the mesh axis the sequence is sharded over.
-    - `layout`: [`deltanet_cp.Contiguous`][] (the default) is the only layout accepted; a
-        [`deltanet_cp.Zigzag`][] is a type error for pyright and a `ValueError` at run time.
+    - `layout`: [`deltanet_cp.Contiguous`][] (the default: rank `r` holds tokens
+        `[r S / cp, (r + 1) S / cp)`) or [`deltanet_cp.Zigzag`][] (rank `r` holds pieces
+        `r` and `2 cp - 1 - r` of `2 cp`, in that order; an even number of tokens per
+        rank), the load-balanced layout of the attention layers of a hybrid model.
     - `exchange`: how ranks exchange their maps: [`deltanet_cp.AllGather`][] (the default),
         [`deltanet_cp.PPermute`][], [`deltanet_cp.Ring`][], [`deltanet_cp.Auto`][], or their
         shorthands `"allgather"`, `"ppermute"`, `"ring"`, `"auto"`.
@@ -288,7 +290,7 @@ def chunk_delta_rule_sharded(
     mesh: jax.sharding.Mesh,
     axis_name: str,
     batch_axis: str | None = None,
-    layout: ContiguousLayout = Contiguous(),
+    layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
     scale: float | None = None,
     initial_state: States | None = None,
@@ -309,7 +311,7 @@ def chunk_delta_rule_sharded(
     mesh: jax.sharding.Mesh,
     axis_name: str,
     batch_axis: str | None = None,
-    layout: ContiguousLayout = Contiguous(),
+    layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
     scale: float | None = None,
     initial_state: States | None = None,
@@ -329,7 +331,7 @@ def chunk_delta_rule_sharded(
     mesh: jax.sharding.Mesh,
     axis_name: str,
     batch_axis: str | None = None,
-    layout: ContiguousLayout = Contiguous(),
+    layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
     scale: float | None = None,
     initial_state: States | None = None,
@@ -349,7 +351,8 @@ def chunk_delta_rule_sharded(
 
     - `q, k, v, beta`, `scale`, `initial_state`, `output_final_state`, `use_qk_l2norm`,
         `cu_seqlens`, `chunk_size`: as in [`deltanet_cp.chunk_delta_rule`][],
-        global arrays. The sequence length must be divisible by the size of `axis_name`.
+        global arrays in sequence order whatever the layout. The sequence length must be
+        divisible by the size of `axis_name` (by twice it under `Zigzag`).
     - `mesh`: a `jax.sharding.Mesh` with an axis named `axis_name`.
     - `axis_name`: the mesh axis to shard the sequence over.
     - `batch_axis`: optionally, a mesh axis to shard the batch over (data parallelism).

@@ -20,7 +20,7 @@ from jaxtyping import Array, Float
 from .._custom_types import CuSeqlens, GateTensor, QKTensor, States, ValueTensor
 from .._engine import run, run_sharded
 from .._exchange import AbstractExchange, ExchangeName
-from .._layout import Contiguous, ContiguousLayout
+from .._layout import Contiguous, Layout
 from ._delta_family import AbstractDeltaRule, DeltaInputs, GateKind
 
 
@@ -216,7 +216,7 @@ def chunk_gated_delta_product_cp(
     beta: ProductBetaTensor,
     *,
     axis_name: str,
-    layout: ContiguousLayout = Contiguous(),
+    layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
     scale: float | None = None,
     initial_state: States | None = None,
@@ -236,7 +236,7 @@ def chunk_gated_delta_product_cp(
     beta: ProductBetaTensor,
     *,
     axis_name: str,
-    layout: ContiguousLayout = Contiguous(),
+    layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
     scale: float | None = None,
     initial_state: States | None = None,
@@ -255,7 +255,7 @@ def chunk_gated_delta_product_cp(
     beta: ProductBetaTensor,
     *,
     axis_name: str,
-    layout: ContiguousLayout = Contiguous(),
+    layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
     scale: float | None = None,
     initial_state: States | None = None,
@@ -267,7 +267,7 @@ def chunk_gated_delta_product_cp(
     r"""[`deltanet_cp.chunk_gated_delta_product`][] with context parallelism (in `shard_map`).
 
     The sequence axis (axis 1 of every per-token argument) is sharded over `axis_name`,
-    rank `r` holding a contiguous slice; each argument here is this rank's slice (any number
+    rank `r` holding its shard under `layout`; each argument here is this rank's shard (any number
     of tokens per rank). Ranks exchange one `(K, K)` + `(K, V)` map per batch element and value head
     (or less, depending on `exchange`): the payload does not grow with the sequence length.
 
@@ -282,8 +282,10 @@ def chunk_gated_delta_product_cp(
     - `cu_seqlens`: packed documents: the *global* document offsets, the same on every rank;
         documents may cross rank boundaries.
     - `axis_name`: the mesh axis the sequence is sharded over.
-    - `layout`: [`deltanet_cp.Contiguous`][] (the default) is the only layout accepted; a
-        [`deltanet_cp.Zigzag`][] is a type error for pyright and a `ValueError` at run time.
+    - `layout`: [`deltanet_cp.Contiguous`][] (the default: rank `r` holds tokens
+        `[r S / cp, (r + 1) S / cp)`) or [`deltanet_cp.Zigzag`][] (rank `r` holds pieces
+        `r` and `2 cp - 1 - r` of `2 cp`, in that order; an even number of tokens per
+        rank), the load-balanced layout of the attention layers of a hybrid model.
     - `exchange`: how ranks exchange their maps: [`deltanet_cp.AllGather`][] (the default),
         [`deltanet_cp.PPermute`][], [`deltanet_cp.Ring`][], [`deltanet_cp.Auto`][], or their
         shorthands `"allgather"`, `"ppermute"`, `"ring"`, `"auto"`.
@@ -316,7 +318,7 @@ def chunk_gated_delta_product_sharded(
     mesh: jax.sharding.Mesh,
     axis_name: str,
     batch_axis: str | None = None,
-    layout: ContiguousLayout = Contiguous(),
+    layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
     scale: float | None = None,
     initial_state: States | None = None,
@@ -338,7 +340,7 @@ def chunk_gated_delta_product_sharded(
     mesh: jax.sharding.Mesh,
     axis_name: str,
     batch_axis: str | None = None,
-    layout: ContiguousLayout = Contiguous(),
+    layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
     scale: float | None = None,
     initial_state: States | None = None,
@@ -359,7 +361,7 @@ def chunk_gated_delta_product_sharded(
     mesh: jax.sharding.Mesh,
     axis_name: str,
     batch_axis: str | None = None,
-    layout: ContiguousLayout = Contiguous(),
+    layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
     scale: float | None = None,
     initial_state: States | None = None,
@@ -379,7 +381,8 @@ def chunk_gated_delta_product_sharded(
 
     - `q, k, v, g, beta`, `scale`, `initial_state`, `output_final_state`, `use_qk_l2norm`,
         `cu_seqlens`, `chunk_size`: as in [`deltanet_cp.chunk_gated_delta_product`][],
-        global arrays. The sequence length must be divisible by the size of `axis_name`.
+        global arrays in sequence order whatever the layout. The sequence length must be
+        divisible by the size of `axis_name` (by twice it under `Zigzag`).
     - `mesh`: a `jax.sharding.Mesh` with an axis named `axis_name`.
     - `axis_name`: the mesh axis to shard the sequence over.
     - `batch_axis`: optionally, a mesh axis to shard the batch over (data parallelism).

@@ -23,7 +23,7 @@ from .._chunking import chunk_major, from_chunk_major
 from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, States, ValueTensor
 from .._engine import AbstractRecurrence, run, run_sharded
 from .._exchange import AbstractExchange, ExchangeName
-from .._layout import Contiguous, ContiguousLayout
+from .._layout import Contiguous, Layout
 from ._helpers import check_arrays, compute_dtype, cumulative_decays, decayed_gram, einsum, l2norm
 
 
@@ -284,7 +284,7 @@ def chunk_gla_cp(
     g: GateTensor | KeyGateTensor,
     *,
     axis_name: str,
-    layout: ContiguousLayout = Contiguous(),
+    layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
     scale: float | None = None,
     initial_state: States | None = None,
@@ -303,7 +303,7 @@ def chunk_gla_cp(
     g: GateTensor | KeyGateTensor,
     *,
     axis_name: str,
-    layout: ContiguousLayout = Contiguous(),
+    layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
     scale: float | None = None,
     initial_state: States | None = None,
@@ -321,7 +321,7 @@ def chunk_gla_cp(
     g: GateTensor | KeyGateTensor,
     *,
     axis_name: str,
-    layout: ContiguousLayout = Contiguous(),
+    layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
     scale: float | None = None,
     initial_state: States | None = None,
@@ -333,7 +333,7 @@ def chunk_gla_cp(
     r"""[`deltanet_cp.chunk_gla`][] with context parallelism, inside `jax.shard_map`.
 
     The sequence axis (axis 1 of every per-token argument) is sharded over `axis_name`,
-    rank `r` holding a contiguous slice; each argument here is this rank's slice (any number
+    rank `r` holding its shard under `layout`; each argument here is this rank's shard (any number
     of tokens per rank). Ranks exchange one diagonal map, `K + K V` numbers per batch
     element and value head (or less, depending on `exchange`): the payload does not grow
     with the sequence length.
@@ -349,8 +349,10 @@ def chunk_gla_cp(
     - `cu_seqlens`: packed documents: the *global* document offsets, the same on every rank;
         documents may cross rank boundaries.
     - `axis_name`: the mesh axis the sequence is sharded over.
-    - `layout`: [`deltanet_cp.Contiguous`][] (the default) is the only layout accepted; a
-        [`deltanet_cp.Zigzag`][] is a type error for pyright and a `ValueError` at run time.
+    - `layout`: [`deltanet_cp.Contiguous`][] (the default: rank `r` holds tokens
+        `[r S / cp, (r + 1) S / cp)`) or [`deltanet_cp.Zigzag`][] (rank `r` holds pieces
+        `r` and `2 cp - 1 - r` of `2 cp`, in that order; an even number of tokens per
+        rank), the load-balanced layout of the attention layers of a hybrid model.
     - `exchange`: how ranks exchange their maps: [`deltanet_cp.AllGather`][] (the default),
         [`deltanet_cp.PPermute`][], [`deltanet_cp.Ring`][], [`deltanet_cp.Auto`][], or their
         shorthands `"allgather"`, `"ppermute"`, `"ring"`, `"auto"`.
@@ -382,7 +384,7 @@ def chunk_gla_sharded(
     mesh: jax.sharding.Mesh,
     axis_name: str,
     batch_axis: str | None = None,
-    layout: ContiguousLayout = Contiguous(),
+    layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
     scale: float | None = None,
     initial_state: States | None = None,
@@ -403,7 +405,7 @@ def chunk_gla_sharded(
     mesh: jax.sharding.Mesh,
     axis_name: str,
     batch_axis: str | None = None,
-    layout: ContiguousLayout = Contiguous(),
+    layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
     scale: float | None = None,
     initial_state: States | None = None,
@@ -423,7 +425,7 @@ def chunk_gla_sharded(
     mesh: jax.sharding.Mesh,
     axis_name: str,
     batch_axis: str | None = None,
-    layout: ContiguousLayout = Contiguous(),
+    layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
     scale: float | None = None,
     initial_state: States | None = None,
@@ -443,7 +445,8 @@ def chunk_gla_sharded(
 
     - `q, k, v, g`, `scale`, `initial_state`, `output_final_state`, `use_qk_l2norm`,
         `cu_seqlens`, `chunk_size`: as in [`deltanet_cp.chunk_gla`][],
-        global arrays. The sequence length must be divisible by the size of `axis_name`.
+        global arrays in sequence order whatever the layout. The sequence length must be
+        divisible by the size of `axis_name` (by twice it under `Zigzag`).
     - `mesh`: a `jax.sharding.Mesh` with an axis named `axis_name`.
     - `axis_name`: the mesh axis to shard the sequence over.
     - `batch_axis`: optionally, a mesh axis to shard the batch over (data parallelism).
