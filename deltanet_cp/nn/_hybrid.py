@@ -6,8 +6,8 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._exchange import AbstractExchange, ExchangeName
-from .._layout import Contiguous, ContiguousLayout
-from ._attention import CausalSelfAttention
+from .._layout import check_layout, Contiguous, Layout
+from ._attention import CausalSelfAttention, KVExchange
 from ._gated_delta_net import GatedDeltaNet
 
 
@@ -80,15 +80,16 @@ class HybridBlock(eqx.Module):
         x: Float[Array, "seq hidden"],
         *,
         axis_name: str | None = None,
-        layout: ContiguousLayout = Contiguous(),
+        layout: Layout = Contiguous(),
         exchange: AbstractExchange | ExchangeName = "allgather",
+        kv_exchange: KVExchange = "allgather",
     ) -> Float[Array, "seq hidden"]:
         """**Arguments:** as for [`deltanet_cp.nn.HybridLM`][], on hidden states."""
         h = jax.vmap(self.mixer_norm)(x)
         if isinstance(self.mixer, GatedDeltaNet):
             h = self.mixer(h, axis_name=axis_name, layout=layout, exchange=exchange)
         else:
-            h = self.mixer(h, axis_name=axis_name)
+            h = self.mixer(h, axis_name=axis_name, layout=layout, kv_exchange=kv_exchange)
         x = x + h
         return x + jax.vmap(lambda y: self.mlp(self.mlp_norm(y)))(x)
 
@@ -99,7 +100,9 @@ class HybridLM(eqx.Module):
     Embedding; `num_layers` residual blocks whose token mixer is a Gated DeltaNet, except
     every `attention_every`-th one, which is causal softmax attention; SwiGLU MLPs; a final
     RMSNorm; an untied LM head. Every layer is context parallel: call it inside
-    `jax.shard_map` with `axis_name` and this rank's contiguous slice of the tokens.
+    `jax.shard_map` with `axis_name` and this rank's shard of the tokens, under either
+    layout. With [`deltanet_cp.Zigzag`][] every layer (Gated DeltaNet, its convolution,
+    attention) runs on the same zigzag shards, with no reordering between layers.
     """
 
     embed: eqx.nn.Embedding
@@ -175,23 +178,36 @@ class HybridLM(eqx.Module):
         tokens: Int[Array, " seq"],
         *,
         axis_name: str | None = None,
-        layout: ContiguousLayout = Contiguous(),
+        layout: Layout = Contiguous(),
         exchange: AbstractExchange | ExchangeName = "allgather",
+        kv_exchange: KVExchange = "allgather",
     ) -> Float[Array, "seq vocab"]:
         """**Arguments:**
 
-        - `tokens`: one sequence of token ids; with `axis_name`, this rank's contiguous
-            slice of it.
+        - `tokens`: one sequence of token ids; with `axis_name`, this rank's shard of it
+            under `layout`.
         - `axis_name`: the `shard_map` axis that time is sharded over, or `None`.
-        - `layout`: only [`deltanet_cp.Contiguous`][] is accepted.
+        - `layout`: [`deltanet_cp.Contiguous`][] (the default) or
+            [`deltanet_cp.Zigzag`][] (put the tokens in that order with
+            [`deltanet_cp.to_zigzag`][]; the logits come out in it too). Zigzag balances
+            the attention layers' causal work across ranks.
         - `exchange`: the Gated DeltaNet layers' state exchange (see
             [`deltanet_cp.chunk_gated_delta_rule_cp`][]).
+        - `kv_exchange`: how the attention layers get the other ranks' keys and values:
+            `"allgather"` or `"ring"` (see [`deltanet_cp.nn.CausalSelfAttention`][]).
 
         **Returns:**
 
         The next-token logits, `(seq, vocab)`.
         """
+        check_layout(layout, "HybridLM")
         x = jax.vmap(self.embed)(tokens)
         for block in self.blocks:
-            x = block(x, axis_name=axis_name, layout=layout, exchange=exchange)
+            x = block(
+                x,
+                axis_name=axis_name,
+                layout=layout,
+                exchange=exchange,
+                kv_exchange=kv_exchange,
+            )
         return jax.vmap(lambda y: self.lm_head(self.norm(y)))(x)

@@ -1,0 +1,282 @@
+"""Causal softmax attention under context parallelism: work and memory per rank, by layout.
+
+Compiles the blockwise causal attention of `deltanet_cp.nn.CausalSelfAttention` (the part
+after the projections and RoPE: queries, keys and values in, output out) inside
+`shard_map` over `cp` simulated CPU devices, for both layouts (`Contiguous`, `Zigzag`) and
+both key/value exchanges (`allgather`, `ring`), and reads XLA's own accounting from the
+compiled per-rank module. Nothing is executed.
+
+- FLOPs per rank, forward: `cost_analysis()["flops"]`, corrected for loops, divided by the
+  causal ideal per rank: `4 * head_dim * heads * S (S + 1) / 2 / cp` (the `q k^T` and
+  `p v` matmuls of the `S (S + 1) / 2` visible (query, key) pairs, shared equally).
+  A ratio of 1 is perfect balance with no wasted tile; the step time follows the busiest
+  rank, so that is the one reported (with the least busy one beside it).
+- The same for forward + backward, against 3.5 times the ideal (the backward's five
+  matmuls per tile: the recomputed scores, `dp`, `dq`, `dk`, `dv`).
+- Temporary memory per rank, `memory_analysis().temp_size_in_bytes`, forward and
+  forward + backward, in KiB and KiB per local token.
+
+The loop correction. XLA's cost analysis counts the body of a `while` loop once, whatever
+its trip count. Every loop in these programs is the kernel's loop over tiles (one per
+all-gather attention, one per ring step; the backward adds one per forward loop), and all
+of them run the same body: one tile of `block_size` queries by `block_size` keys (the
+backward's loop, one tile of the backward). So the true count of a program is
+
+    raw + sum over its forward loops of (trips - 1) * body
+
+with `body` the flops of one tile step, forward (or forward + backward, for the gradient
+program, each backward loop having the trips of its forward loop), and
+
+- `trips`, exact, from the static tile schedule the library compiles in
+  (`deltanet_cp.nn._attention._tiles`: the tiles of each loop, per rank);
+- `body`, measured in place: the same per-rank program compiled with its loops running two
+  tiles per trip (the kernel's `unroll=2`, which puts a second copy of the body in each
+  loop; every zigzag trip count is even here) counts `n_loops` bodies more than the rolled
+  one, so `body = (raw(unroll=2) - raw) / n_loops`. Contiguous programs have rank-dependent
+  trip counts (no unrolling) but the same loop body: they take the zigzag program's body
+  at the same `S`, `cp` and exchange.
+
+Checks (printed): at S = 4096, cp = 4, the program compiled with four tiles per trip
+(`unroll=4`; every trip count there is a multiple of 4) has XLA count
+`raw + 3 * n_loops * body`, to within the loop counters' scalar flops (~1e-7); and at
+S = 1024 the corrected count of the rolled program (with the body measured at S = 4096)
+against the program compiled with no loop at all (every loop unrolled, CSE off). The
+latter differ by a few tenths of a percent: XLA fuses straight-line code differently from
+a loop body, and counts elementwise operations duplicated into several fusions more than
+once.
+
+    python benchmarks/attention_balance.py           # S = 4096, 16384; cp = 4, 8
+    python benchmarks/attention_balance.py --quick   # S = 4096; cp = 4
+"""
+
+import os
+
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+
+import argparse  # noqa: E402
+import functools as ft  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from _common import print_table  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import deltanet_cp as dcp  # noqa: E402
+from deltanet_cp._layout import positions  # noqa: E402
+from deltanet_cp.nn._attention import _blockwise_attention, _tiles  # noqa: E402  # noqa: E402
+
+
+HEADS, HEAD_DIM, BLOCK = 4, 64, 128
+LAYOUTS = {"Contiguous": dcp.Contiguous(), "Zigzag": dcp.Zigzag()}
+EXCHANGES = ("allgather", "ring")
+
+
+def raw_flops(compiled) -> float:
+    cost = compiled.cost_analysis()
+    return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+
+def temp_bytes(compiled) -> int:
+    memory = compiled.memory_analysis()
+    assert memory is not None, "this backend reports no memory analysis"
+    return memory.temp_size_in_bytes
+
+
+@ft.cache
+def compile_rank(
+    s: int, cp: int, layout, exchange: str, *, grad: bool, unroll=False, no_cse: bool = False
+):
+    """The per-rank program of one attention over `s` tokens, compiled (not run)."""
+    mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
+    seq = P("cp")
+
+    def attend(q, k, v):
+        pos = positions(layout, q.shape[0], "cp")
+        return _blockwise_attention(
+            q,
+            k,
+            v,
+            pos,
+            axis_name="cp",
+            layout=layout,
+            kv_exchange=exchange,
+            block_size=BLOCK,
+            unroll=unroll,
+        )
+
+    if grad:
+
+        def per_rank(q, k, v):
+            return jax.grad(lambda *a: jnp.sum(attend(*a)), argnums=(0, 1, 2))(q, k, v)
+
+        out_specs = (seq, seq, seq)
+    else:
+        per_rank, out_specs = attend, seq
+    fn = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(seq,) * 3, out_specs=out_specs))
+    arg = jax.ShapeDtypeStruct((s, HEADS, HEAD_DIM), jnp.float32, sharding=NamedSharding(mesh, seq))
+    lowered = fn.lower(arg, arg, arg)
+    if no_cse:
+        return lowered.compile(compiler_options={"xla_disable_hlo_passes": "cse"})
+    return lowered.compile()
+
+
+def trips(s: int, cp: int, layout, exchange: str) -> list[list[int]]:
+    """Per rank, the trip counts of the forward's loops (the static tile schedule)."""
+    t = s // cp
+    if isinstance(layout, dcp.Zigzag):
+        b = min(BLOCK, t // 2)
+        m = t // 2 // b
+    else:
+        b = min(BLOCK, t)
+        m = t // b
+    schedules = _tiles(layout, cp, m, exchange)
+    return [[sched.counts[r] for sched in schedules] for r in range(cp)]
+
+
+def corrected(raw: float, loop_trips: list[int], body: float) -> float:
+    return raw + sum(n - 1 for n in loop_trips) * body
+
+
+def ideal(s: int, cp: int) -> float:
+    return 4 * HEAD_DIM * HEADS * s * (s + 1) / 2 / cp
+
+
+def zigzag_body(s: int, cp: int, exchange: str, grad: bool, rolled) -> float:
+    """The flops of one tile step in place: the program at two tiles per trip, minus it."""
+    loop_trips = trips(s, cp, dcp.Zigzag(), exchange)[0]
+    assert all(n % 2 == 0 for n in loop_trips), loop_trips
+    twice = compile_rank(s, cp, dcp.Zigzag(), exchange, grad=grad, unroll=2)
+    return (raw_flops(twice) - raw_flops(rolled)) / len(loop_trips)
+
+
+def check_calibration() -> None:
+    s, cp, layout = 32 * BLOCK, 4, dcp.Zigzag()  # 4 tiles per zigzag piece
+    small = 8 * BLOCK  # 1 tile per zigzag piece
+    rows = []
+    for exchange in EXCHANGES:
+        loop_trips = trips(s, cp, layout, exchange)[0]
+        assert all(n % 4 == 0 for n in loop_trips), loop_trips
+        for grad in (False, True):
+            rolled = compile_rank(s, cp, layout, exchange, grad=grad)
+            body = zigzag_body(s, cp, exchange, grad, rolled)
+            raw = raw_flops(rolled)
+            predicted = raw + 3 * len(loop_trips) * body
+            four = raw_flops(compile_rank(s, cp, layout, exchange, grad=grad, unroll=4))
+            # The same body, at a smaller size, against the program with no loop at all.
+            fixed = corrected(
+                raw_flops(compile_rank(small, cp, layout, exchange, grad=grad)),
+                trips(small, cp, layout, exchange)[0],
+                body,
+            )
+            full = raw_flops(
+                compile_rank(small, cp, layout, exchange, grad=grad, unroll=True, no_cse=True)
+            )
+            rows.append(
+                [
+                    exchange,
+                    "fwd+bwd" if grad else "fwd",
+                    f"{raw:.0f}",
+                    f"{body:.0f}",
+                    f"{predicted:.0f}",
+                    f"{four:.0f}",
+                    f"{(predicted - four) / four:+.1e}",
+                    f"{fixed:.0f}",
+                    f"{full:.0f}",
+                    f"{(fixed - full) / full:+.1e}",
+                ]
+            )
+    print_table(
+        [
+            "exchange",
+            "pass",
+            f"raw, S={s}",
+            "body",
+            "predicted, unroll=4",
+            "XLA, unroll=4",
+            "rel. diff",
+            f"corrected, S={small}",
+            "XLA, no loops",
+            "rel. diff",
+        ],
+        rows,
+        title=f"Calibration check (cp = {cp}, Zigzag; flops): the program at 4 tiles per loop "
+        f"trip, predicted from the rolled one and the body; and the corrected count at S = "
+        f"{small} against the program compiled with every loop unrolled (CSE off, so that "
+        "the backward recomputes the scores as its loop does)",
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="S = 4096 and cp = 4 only")
+    args = parser.parse_args()
+    sizes = (4096,) if args.quick else (4096, 16384)
+    cps = (4,) if args.quick else (4, 8)
+    start = time.perf_counter()
+    print(
+        f"jax {jax.__version__}, {len(jax.devices())} simulated CPU devices; batch 1, "
+        f"{HEADS} heads x {HEAD_DIM}, block {BLOCK}, float32"
+    )
+    check_calibration()
+    rows = []
+    for s in sizes:
+        for cp in cps:
+            for exchange in EXCHANGES:
+                programs = {}
+                for name, layout in LAYOUTS.items():
+                    for grad in (False, True):
+                        programs[name, grad] = compile_rank(s, cp, layout, exchange, grad=grad)
+                body = {
+                    grad: zigzag_body(s, cp, exchange, grad, programs["Zigzag", grad])
+                    for grad in (False, True)
+                }
+                for name, layout in LAYOUTS.items():
+                    per_rank_trips = trips(s, cp, layout, exchange)
+                    fwd, fb = programs[name, False], programs[name, True]
+                    f_ranks = [corrected(raw_flops(fwd), tr, body[False]) for tr in per_rank_trips]
+                    fb_ranks = [corrected(raw_flops(fb), tr, body[True]) for tr in per_rank_trips]
+                    t = s // cp
+                    mem_f, mem_fb = temp_bytes(fwd), temp_bytes(fb)
+                    rows.append(
+                        [
+                            s,
+                            cp,
+                            name,
+                            exchange,
+                            f"{max(f_ranks) / ideal(s, cp):.3f}",
+                            f"{min(f_ranks) / ideal(s, cp):.3f}",
+                            f"{max(fb_ranks) / (3.5 * ideal(s, cp)):.3f}",
+                            f"{mem_f / 1024:,.0f}",
+                            f"{mem_f / 1024 / t:.2f}",
+                            f"{mem_fb / 1024:,.0f}",
+                            f"{mem_fb / 1024 / t:.2f}",
+                        ]
+                    )
+    print_table(
+        [
+            "S",
+            "cp",
+            "layout",
+            "kv_exchange",
+            "fwd FLOPs / ideal (busiest rank)",
+            "(least busy rank)",
+            "fwd+bwd FLOPs / 3.5 ideal (busiest)",
+            "fwd temp KiB",
+            "KiB / local token",
+            "fwd+bwd temp KiB",
+            "KiB / local token",
+        ],
+        rows,
+        title="Per-rank causal attention work and memory (XLA cost and memory analysis of the "
+        "compiled per-rank module, loop-corrected; ideal = 4 d h S(S+1)/2 / cp)",
+    )
+    print(f"\n{time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

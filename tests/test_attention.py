@@ -1,0 +1,418 @@
+"""Blockwise causal attention: against float64 references written here, on one device and
+context parallel (both layouts, both key/value exchanges), forward and gradients; its tile
+schedules; and its memory, linear in the sequence length."""
+
+import functools as ft
+from typing import cast
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import deltanet_cp as dcp
+from deltanet_cp._layout import positions
+from deltanet_cp.nn import CausalSelfAttention
+from deltanet_cp.nn._attention import (
+    _allgather_schedule,
+    _flash,
+    _position_table,
+    _ring_schedule,
+    _to_blocks,
+)
+
+from .helpers import directional_check, rel_err
+
+
+HIDDEN, HEADS, HEAD_DIM, THETA = 16, 2, 8, 10_000.0
+LAYOUTS = {"contiguous": dcp.Contiguous(), "zigzag": dcp.Zigzag()}
+
+
+# ---------------------------------------------------------------------------------------
+# References
+# ---------------------------------------------------------------------------------------
+
+
+def _weights(attn: CausalSelfAttention) -> list[np.ndarray]:
+    lins = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+    return [np.asarray(lin.weight, np.float64) for lin in lins]
+
+
+def reference_numpy(x, wq, wk, wv, wo, *, heads=HEADS, theta=THETA) -> np.ndarray:
+    """Causal softmax attention with half-split RoPE, one query at a time, float64 numpy."""
+    x = np.asarray(x, np.float64)
+    t, dim = x.shape[0], wq.shape[0] // heads
+    q, k, v = ((x @ w.T).reshape(t, heads, dim) for w in (wq, wk, wv))
+    half = dim // 2
+    freq = theta ** (-np.arange(half) / half)
+    out = np.zeros((t, heads, dim))
+
+    def rope(y, pos):  # (heads, dim) at position pos
+        c, s = np.cos(pos * freq), np.sin(pos * freq)
+        return np.concatenate(
+            [y[:, :half] * c - y[:, half:] * s, y[:, half:] * c + y[:, :half] * s], -1
+        )
+
+    keys = np.stack([rope(k[j], j) for j in range(t)])
+    for i in range(t):
+        qi = rope(q[i], i)
+        scores = np.array([[qi[h] @ keys[j, h] for j in range(i + 1)] for h in range(heads)])
+        scores /= np.sqrt(dim)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out[i] = np.einsum("hk,khd->hd", p, v[: i + 1])
+    return out.reshape(t, heads * dim) @ wo.T
+
+
+def reference_dense(x, wq, wk, wv, wo, *, heads=HEADS, theta=THETA):
+    """The same as one dense masked softmax in jax.numpy (float64 under `jax.enable_x64`),
+    for gradients by autodiff."""
+    t, dim = x.shape[0], wq.shape[0] // heads
+    q, k, v = ((x @ w.T).reshape(t, heads, dim) for w in (wq, wk, wv))
+    half = dim // 2
+    ang = (
+        jnp.arange(t, dtype=x.dtype)[:, None, None]
+        * (theta ** (-jnp.arange(half, dtype=x.dtype) / half))[None, None, :]
+    )
+
+    def rope(y):
+        y1, y2 = y[..., :half], y[..., half:]
+        return jnp.concatenate(
+            [y1 * jnp.cos(ang) - y2 * jnp.sin(ang), y2 * jnp.cos(ang) + y1 * jnp.sin(ang)], -1
+        )
+
+    s = jnp.einsum("qhd,khd->hqk", rope(q), rope(k)) / np.sqrt(dim)
+    causal = jnp.tril(jnp.ones((t, t), bool))[None]
+    p = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1)
+    return jnp.einsum("hqk,khd->qhd", p, v).reshape(t, heads * dim) @ wo.T
+
+
+def _loss_weights(t: int) -> np.ndarray:
+    return np.cos(np.arange(t * HIDDEN, dtype=np.float32)).reshape(t, HIDDEN)
+
+
+@jax.jit
+def _dense_grads(args, w):
+    return jax.grad(lambda a: jnp.sum(reference_dense(*a) * w))(args)
+
+
+def _reference_grads(attn, x, w):
+    """`d/d(x, wq, wk, wv, wo)` of `sum(out * w)` for the dense float64 reference."""
+    with jax.enable_x64(True):
+        args = [jnp.asarray(a, jnp.float64) for a in [x, *_weights(attn)]]
+        grads = _dense_grads(args, jnp.asarray(w, jnp.float64))
+        return [np.asarray(g) for g in grads]
+
+
+# ---------------------------------------------------------------------------------------
+# The layer, one device and context parallel
+# ---------------------------------------------------------------------------------------
+
+
+def _grads_of(grads_module, dx) -> list[np.ndarray]:
+    lins = (grads_module.q_proj, grads_module.k_proj, grads_module.v_proj, grads_module.o_proj)
+    return [np.asarray(dx)] + [np.asarray(lin.weight) for lin in lins]
+
+
+@ft.cache
+def _attn(block_size: int) -> CausalSelfAttention:
+    return CausalSelfAttention(HIDDEN, HEADS, HEAD_DIM, block_size=block_size, key=jr.key(0))
+
+
+def _inputs(t: int):
+    return jr.normal(jr.key(1), (t, HIDDEN)), jnp.asarray(_loss_weights(t))
+
+
+def _run_single(attn, x, w):
+    def loss(attn, x):
+        out = attn(x)
+        return jnp.sum(out * w), out
+
+    (_, out), (g_attn, dx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        attn, x
+    )
+    return np.asarray(out), _grads_of(g_attn, dx)
+
+
+def _run_cp(attn, x, w, cp: int, layout, kv_exchange: str):
+    """Output and gradients of `sum(out * w)` with `x` sharded over `cp` ranks, in sequence
+    order whatever the layout."""
+    mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
+    zigzag = isinstance(layout, dcp.Zigzag)
+    if zigzag:
+        x, w = dcp.to_zigzag(x, cp, axis=0), dcp.to_zigzag(w, cp, axis=0)
+    params, static = eqx.partition(attn, eqx.is_array)
+
+    def local(params, x, w):
+        out = eqx.combine(params, static)(x, axis_name="cp", layout=layout, kv_exchange=kv_exchange)
+        return jax.lax.psum(jnp.sum(out * w), "cp"), out
+
+    seq = P("cp")
+    f = jax.shard_map(local, mesh=mesh, in_specs=(P(), seq, seq), out_specs=(P(), seq))
+    x, w = (jax.device_put(a, NamedSharding(mesh, seq)) for a in (x, w))
+    (_, out), (g_params, dx) = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(
+        params, x, w
+    )
+    if zigzag:
+        out, dx = dcp.from_zigzag(out, cp, axis=0), dcp.from_zigzag(dx, cp, axis=0)
+    return np.asarray(out), _grads_of(eqx.combine(g_params, static), dx)
+
+
+def _check(out, grads, attn, x, w):
+    x64 = np.asarray(x, np.float64)
+    assert rel_err(out, reference_numpy(x64, *_weights(attn))) <= 1e-5
+    expected = _reference_grads(attn, x64, np.asarray(w, np.float64))
+    errors = [rel_err(g, e) for g, e in zip(grads, expected)]
+    assert max(errors) <= 1e-5, errors
+
+
+@pytest.mark.parametrize("block_size, t", [(4, 24), (7, 21), (128, 24)])
+def test_single_device(block_size, t):
+    attn = _attn(block_size)
+    x, w = _inputs(t)
+    _check(*_run_single(attn, x, w), attn, x, w)
+
+
+def test_single_device_finite_differences():
+    # The gradients against central differences of the numpy loop itself (no autodiff).
+    attn = _attn(4)
+    x, w = _inputs(12)
+    _, grads = _run_single(attn, x, w)
+    w64 = np.asarray(w, np.float64)
+
+    def loss(arrays):
+        return float(np.sum(reference_numpy(*arrays) * w64))
+
+    errors = directional_check(grads, loss, [np.asarray(x), *_weights(attn)])
+    assert max(errors) <= 1e-4, errors
+
+
+def test_bfloat16_parameters():
+    # bf16 weights and inputs: the tiles accumulate in float32, the output is bf16.
+    attn = jax.tree.map(lambda a: a.astype(jnp.bfloat16), _attn(4))
+    x, w = _inputs(16)
+    out, grads = _run_single(attn, x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+    assert out.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
+    x64 = np.asarray(x.astype(jnp.bfloat16), np.float64)
+    assert rel_err(out, reference_numpy(x64, *_weights(attn))) <= 3e-2
+    expected = _reference_grads(attn, x64, np.asarray(w.astype(jnp.bfloat16), np.float64))
+    assert max(rel_err(g, e) for g, e in zip(grads, expected)) <= 5e-2
+
+
+CP_CASES = [
+    pytest.param(cp, name, kv, id=f"cp{cp}-{name}-{kv}")
+    for cp in (2, 4)
+    for name in LAYOUTS
+    for kv in ("allgather", "ring")
+]
+
+
+@pytest.mark.parametrize("cp, layout, kv_exchange", CP_CASES)
+def test_context_parallel(cp, layout, kv_exchange):
+    # Block 4: every zigzag piece (32 / 2cp tokens) is 1 to 4 tiles, so the schedules
+    # have off-diagonal tiles, partial diagonals and skipped tiles on every rank.
+    attn = _attn(4)
+    x, w = _inputs(32)
+    out, grads = _run_cp(attn, x, w, cp, LAYOUTS[layout], kv_exchange)
+    _check(out, grads, attn, x, w)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [2, 4, 8])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("kv_exchange", ["allgather", "ring"])
+@pytest.mark.parametrize("t, block_size", [(96, 4), (64, 8), (48, 128)])
+def test_context_parallel_grid(cp, layout, kv_exchange, t, block_size):
+    if t % (2 * cp) or (t // (2 * cp)) % min(block_size, t // (2 * cp)):
+        pytest.skip("the pieces are not whole tiles")
+    attn = _attn(block_size)
+    x, w = _inputs(t)
+    out, grads = _run_cp(attn, x, w, cp, LAYOUTS[layout], kv_exchange)
+    _check(out, grads, attn, x, w)
+
+
+# ---------------------------------------------------------------------------------------
+# The kernel: float64, through both outputs
+# ---------------------------------------------------------------------------------------
+
+
+def test_kernel_gradients_through_lse():
+    # The tile kernel alone in float64, on keys in a scrambled order with a schedule that
+    # lists every tile: output and log-sum-exp against a dense softmax, and the gradients
+    # of a loss using both (the log-sum-exp's cotangent enters ds = p (dp - D + dlse)).
+    with jax.enable_x64(True):
+        t, h, d, b = 12, 2, 4, 3
+        q, k, v = (jr.normal(key, (t, h, d), jnp.float64) for key in jr.split(jr.key(2), 3))
+        pos_q = jnp.arange(t, dtype=jnp.int32)
+        pos_k = jnp.asarray(np.random.default_rng(0).permutation(t), jnp.int32)
+        n = t // b
+        every = np.stack([np.repeat(np.arange(n), n), np.tile(np.arange(n), n)], -1)
+        tiles = jnp.asarray(every[None], jnp.int32)
+        row, count = jnp.asarray(0, jnp.int32), jnp.asarray(n * n, jnp.int32)
+        wo = jr.normal(jr.key(3), (n, b, h, d), jnp.float64)
+        wl = jr.normal(jr.key(4), (n, h, b), jnp.float64)
+
+        def blockwise(q, k, v):
+            args = (_to_blocks(q, b), _to_blocks(k, b), _to_blocks(v, b))
+            out = _flash(
+                *args, _to_blocks(pos_q, b), _to_blocks(pos_k, b), tiles, row, count, False
+            )
+            return cast(tuple[jax.Array, jax.Array], out)
+
+        def dense(q, k, v):
+            s = jnp.einsum("qhd,khd->hqk", q, k)
+            s = jnp.where((pos_q[:, None] >= pos_k[None, :])[None], s, -jnp.inf)
+            lse = jax.nn.logsumexp(s, axis=-1)  # (h, q)
+            out = jnp.einsum("hqk,khd->qhd", jnp.exp(s - lse[..., None]), v)
+            return _to_blocks(out, b), lse.reshape(h, n, b).transpose(1, 0, 2)
+
+        def loss(fn):
+            return lambda *a: jnp.sum(fn(*a)[0] * wo) + jnp.sum(fn(*a)[1] * wl)
+
+        for got, want in zip(jax.jit(blockwise)(q, k, v), jax.jit(dense)(q, k, v)):
+            assert rel_err(got, want) <= 1e-13
+        got = jax.jit(jax.grad(loss(blockwise), argnums=(0, 1, 2)))(q, k, v)
+        want = jax.jit(jax.grad(loss(dense), argnums=(0, 1, 2)))(q, k, v)
+        for g, e in zip(got, want):
+            assert rel_err(g, e) <= 1e-12
+
+
+# ---------------------------------------------------------------------------------------
+# The schedules
+# ---------------------------------------------------------------------------------------
+
+
+def _needed(pos_q: np.ndarray, pos_k: np.ndarray, b: int) -> set[tuple[int, int]]:
+    """The tiles with at least one visible (query, key) pair."""
+    first_k = pos_k.reshape(-1, b).min(1)
+    last_q = pos_q.reshape(-1, b).max(1)
+    return {
+        (i, j) for i in range(len(last_q)) for j in range(len(first_k)) if last_q[i] >= first_k[j]
+    }
+
+
+def _listed(schedule, r: int) -> set[tuple[int, int]]:
+    tiles = schedule.listed(r)
+    assert len(set(tiles)) == len(tiles)
+    return set(tiles)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_schedules_are_exactly_the_needed_tiles(cp, layout):
+    # Every tile with a visible pair is computed, no tile wholly in the future is, and with
+    # the zigzag layout every rank computes the same number: (2 cp - 1) m^2 + m (m + 1)
+    # through the all-gather, 2 m^2 + m, then 2 m^2 per ring step.
+    layout = LAYOUTS[layout]
+    m, b = 3, 2
+    t = 2 * m * b if isinstance(layout, dcp.Zigzag) else m * b
+    table = _position_table(layout, t, cp)
+    gathered = _allgather_schedule(layout, cp, m)
+    ring = [_ring_schedule(layout, cp, m, step) for step in range(cp)]
+    for r in range(cp):
+        assert _listed(gathered, r) == _needed(table[r], table.reshape(-1), b)
+        for step, schedule in enumerate(ring):
+            assert _listed(schedule, r) == _needed(table[r], table[(r - step) % cp], b)
+    if isinstance(layout, dcp.Zigzag):
+        assert set(gathered.counts) == {(2 * cp - 1) * m * m + m * (m + 1)}
+        assert set(ring[0].counts) == {2 * m * m + m}
+        assert all(set(s.counts) == {2 * m * m} for s in ring[1:])
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_position_table_matches_layout(cp, layout):
+    layout = LAYOUTS[layout]
+    t = 8
+    mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
+    got = jax.jit(
+        jax.shard_map(
+            lambda: positions(layout, t, "cp")[None], mesh=mesh, in_specs=(), out_specs=P("cp")
+        )
+    )()
+    np.testing.assert_array_equal(np.asarray(got), _position_table(layout, t, cp))
+
+
+# ---------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------
+
+
+def _temp_bytes(attn, t_local: int, cp: int, layout, kv_exchange: str, grad: bool) -> int:
+    params, static = eqx.partition(attn, eqx.is_array)
+
+    def local(params, x):
+        out = eqx.combine(params, static)(
+            x, axis_name=None if cp == 1 else "cp", layout=layout, kv_exchange=kv_exchange
+        )
+        return jnp.sum(out) if grad else out
+
+    fn = jax.grad(local, argnums=(0, 1)) if grad else local
+    shape = (t_local * cp, HIDDEN)
+    if cp == 1:
+        x = jax.ShapeDtypeStruct(shape, jnp.float32)
+    else:
+        mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
+        out_specs = (P(), P("cp")) if grad else P("cp")
+        fn = jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("cp")), out_specs=out_specs)
+        x = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P("cp")))
+    memory = jax.jit(fn).lower(params, x).compile().memory_analysis()
+    assert memory is not None
+    return memory.temp_size_in_bytes
+
+
+@pytest.mark.parametrize(
+    "cp, layout, kv_exchange, grad",
+    [
+        (1, "contiguous", "allgather", True),
+        (2, "zigzag", "allgather", True),
+        (2, "zigzag", "ring", False),
+        (2, "zigzag", "ring", True),
+        pytest.param(1, "contiguous", "allgather", False, marks=pytest.mark.slow),
+        pytest.param(2, "zigzag", "allgather", False, marks=pytest.mark.slow),
+        pytest.param(4, "contiguous", "allgather", True, marks=pytest.mark.slow),
+        pytest.param(4, "contiguous", "ring", True, marks=pytest.mark.slow),
+    ],
+)
+def test_memory_is_linear(cp, layout, kv_exchange, grad):
+    # 4x the tokens, ~4x the temporary memory (the score matrices would make it 16x):
+    # nothing but one tile per head of the scores is ever held, forward or backward.
+    attn = _attn(8)
+    small, large = (_temp_bytes(attn, t, cp, LAYOUTS[layout], kv_exchange, grad) for t in (64, 256))
+    assert large <= 4.2 * small, (small, large)
+
+
+# ---------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------
+
+
+def test_block_size_must_divide(getkey):
+    attn = CausalSelfAttention(HIDDEN, HEADS, HEAD_DIM, block_size=8, key=getkey())
+    with pytest.raises(ValueError, match="block_size=6"):
+        attn(jnp.zeros((12, HIDDEN)))
+    with pytest.raises(ValueError, match="positive int"):
+        CausalSelfAttention(HIDDEN, HEADS, HEAD_DIM, block_size=0, key=getkey())
+
+
+def test_zigzag_pieces_must_be_whole_tiles(getkey):
+    attn = CausalSelfAttention(HIDDEN, HEADS, HEAD_DIM, block_size=4, key=getkey())
+    mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
+    fn = jax.shard_map(
+        lambda x: attn(x, axis_name="cp", layout=dcp.Zigzag()),
+        mesh=mesh,
+        in_specs=P("cp"),
+        out_specs=P("cp"),
+    )
+    x = jax.ShapeDtypeStruct((24, HIDDEN), jnp.float32, sharding=NamedSharding(mesh, P("cp")))
+    with pytest.raises(ValueError, match="each zigzag piece"):
+        jax.jit(fn).lower(x)
+
+
+def test_unknown_kv_exchange(getkey, without_runtime_typecheck):
+    attn = CausalSelfAttention(HIDDEN, HEADS, HEAD_DIM, key=getkey())
+    with pytest.raises(ValueError, match="kv_exchange='allgather'"):
+        attn(jnp.zeros((8, HIDDEN)), kv_exchange="ppermute")  # pyright: ignore[reportArgumentType]
