@@ -61,6 +61,8 @@ bench: $(BENCH_VENV)/.installed
 	$(BENCH)/python benchmarks/vs_transformers.py
 	$(BENCH)/python benchmarks/vs_maxtext.py
 	$(BENCH)/python benchmarks/cp_cost.py
+	$(BENCH)/python benchmarks/attention_balance.py
+	$(BENCH)/python benchmarks/zigzag_cost.py
 	$(BENCH)/python benchmarks/cpu_bound.py
 	$(BENCH)/python benchmarks/first_call.py
 

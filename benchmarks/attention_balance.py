@@ -17,22 +17,32 @@ compiled per-rank module. Nothing is executed.
   forward + backward, in KiB and KiB per local token.
 
 The loop correction. XLA's cost analysis counts the body of a `while` loop once, whatever
-its trip count. Every loop in these programs is the kernel's loop over tiles (one per
-all-gather attention, one per ring step; the backward adds one per forward loop), and all
-of them run the same body: one tile of `block_size` queries by `block_size` keys (the
-backward's loop, one tile of the backward). So the true count of a program is
+its trip count, and so a loop nested in another once in all. The loops of these programs
+are the kernel's loops over tiles and, for the ring, its loop over steps `1 .. cp - 1`,
+whose body is one ring step: a `ppermute` of the step's keys and values (and, in the
+backward, of their gradients' accumulators), a look-up in the static tables, and a loop
+over the step's tiles. So the all-gather's forward has one loop over tiles, run once; the
+ring's has two, the local diagonal's (run once) and the step's (run `cp - 1` times, nested
+in the loop over steps); the backward adds one per forward loop, nested alike. All of
+them run the same body: one tile of `block_size` queries by `block_size` keys (the
+backward's loops, one tile of the backward). The online softmax carries across the ring's
+steps (no per-step merge), so a step's work outside its loop over tiles is scalar index
+arithmetic. So the true count of a program is
 
-    raw + sum over its forward loops of (trips - 1) * body
+    raw + sum over its forward loops over tiles of (trips - 1) * body
 
 with `body` the flops of one tile step, forward (or forward + backward, for the gradient
 program, each backward loop having the trips of its forward loop), and
 
-- `trips`, exact, from the static tile schedule the library compiles in
-  (`deltanet_cp.nn._attention._tiles`: the tiles of each loop, per rank);
-- `body`, measured in place: the same per-rank program compiled with its loops running two
-  tiles per trip (the kernel's `unroll=2`, which puts a second copy of the body in each
-  loop; every zigzag trip count is even here) counts `n_loops` bodies more than the rolled
-  one, so `body = (raw(unroll=2) - raw) / n_loops`. Contiguous programs have rank-dependent
+- `trips`, exact, the tiles a loop runs in the whole program, from the static tile
+  schedule the library compiles in (`deltanet_cp.nn._attention._tiles`: the schedule of
+  each run of each loop, per rank): for the ring's nested loop, the tiles of each step
+  summed over the `cp - 1` trips of the loop over steps;
+- `body`, measured in place: the same per-rank program compiled with its loops over tiles
+  running two tiles per trip (the kernel's `unroll=2`, which puts a second copy of the
+  body in each; the loop over steps stays rolled; every zigzag tile count per run is even
+  here) counts `n_loops` bodies more than the rolled one, so
+  `body = (raw(unroll=2) - raw) / n_loops`. Contiguous programs have rank-dependent
   trip counts (no unrolling) but the same loop body: they take the zigzag program's body
   at the same `S`, `cp` and exchange.
 
@@ -40,7 +50,8 @@ Checks (printed): at S = 4096, cp = 4, the program compiled with four tiles per 
 (`unroll=4`; every trip count there is a multiple of 4) has XLA count
 `raw + 3 * n_loops * body`, to within the loop counters' scalar flops (~1e-7); and at
 S = 1024 the corrected count of the rolled program (with the body measured at S = 4096)
-against the program compiled with no loop at all (every loop unrolled, CSE off). The
+against the program compiled with no loop at all (every loop, the ring's loop over steps
+included, unrolled; CSE off). The
 latter differ by a few tenths of a percent: XLA fuses straight-line code differently from
 a loop body, and counts elementwise operations duplicated into several fusions more than
 once.
@@ -68,7 +79,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import deltanet_cp as dcp  # noqa: E402
 from deltanet_cp._layout import positions  # noqa: E402
-from deltanet_cp.nn._attention import _blockwise_attention, _tiles  # noqa: E402  # noqa: E402
+from deltanet_cp.nn._attention import _blockwise_attention, _tiles  # noqa: E402
 
 
 HEADS, HEAD_DIM, BLOCK = 4, 64, 128
@@ -125,8 +136,8 @@ def compile_rank(
     return lowered.compile()
 
 
-def trips(s: int, cp: int, layout, exchange: str) -> list[list[int]]:
-    """Per rank, the trip counts of the forward's loops (the static tile schedule)."""
+def schedules(s: int, cp: int, layout, exchange: str):
+    """The forward's loops over tiles, each as the schedules of its runs (`_tiles`)."""
     t = s // cp
     if isinstance(layout, dcp.Zigzag):
         b = min(BLOCK, t // 2)
@@ -134,8 +145,22 @@ def trips(s: int, cp: int, layout, exchange: str) -> list[list[int]]:
     else:
         b = min(BLOCK, t)
         m = t // b
-    schedules = _tiles(layout, cp, m, exchange)
-    return [[sched.counts[r] for sched in schedules] for r in range(cp)]
+    return _tiles(layout, cp, m, exchange)
+
+
+def trips(s: int, cp: int, layout, exchange: str) -> list[list[int]]:
+    """Per rank, the trip counts of the forward's loops over tiles in the whole program
+    (the static tile schedule): a loop run once per ring step counts the tiles of all its
+    runs (the trips of the loop over steps times the tiles per step, where those are the
+    same at every step)."""
+    loops = schedules(s, cp, layout, exchange)
+    return [[sum(run.counts[r] for run in loop) for loop in loops] for r in range(cp)]
+
+
+def tiles_per_run(s: int, cp: int, layout, exchange: str) -> list[int]:
+    """Rank 0's tile count in each run of each forward loop (for the unrolled programs,
+    which need every one to be a multiple of the tiles per trip)."""
+    return [run.counts[0] for loop in schedules(s, cp, layout, exchange) for run in loop]
 
 
 def corrected(raw: float, loop_trips: list[int], body: float) -> float:
@@ -149,7 +174,8 @@ def ideal(s: int, cp: int) -> float:
 def zigzag_body(s: int, cp: int, exchange: str, grad: bool, rolled) -> float:
     """The flops of one tile step in place: the program at two tiles per trip, minus it."""
     loop_trips = trips(s, cp, dcp.Zigzag(), exchange)[0]
-    assert all(n % 2 == 0 for n in loop_trips), loop_trips
+    runs = tiles_per_run(s, cp, dcp.Zigzag(), exchange)
+    assert all(n % 2 == 0 for n in runs), runs
     twice = compile_rank(s, cp, dcp.Zigzag(), exchange, grad=grad, unroll=2)
     return (raw_flops(twice) - raw_flops(rolled)) / len(loop_trips)
 
@@ -160,7 +186,8 @@ def check_calibration() -> None:
     rows = []
     for exchange in EXCHANGES:
         loop_trips = trips(s, cp, layout, exchange)[0]
-        assert all(n % 4 == 0 for n in loop_trips), loop_trips
+        runs = tiles_per_run(s, cp, layout, exchange)
+        assert all(n % 4 == 0 for n in runs), runs
         for grad in (False, True):
             rolled = compile_rank(s, cp, layout, exchange, grad=grad)
             body = zigzag_body(s, cp, exchange, grad, rolled)

@@ -1,9 +1,12 @@
 """`make demo`: train a tiny hybrid model (3 Gated DeltaNet : 1 softmax attention) with context
-parallelism at cp = 1, 2, 4 from the same seed, and show that
+parallelism at cp = 1, 2, 4 from the same seed, on contiguous and on zigzag (load-balanced)
+shards, and show that
 
-1. the per-step losses agree across CP degrees (to float reduction-order noise), and
-2. what each rank receives per layer, read from compiled HLO: the Gated DeltaNet layers'
-   payload does not grow with the sequence length, the attention layers' does.
+1. the per-step losses agree across CP degrees and layouts (to float reduction-order noise);
+2. what each rank receives per layer, read from compiled HLO, under both layouts: the Gated
+   DeltaNet layers' payload does not grow with the sequence length, the attention layers' does;
+3. the attention layers' work on the busiest rank against the causal ideal: about 2x under the
+   contiguous layout, about 1x under zigzag.
 
 Runs on CPU with simulated devices in a few minutes; writes examples/out/loss_curves.png.
 """
@@ -39,41 +42,54 @@ from train_hybrid import AXIS, Config, make_model, train  # noqa: E402
 
 
 OUT = Path(__file__).resolve().parent / "out"
-CP_DEGREES = (1, 2, 4)
+# (cp, layout) of each training run; cp = 1 is the single-device reference.
+RUNS = ((1, "contiguous"), (2, "contiguous"), (4, "contiguous"), (2, "zigzag"), (4, "zigzag"))
 PAYLOAD_SEQ_LENS = (256, 4096)
+LAYOUTS = {"contiguous": dcp.Contiguous(), "zigzag": dcp.Zigzag()}
 
 
-def train_all(cfg: Config) -> dict[int, list[float]]:
+def _name(cp: int, layout: str) -> str:
+    return "cp=1" if cp == 1 else f"cp={cp} {layout[:3]}"
+
+
+def train_all(cfg: Config) -> dict[str, list[float]]:
     losses = {}
-    with tqdm(total=len(CP_DEGREES) * cfg.steps, unit="step", ncols=88) as bar:
-        for cp in CP_DEGREES:
-            bar.set_description(f"cp={cp} (compiling)")
+    with tqdm(total=len(RUNS) * cfg.steps, unit="step", ncols=88) as bar:
+        for cp, layout in RUNS:
+            name = _name(cp, layout)
+            bar.set_description(f"{name} (compiling)")
 
-            def progress(i, loss, cp=cp):
-                bar.set_description(f"cp={cp} loss {loss:.3f}")
+            def progress(i, loss, name=name):
+                bar.set_description(f"{name} loss {loss:.3f}")
                 bar.update()
 
-            losses[cp] = train(cfg, cp, progress=progress)
+            run_cfg = dataclasses.replace(cfg, layout=layout)
+            losses[name] = train(run_cfg, cp, progress=progress)
     return losses
 
 
-def print_loss_table(losses: dict[int, list[float]]) -> float:
-    cps = list(losses)
-    steps = len(losses[cps[0]])
-    header = "| step | " + " | ".join(f"cp={cp}" for cp in cps) + " | max diff |"
-    print("\nPer-step training loss (same seed, same data):\n")
-    print(header)
-    print("|" + "|".join("-" * (len(c) + 2) for c in header.strip("|").split("|")) + "|")
-    worst = 0.0
+def _print_table(header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    print("| " + " | ".join(h.rjust(w) for h, w in zip(header, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in rows:
+        print("| " + " | ".join(c.rjust(w) for c, w in zip(row, widths)) + " |")
+
+
+def print_loss_table(losses: dict[str, list[float]]) -> float:
+    names = list(losses)
+    steps = len(losses[names[0]])
+    print(
+        "\nPer-step training loss (same seed, same data; con = contiguous shards, zig = zigzag "
+        "shards):\n"
+    )
+    rows, worst = [], 0.0
     for i in range(steps):
-        row = [losses[cp][i] for cp in cps]
+        row = [losses[n][i] for n in names]
         diff = max(row) - min(row)
         worst = max(worst, diff)
-        print(
-            f"| {i:4d} | "
-            + " | ".join(f"{x:.4f}".rjust(len(f"cp={cp}")) for x, cp in zip(row, cps))
-            + f" | {diff:8.1e} |"
-        )
+        rows.append([str(i), *(f"{x:.4f}" for x in row), f"{diff:.1e}"])
+    _print_table(["step", *names, "max diff"], rows)
     return worst
 
 
@@ -110,41 +126,80 @@ def print_payloads(cfg: Config, cp: int = 4) -> None:
         f"\nBytes each rank receives per layer, one forward pass (batch {b}, cp={cp}, float32),"
         " read from compiled HLO (the busiest rank):\n"
     )
-    header = ["seq len", "GDN, allgather", "GDN, ring", "attention (K/V all-gather)"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "|".join("-" * (len(h) + 2) for h in header) + "|")
-    halo = None
+    header = [
+        "seq len",
+        "layout",
+        "GDN, allgather",
+        "GDN, ring",
+        "attn, allgather",
+        "attn, ring (HLO step x (cp-1))",
+    ]
+    rows = []
     for seq_len in PAYLOAD_SEQ_LENS:
-        row = [f"{seq_len:,}"]
-        for exchange in ("allgather", "ring"):
-            p = _layer_payload(gdn, cfg, cp, seq_len, exchange=exchange)
-            halo = p.get("collective-permute", 0) if exchange == "allgather" else halo
-            row.append(f"{p['total']:,} B")
-        row.append(f"{_layer_payload(attn, cfg, cp, seq_len)['total']:,} B")
-        print("| " + " | ".join(c.rjust(len(h)) for c, h in zip(row, header)) + " |")
+        for name, layout in LAYOUTS.items():
+            row = [f"{seq_len:,}", name]
+            for exchange in ("allgather", "ring"):
+                p = _layer_payload(gdn, cfg, cp, seq_len, exchange=exchange, layout=layout)
+                row.append(f"{p['total']:,} B")
+            for kv in ("allgather", "ring"):
+                p = _layer_payload(attn, cfg, cp, seq_len, kv_exchange=kv, layout=layout)
+                # The ring's one ppermute of (K, V) is in the body of its loop over the cp - 1
+                # steps, which the HLO text holds once.
+                row.append(f"{p['total'] * (1 if kv == 'allgather' else cp - 1):,} B")
+            rows.append(row)
+    _print_table(header, rows)
+    m, st = b * hv * dk * (dk + dv), b * hv * dk * dv
     print(
-        f"\nGDN per layer: the conv halo, one collective-permute of B*(W-1)*conv_dim*4 = "
-        f"{halo:,} B, plus the state exchange: (cp-1)*B*HV*K*(K+V)*4 = "
-        f"{(cp - 1) * b * hv * dk * (dk + dv) * 4:,} B (allgather) or one state B*HV*K*V*4 = "
-        f"{b * hv * dk * dv * 4:,} B (ring). Independent of the sequence length.\n"
-        "Attention per layer: (cp-1)/cp * S * B * 2 * heads * head_dim * 4 B, linear in S."
+        "\nGDN per layer: the conv halo (contiguous: one collective-permute of B*(W-1)*conv_dim;"
+        " zigzag: two, one each way) plus the state exchange, independent of the sequence "
+        "length. Its formula, `exchange.payload_elements(cp, map_elements, state_elements, "
+        "layout=...)`, times 4 B:"
+    )
+    for name, layout in LAYOUTS.items():
+        ag, ring = (
+            4 * ex.payload_elements(cp, map_elements=m, state_elements=st, layout=layout)
+            for ex in (dcp.AllGather(), dcp.Ring())
+        )
+        print(f"  {name:>10}: allgather {ag:,} B, ring {ring:,} B")
+    print(
+        "Attention per layer: the other ranks' keys and values, (cp-1)/cp * S * B * 2 * heads"
+        " * head_dim * 4 B under either exchange and layout: linear in S."
     )
 
 
-def save_plot(losses: dict[int, list[float]], path: Path) -> None:
+def print_attention_balance(cfg: Config) -> None:
+    model = make_model(cfg, jr.key(cfg.seed))
+    attn = next(b.mixer for b in model.blocks if isinstance(b.mixer, CausalSelfAttention))
+    print(
+        "\nAttention work on the busiest rank / the causal ideal (total causal work / cp), from "
+        "the tile schedule each rank compiles (benchmarks/attention_balance.py checks it "
+        "against XLA's FLOP count of the compiled per-rank module):\n"
+    )
+    header = ["seq len", "cp", "exchange", "contiguous", "zigzag"]
+    rows = []
+    for seq_len in (4096, 16384):
+        for cp in (4, 8):
+            for kv in ("allgather", "ring"):
+                row = [f"{seq_len:,}", str(cp), kv]
+                for layout in LAYOUTS.values():
+                    row.append(f"{attn.busiest_rank_work(seq_len, cp, layout, kv):.3f}")
+                rows.append(row)
+    _print_table(header, rows)
+
+
+def save_plot(losses: dict[str, list[float]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    styles = {1: ("-", 3.0), 2: ("--", 2.0), 4: (":", 2.0)}
-    for cp, ls in losses.items():
-        style, width = styles.get(cp, ("-", 1.0))
-        ax.plot(ls, style, linewidth=width, label=f"cp={cp}")
+    styles = ["-", "--", ":", "-.", (0, (1, 3))]
+    for i, (name, ls) in enumerate(losses.items()):
+        ax.plot(ls, linestyle=styles[i % len(styles)], linewidth=3.0 if i == 0 else 1.5, label=name)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (recall positions)")
-    ax.set_title("Hybrid GDN/attention LM: loss vs. context-parallel degree")
+    ax.set_title("Hybrid GDN/attention LM: loss vs. CP degree and layout")
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -165,8 +220,9 @@ def main():
     start = time.perf_counter()
     losses = train_all(cfg)
     worst = print_loss_table(losses)
-    print(f"\nLargest difference between CP degrees at any step: {worst:.1e}")
+    print(f"\nLargest difference between runs at any step: {worst:.1e}")
     print_payloads(cfg)
+    print_attention_balance(cfg)
     path = OUT / "loss_curves.png"
     save_plot(losses, path)
     print(f"\nSaved {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")

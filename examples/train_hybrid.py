@@ -29,6 +29,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import deltanet_cp as dcp
 from deltanet_cp.nn import HybridLM
 
 
@@ -50,7 +51,9 @@ class Config:
     weight_decay: float = 0.01
     steps: int = 40
     seed: int = 0
-    exchange: str = "allgather"
+    exchange: str = "allgather"  # the Gated DeltaNet layers' state exchange
+    layout: str = "contiguous"  # or "zigzag": every layer on load-balanced shards
+    kv_exchange: str = "allgather"  # the attention layers': "allgather" or "ring"
 
 
 def make_model(cfg: Config, key) -> HybridLM:
@@ -112,11 +115,19 @@ def _nll(logits, targets, mask):
     return jnp.sum(nll * mask), jnp.sum(mask)
 
 
-def loss_fn(model: HybridLM, inputs, targets, mask, *, cp: int, mesh=None, exchange="allgather"):
+def layout_of(cfg: Config) -> dcp.Layout:
+    layouts = {"contiguous": dcp.Contiguous(), "zigzag": dcp.Zigzag()}
+    if cfg.layout not in layouts:
+        raise ValueError(f"layout must be one of {sorted(layouts)}; got {cfg.layout!r}.")
+    return layouts[cfg.layout]
+
+
+def loss_fn(model: HybridLM, inputs, targets, mask, *, cp: int, mesh=None, cfg: Config):
     """Mean next-token cross entropy over the masked positions.
 
     `cp == 1`: the single-device path. `cp > 1`: `jax.shard_map` over `mesh`, time sharded
-    over the `"cp"` axis; each rank sums its own positions and one `psum` combines them.
+    over the `"cp"` axis (under zigzag the batch arrives in zigzag order); each rank sums its
+    own positions and one `psum` combines them.
     """
     if cp == 1:
         total, count = _nll(jax.vmap(model)(inputs), targets, mask)
@@ -125,7 +136,14 @@ def loss_fn(model: HybridLM, inputs, targets, mask, *, cp: int, mesh=None, excha
 
     def local(params, inputs, targets, mask):
         m = eqx.combine(params, static)
-        logits = jax.vmap(ft.partial(m, axis_name=AXIS, exchange=exchange))(inputs)
+        call = ft.partial(
+            m,
+            axis_name=AXIS,
+            layout=layout_of(cfg),
+            exchange=cfg.exchange,
+            kv_exchange=cfg.kv_exchange,
+        )
+        logits = jax.vmap(call)(inputs)
         total, count = _nll(logits, targets, mask)
         return jax.lax.psum(total, AXIS) / jax.lax.psum(count, AXIS)
 
@@ -138,10 +156,13 @@ def make_mesh(cp: int):
     return jax.make_mesh((cp,), (AXIS,), devices=jax.devices()[:cp])
 
 
-def shard_batch(batch, mesh):
-    """Put `(inputs, targets, mask)` on the mesh, time sharded over `"cp"`."""
+def shard_batch(batch, mesh, layout: dcp.Layout = dcp.Contiguous()):
+    """Put `(inputs, targets, mask)` on the mesh, time sharded over `"cp"` (in zigzag order
+    first under `Zigzag`: the only reorder; every layer then works on these shards)."""
     if mesh is None:
         return tuple(jnp.asarray(x) for x in batch)
+    if isinstance(layout, dcp.Zigzag):
+        batch = tuple(dcp.to_zigzag(x, mesh.shape[AXIS], axis=1) for x in batch)
     sharding = NamedSharding(mesh, P(None, AXIS))
     return tuple(jax.device_put(x, sharding) for x in batch)
 
@@ -153,7 +174,7 @@ def make_train_step(cfg: Config, cp: int, optimizer) -> tuple[Callable, Mesh | N
     @eqx.filter_jit
     def step(model, opt_state, inputs, targets, mask):
         loss, grads = eqx.filter_value_and_grad(loss_fn)(
-            model, inputs, targets, mask, cp=cp, mesh=mesh, exchange=cfg.exchange
+            model, inputs, targets, mask, cp=cp, mesh=mesh, cfg=cfg
         )
         updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
         return eqx.apply_updates(model, updates), opt_state, loss
@@ -175,8 +196,9 @@ def train(cfg: Config, cp: int, *, progress: Callable | None = None) -> list[flo
 
     `progress(step, loss)` is called after each step (e.g. a progress bar's update).
     """
-    if cfg.seq_len % cp:
-        raise ValueError(f"seq_len {cfg.seq_len} must be divisible by cp {cp}.")
+    pieces = cp if cfg.layout == "contiguous" else 2 * cp
+    if cfg.seq_len % pieces:
+        raise ValueError(f"seq_len {cfg.seq_len} must be divisible by {pieces} ({cfg.layout}).")
     model = make_model(cfg, jr.key(cfg.seed))
     optimizer = make_optimizer(cfg)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
@@ -187,7 +209,7 @@ def train(cfg: Config, cp: int, *, progress: Callable | None = None) -> list[flo
     losses = []
     data = batches(cfg)
     for i in range(cfg.steps):
-        batch = shard_batch(next(data), mesh)
+        batch = shard_batch(next(data), mesh, layout_of(cfg))
         model, opt_state, loss = step(model, opt_state, *batch)
         losses.append(float(loss))
         if progress is not None:
@@ -201,8 +223,16 @@ def main():
     parser.add_argument("--steps", type=int, default=Config.steps)
     parser.add_argument("--seq-len", type=int, default=Config.seq_len)
     parser.add_argument("--exchange", default=Config.exchange)
+    parser.add_argument("--layout", default=Config.layout, choices=["contiguous", "zigzag"])
+    parser.add_argument("--kv-exchange", default=Config.kv_exchange, choices=["allgather", "ring"])
     args = parser.parse_args()
-    cfg = Config(steps=args.steps, seq_len=args.seq_len, exchange=args.exchange)
+    cfg = Config(
+        steps=args.steps,
+        seq_len=args.seq_len,
+        exchange=args.exchange,
+        layout=args.layout,
+        kv_exchange=args.kv_exchange,
+    )
     for i, loss in enumerate(train(cfg, args.cp)):
         print(f"step {i:3d}  loss {loss:.4f}")
 

@@ -1,6 +1,7 @@
 """Blockwise causal attention: against float64 references written here, on one device and
 context parallel (both layouts, both key/value exchanges), forward and gradients; its tile
-schedules; and its memory, linear in the sequence length."""
+schedules; and its memory, linear in the sequence length (and, around the ring, in the
+local length only)."""
 
 import functools as ft
 from typing import cast
@@ -22,6 +23,7 @@ from deltanet_cp.nn._attention import (
     _position_table,
     _ring_schedule,
     _to_blocks,
+    KVExchange,
 )
 
 from .helpers import directional_check, rel_err
@@ -385,6 +387,19 @@ def test_memory_is_linear(cp, layout, kv_exchange, grad):
     assert large <= 4.2 * small, (small, large)
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("grad", [False, True])
+def test_ring_memory_is_per_rank(layout, grad):
+    # The ring holds one piece of keys and values at a time (its steps are a loop), and its
+    # backward saves only the local inputs, output and log-sum-exp (running the ring again
+    # with the gradients of the keys and values): its memory per local token does not grow
+    # with cp, O(S / cp) per rank where the all-gather's is O(S).
+    attn = _attn(8)
+    t = 256
+    per_rank = {cp: _temp_bytes(attn, t, cp, LAYOUTS[layout], "ring", grad) for cp in (4, 8)}
+    assert per_rank[8] <= 1.3 * per_rank[4], per_rank
+
+
 # ---------------------------------------------------------------------------------------
 # Errors
 # ---------------------------------------------------------------------------------------
@@ -416,3 +431,21 @@ def test_unknown_kv_exchange(getkey, without_runtime_typecheck):
     attn = CausalSelfAttention(HIDDEN, HEADS, HEAD_DIM, key=getkey())
     with pytest.raises(ValueError, match="kv_exchange='allgather'"):
         attn(jnp.zeros((8, HIDDEN)), kv_exchange="ppermute")  # pyright: ignore[reportArgumentType]
+
+
+def test_busiest_rank_work():
+    # The tile count of the schedule, against the formulas: under zigzag every rank runs
+    # (2 cp - 1) m^2 + m (m + 1) tiles of b x b (m tiles per piece), under contiguous the
+    # last rank runs m (m + 1) / 2 + (cp - 1) m^2, with either exchange.
+    attn = CausalSelfAttention(16, 2, 8, block_size=64, key=jr.key(0))
+    s, cp, b = 4096, 4, 64
+    ideal = s * (s + 1) / 2 / cp
+    m = s // (2 * cp) // b
+    zig = ((2 * cp - 1) * m * m + m * (m + 1)) * b * b / ideal
+    m = s // cp // b
+    con = (m * (m + 1) // 2 + (cp - 1) * m * m) * b * b / ideal
+    kvs: list[KVExchange] = ["allgather", "ring"]
+    for kv in kvs:
+        assert attn.busiest_rank_work(s, cp, dcp.Zigzag(), kv) == pytest.approx(zig)
+        assert attn.busiest_rank_work(s, cp, dcp.Contiguous(), kv) == pytest.approx(con)
+    assert zig <= 1.02 and con >= 1.7

@@ -310,7 +310,11 @@ def test_cp_invariance(cp):
 
 @pytest.mark.parametrize(
     "cp, exchange",
-    [(2, "ring"), (4, "allgather"), pytest.param(8, "ppermute", marks=pytest.mark.slow)],
+    [
+        pytest.param(2, "ring", marks=pytest.mark.slow),
+        (4, "allgather"),
+        pytest.param(8, "ppermute", marks=pytest.mark.slow),
+    ],
 )
 def test_zigzag_invariance(cp, exchange):
     """On zigzag shards (the convolution's halo and the recurrence follow the chain): the

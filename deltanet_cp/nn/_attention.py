@@ -9,7 +9,8 @@ Under context parallelism each rank attends from its own queries to the keys and
 the whole sequence, which it obtains by one all-gather or by passing them around a ring:
 a payload of `(cp - 1) / cp * S * 2 * heads * head_dim` elements per rank and layer either
 way, growing with the sequence length `S`. With the zigzag layout every rank does the same
-causal work.
+causal work. The all-gather holds the whole sequence's keys and values on every rank; the
+ring, one rank's piece at a time, forward and backward (`_ring`).
 """
 
 import functools as ft
@@ -224,7 +225,9 @@ def _tile_scores(q, k, pos_q, pos_k, i, j, acc):
     return s, mask[None]
 
 
-def _flash_forward(q, k, v, pos_q, pos_k, tiles, row, count, unroll):
+def _flash_init(q: Array, like) -> tuple[Array, Array, Array]:
+    """The empty online-softmax state of queries `q`: (unnormalised output, running max,
+    running denominator), in the accumulation dtype, varying wherever `like` does."""
     nq, b, h, d = q.shape
     acc = _acc_dtype(q.dtype)
     init = (
@@ -232,7 +235,12 @@ def _flash_forward(q, k, v, pos_q, pos_k, tiles, row, count, unroll):
         jnp.full((nq, h, b), jnp.finfo(acc).min, acc),
         jnp.zeros((nq, h, b), acc),
     )
-    init = _varying(init, (q, k, v, pos_q, pos_k, tiles, row, count))
+    return _varying(init, like)
+
+
+def _flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, unroll, state):
+    """Run the listed tiles into the online-softmax `state` (see `_flash_init`)."""
+    acc = _acc_dtype(q.dtype)
 
     def body(t, carry):
         o, m, denom = carry
@@ -254,12 +262,22 @@ def _flash_forward(q, k, v, pos_q, pos_k, tiles, row, count, unroll):
         o_new = alpha.T[..., None] * _take(o, i) + pv
         return _put(o, o_new, i), _put(m, m_new, i), _put(denom, l_new, i)
 
-    o, m, denom = _loop(count, tiles.shape[1], body, init, unroll)
+    return _loop(count, tiles.shape[1], body, state, unroll)
+
+
+def _flash_finish(state: tuple[Array, Array, Array]) -> tuple[Array, Array]:
+    """`(out, lse)` from an online-softmax state: 0 and `-inf` where no key was seen."""
+    o, m, denom = state
     seen = denom > 0
     safe_l = jnp.where(seen, denom, 1)
     out = o / safe_l.transpose(0, 2, 1)[..., None]
     lse = jnp.where(seen, m + jnp.log(safe_l), -jnp.inf)
     return out, lse
+
+
+def _flash_forward(q, k, v, pos_q, pos_k, tiles, row, count, unroll):
+    state = _flash_init(q, (q, k, v, pos_q, pos_k, tiles, row, count))
+    return _flash_finish(_flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, unroll, state))
 
 
 @ft.partial(jax.custom_vjp, nondiff_argnums=(8,))
@@ -294,17 +312,25 @@ def _flash_fwd(q, k, v, pos_q, pos_k, tiles, row, count, unroll):
     return (out, lse), (q, k, v, pos_q, pos_k, tiles, row, count, out, lse)
 
 
-def _flash_bwd(unroll, res, cts):
-    # The scores are recomputed tile by tile from the saved log-sum-exp:
-    # p = exp(s - lse), dp = dout v^T, ds = p * (dp - rowsum(dout * out) + dlse).
-    q, k, v, pos_q, pos_k, tiles, row, count, out, lse = res
-    d_out, d_lse = cts
-    acc = _acc_dtype(q.dtype)
+def _flash_grad_prep(out, lse, d_out, d_lse):
+    """`(d_out, lse, delta)` for `_flash_grad_steps`: the output's cotangent in the
+    accumulation dtype, the log-sum-exp with `-inf` (no key seen) made 0, and
+    `delta = rowsum(d_out * out) - d_lse`, `(nq, heads, block)`."""
+    acc = out.dtype
     d_out = d_out.astype(acc)
-    delta = jnp.sum(d_out * out, axis=-1).transpose(0, 2, 1) - d_lse.astype(acc)
-    lse = jnp.where(jnp.isfinite(lse), lse, 0)
-    init = (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
-    init = _varying(init, (q, k, v, pos_q, pos_k, tiles, row, count, d_out, d_lse))
+    delta = jnp.sum(d_out * out, axis=-1).transpose(0, 2, 1)
+    if d_lse is not None:
+        delta = delta - d_lse.astype(acc)
+    return d_out, jnp.where(jnp.isfinite(lse), lse, 0), delta
+
+
+def _flash_grad_steps(q, k, v, pos_q, pos_k, tiles, row, count, unroll, lse, delta, d_out, grads):
+    """Add the listed tiles' gradients to `grads = (dq, dk, dv)` (accumulation dtype).
+
+    The scores are recomputed tile by tile from the saved log-sum-exp:
+    p = exp(s - lse), dp = dout v^T, ds = p * (dp - delta), delta = rowsum(dout * out) - dlse.
+    """
+    acc = _acc_dtype(q.dtype)
 
     def body(t, carry):
         dq, dk, dv = carry
@@ -323,20 +349,23 @@ def _flash_bwd(unroll, res, cts):
         dv = _put(dv, _take(dv, j) + dv_j, j)
         return dq, dk, dv
 
-    dq, dk, dv = _loop(count, tiles.shape[1], body, init, unroll)
+    return _loop(count, tiles.shape[1], body, grads, unroll)
+
+
+def _flash_bwd(unroll, res, cts):
+    q, k, v, pos_q, pos_k, tiles, row, count, out, lse = res
+    d_out, lse, delta = _flash_grad_prep(out, lse, *cts)
+    acc = _acc_dtype(q.dtype)
+    init = (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
+    init = _varying(init, (q, k, v, pos_q, pos_k, tiles, row, count, d_out, delta))
+    dq, dk, dv = _flash_grad_steps(
+        q, k, v, pos_q, pos_k, tiles, row, count, unroll, lse, delta, d_out, init
+    )
     grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
     return grads + (None, None, None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
-
-
-def _merge(a: tuple[Array, Array], b: tuple[Array, Array]) -> tuple[Array, Array]:
-    """Combine two partial attentions `(out, lse)` over disjoint keys."""
-    (out_a, lse_a), (out_b, lse_b) = a, b
-    lse = jnp.logaddexp(lse_a, lse_b)
-    wa, wb = jnp.exp(lse_a - lse)[..., None], jnp.exp(lse_b - lse)[..., None]
-    return wa * out_a + wb * out_b, lse
 
 
 def _to_blocks(x: Array, b: int) -> Array:
@@ -365,6 +394,109 @@ def _attend(q, k, v, pos_q, pos_k, tiles, b, unroll):
     return out.reshape(t, *q.shape[1:]), lse.transpose(0, 2, 1).reshape(t, -1)
 
 
+class _Ring:
+    """The static description of one ring attention (a non-differentiable argument of
+    `_ring`): the mesh axis, its size `cp`, the kernel's `unroll`, the
+    local diagonal's schedule (step 0), the schedules of steps `1 .. cp - 1` as one table
+    (row `(step - 1) cp + rank`), and the global positions of every rank's keys in blocks,
+    `(cp, blocks, b)`."""
+
+    def __init__(self, axis_name, cp, unroll, diagonal, steps, positions):
+        self.axis_name, self.cp, self.unroll = axis_name, cp, unroll
+        self.diagonal: _Schedule = diagonal
+        self.stacked = _Schedule.of(
+            [s.listed(r) for s in steps for r in range(cp)] if steps else [[]]
+        )
+        self.positions: np.ndarray = positions
+
+    def ring_loop(self, body, init):
+        """`body(step, carry)` for steps `1 .. cp - 1`: a loop, unless the kernel's loops
+        are all unrolled (`unroll=True`, for measuring), when it is straight-line code."""
+        return jax.lax.fori_loop(1, self.cp, body, init, unroll=self.unroll is True or 1)
+
+    def ppermute(self, x):
+        """Pass `x` one rank on around the ring (rank `r` receives rank `r - 1`'s)."""
+        perm = [(j, (j + 1) % self.cp) for j in range(self.cp)]
+        return jax.lax.ppermute(x, self.axis_name, perm)
+
+    def step(self, rank: Array, step: Array):
+        """`(pos_k, tiles, row, count)` of ring step `step > 0` on rank `rank`: the
+        positions of the keys it holds (those of rank `rank - step`) and its tiles."""
+        pos_k = _take(jnp.asarray(self.positions), (rank - step) % self.cp)
+        tiles, row, count = self.stacked.at((step - 1) * self.cp + rank)
+        return pos_k, tiles, row, count
+
+
+def _ring_forward(ring: _Ring, q, k, v, pos_q):
+    rank = jax.lax.axis_index(ring.axis_name)
+    state = _flash_init(q, (q, k, v, pos_q))
+    state = _flash_steps(q, k, v, pos_q, pos_q, *ring.diagonal.at(rank), ring.unroll, state)
+
+    def body(step, carry):
+        k, v, state = carry
+        k, v = ring.ppermute((k, v))
+        pos_k, tiles, row, count = ring.step(rank, step)
+        state = _flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, ring.unroll, state)
+        return k, v, state
+
+    _, _, state = ring.ring_loop(body, (k, v, state))
+    return _flash_finish(state)
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(ring: _Ring, q, k, v, pos_q):
+    """Causal attention of the local queries to the whole sequence's keys, passed around
+    the ring: `out`, `(nq, block, heads, dim)` in the accumulation dtype (arguments in
+    blocks as for `_flash`; `k` and `v` this rank's own).
+
+    At step 0 the queries attend to the local keys (the causal diagonal); at each step
+    `i = 1 .. cp - 1` of a loop the keys and values move one rank on (rank `r` then holds
+    rank `r - i`'s) and the step's tiles run into the same online softmax. One piece of
+    keys and values is held (and one in flight) at a time, so memory is `O(S / cp)`.
+
+    The backward saves only `q, k, v, out` and the log-sum-exp, and runs the ring again:
+    the keys and values go around with accumulators of their gradients, to which each rank
+    adds its tiles' contributions (recomputed from the log-sum-exp, as `_flash` does); one
+    last step brings the accumulators home, where each holds its rank's `dk`, `dv`.
+    """
+    return _ring_forward(ring, q, k, v, pos_q)[0]
+
+
+def _ring_fwd(ring: _Ring, q, k, v, pos_q):
+    out, lse = _ring_forward(ring, q, k, v, pos_q)
+    return out, (q, k, v, pos_q, out, lse)
+
+
+def _ring_bwd(ring: _Ring, res, d_out):
+    q, k, v, pos_q, out, lse = res
+    rank = jax.lax.axis_index(ring.axis_name)
+    d_out, lse, delta = _flash_grad_prep(out, lse, d_out, None)
+    acc = _acc_dtype(q.dtype)
+    grads = (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
+    grads = _varying(grads, (q, k, v, pos_q, d_out, delta))
+    tiles, row, count = ring.diagonal.at(rank)
+    dq, dk, dv = _flash_grad_steps(
+        q, k, v, pos_q, pos_q, tiles, row, count, ring.unroll, lse, delta, d_out, grads
+    )
+
+    def body(step, carry):
+        k, v, dq, dk, dv = carry
+        k, v, dk, dv = ring.ppermute((k, v, dk, dv))
+        pos_k, tiles, row, count = ring.step(rank, step)
+        dq, dk, dv = _flash_grad_steps(
+            q, k, v, pos_q, pos_k, tiles, row, count, ring.unroll, lse, delta, d_out, (dq, dk, dv)
+        )
+        return k, v, dq, dk, dv
+
+    _, _, dq, dk, dv = ring.ring_loop(body, (k, v, dq, dk, dv))
+    if ring.cp > 1:
+        dk, dv = ring.ppermute((dk, dv))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
 def _block(block_size: int, piece: int, what: str) -> int:
     """The tile size: `block_size`, or the piece length if shorter; it must divide it."""
     b = min(block_size, piece)
@@ -387,18 +519,31 @@ def _check_kv_exchange(kv_exchange: object) -> None:
         )
 
 
-def _tiles(layout: Layout, cp: int, m: int, kv_exchange: str) -> list[_Schedule]:
-    """The schedule of each loop of one attention, in program order."""
+def _tiles(layout: Layout, cp: int, m: int, kv_exchange: str) -> list[list[_Schedule]]:
+    """The tile loops of one attention's forward, in program order, each as the schedules
+    of its successive runs: the all-gather's one loop, run once; the ring's loop over the
+    local diagonal, run once, and its loop over one step's tiles, run once per step
+    `1 .. cp - 1` inside the loop over steps. (The backward has a loop for each.)"""
     if kv_exchange == "allgather":
-        return [_allgather_schedule(layout, cp, m)]
-    return [_ring_schedule(layout, cp, m, step) for step in range(cp)]
+        return [[_allgather_schedule(layout, cp, m)]]
+    ring = [_ring_schedule(layout, cp, m, step) for step in range(cp)]
+    return [ring[:1], ring[1:]]
 
 
-def _check_unroll(schedules: list[_Schedule], unroll: bool | int) -> None:
+def _check_unroll(loops: list[list[_Schedule]], unroll: bool | int) -> None:
     if _unrolled(unroll) and not all(
-        s.uniform and s.counts[0] == s.tiles.shape[1] for s in schedules
+        s.uniform and s.counts[0] == s.tiles.shape[1] for loop in loops for s in loop
     ):
         raise ValueError("unroll needs the same, static number of tiles on every rank.")
+
+
+def _tiling(layout: Layout, length: int, block_size: int) -> tuple[int, int]:
+    """`(tile side, tiles per piece)` for `length` local tokens under `layout`."""
+    if isinstance(layout, Zigzag):
+        b = _block(block_size, zigzag_half(length), "each zigzag piece (half the local length)")
+        return b, length // (2 * b)
+    b = _block(block_size, length, "the local sequence length")
+    return b, length // b
 
 
 def _blockwise_attention(
@@ -419,37 +564,29 @@ def _blockwise_attention(
     q = q * (d**-0.5)
     if axis_name is None:
         b = _block(block_size, t, "the sequence length")
-        (schedule,) = _tiles(Contiguous(), 1, t // b, "allgather")
-        _check_unroll([schedule], unroll)
+        ((schedule,),) = loops = _tiles(Contiguous(), 1, t // b, "allgather")
+        _check_unroll(loops, unroll)
         out, _ = _attend(q, k, v, pos_q, pos_q, schedule.at(0), b, unroll)
         return out.astype(v.dtype)
     check_layout(layout, "CausalSelfAttention")
     _check_kv_exchange(kv_exchange)
     cp = jax.lax.axis_size(axis_name)
     rank = jax.lax.axis_index(axis_name)
-    if isinstance(layout, Zigzag):
-        b = _block(block_size, zigzag_half(t), "each zigzag piece (half the local length)")
-        m = t // (2 * b)
-    else:
-        b = _block(block_size, t, "the local sequence length")
-        m = t // b
+    b, m = _tiling(layout, t, block_size)
     table = _position_table(layout, t, cp)
-    schedules = _tiles(layout, cp, m, kv_exchange)
-    _check_unroll(schedules, unroll)
+    loops = _tiles(layout, cp, m, kv_exchange)
+    _check_unroll(loops, unroll)
     if kv_exchange == "allgather":
         k = jax.lax.all_gather(k, axis_name, axis=0, tiled=True)
         v = jax.lax.all_gather(v, axis_name, axis=0, tiled=True)
         pos_k = jnp.asarray(table.reshape(-1))
-        out, _ = _attend(q, k, v, pos_q, pos_k, schedules[0].at(rank), b, unroll)
+        out, _ = _attend(q, k, v, pos_q, pos_k, loops[0][0].at(rank), b, unroll)
         return out.astype(v.dtype)
-    result = _attend(q, k, v, pos_q, pos_q, schedules[0].at(rank), b, unroll)
-    perm = [(j, (j + 1) % cp) for j in range(cp)]
-    for step in range(1, cp):
-        k, v = jax.lax.ppermute((k, v), axis_name, perm)
-        pos_k = jnp.asarray(table)[(rank - step) % cp]
-        part = _attend(q, k, v, pos_q, pos_k, schedules[step].at(rank), b, unroll)
-        result = _merge(result, part)
-    return result[0].astype(v.dtype)
+    (diagonal,), steps = loops
+    ring = _Ring(axis_name, cp, unroll, diagonal, steps, table.reshape(cp, -1, b))
+    blocks = (_to_blocks(x, b) for x in (q, k, v, pos_q))
+    out = cast(Array, _ring(ring, *blocks))
+    return out.reshape(q.shape).astype(v.dtype)
 
 
 class CausalSelfAttention(eqx.Module):
@@ -467,9 +604,13 @@ class CausalSelfAttention(eqx.Module):
     growing with the sequence length `S`.
 
     Memory per rank is linear in the sequence length: no score matrix is ever held, only
-    one tile of it. The all-gather holds the keys and values of the whole sequence; so, as
-    XLA compiles it, does the ring (which issues its transfers ahead of the steps, and
-    whose backward keeps every step's keys and values).
+    one tile of it. The all-gather holds the keys and values of the whole sequence,
+    `O(S)` per rank. The ring holds one rank's piece of them at a time, `O(S / cp)` per
+    rank, forward and backward: its steps are a loop, and its backward saves only the
+    local queries, keys, values, output and log-sum-exp, then passes the keys and values
+    around the ring again with accumulators of their gradients (which one more step
+    brings home: the backward sends `cp - 1` pieces of keys and values and `cp` of their
+    gradients, in the accumulation dtype).
 
     With `layout=Contiguous()` the causal work is unbalanced: rank `r` computes about
     `(2 r + 1) / cp` times the average rank's tiles, so the last rank does
@@ -545,9 +686,9 @@ class CausalSelfAttention(eqx.Module):
             and `2 cp - 1 - r` of `2 cp`; the causal work is then the same on every rank).
         - `kv_exchange`: how the keys and values reach every rank: `"allgather"` (one
             all-gather; each rank then computes only the tiles its queries need) or
-            `"ring"` (`cp - 1` steps of `jax.lax.ppermute`, attending to one rank's keys
-            per step and merging by log-sum-exp; with `Zigzag` every rank computes the
-            same number of tiles at every step).
+            `"ring"` (`cp - 1` steps of `jax.lax.ppermute` in a loop, attending to one
+            rank's keys per step in one online softmax, with `O(S / cp)` memory per rank;
+            with `Zigzag` every rank computes the same number of tiles at every step).
 
         `layout` and `kv_exchange` are ignored without `axis_name`.
 
@@ -577,3 +718,38 @@ class CausalSelfAttention(eqx.Module):
             block_size=self.block_size,
         )
         return jax.vmap(self.o_proj)(o.reshape(t, self.num_heads * self.head_dim))
+
+    def busiest_rank_work(
+        self,
+        seq_len: int,
+        cp: int,
+        layout: Layout = Contiguous(),
+        kv_exchange: KVExchange = "allgather",
+    ) -> float:
+        """The attention work of the busiest rank over the causal ideal, from the schedule.
+
+        Counts the `(block_size, block_size)` tiles each rank's compiled program computes
+        (forward; the backward runs the same tiles) and divides the busiest rank's
+        (query, key) pairs by the causal ideal per rank, `S (S + 1) / 2 / cp`: 1 is perfect
+        balance with no wasted pair. `benchmarks/attention_balance.py` checks the same
+        ratio against XLA's FLOP count of the compiled per-rank module.
+
+        **Arguments:**
+
+        - `seq_len`: the global sequence length `S`.
+        - `cp`: the number of ranks.
+        - `layout`, `kv_exchange`: as in `__call__`.
+
+        **Returns:**
+
+        The ratio, e.g. about `(2 cp - 1) / cp` under `Contiguous()` and about
+        `1 + block_size / S` under `Zigzag()`.
+        """
+        check_layout(layout, "CausalSelfAttention")
+        _check_kv_exchange(kv_exchange)
+        if seq_len % cp:
+            raise ValueError(f"seq_len ({seq_len}) must be divisible by cp ({cp}).")
+        b, m = _tiling(layout, seq_len // cp, self.block_size)
+        loops = _tiles(layout, cp, m, kv_exchange)
+        tiles = [sum(s.counts[r] for loop in loops for s in loop) for r in range(cp)]
+        return max(tiles) * b * b / (seq_len * (seq_len + 1) / 2 / cp)
