@@ -204,8 +204,21 @@ def test_bfloat16_parameters():
     assert max(rel_err(g, e) for g, e in zip(grads, expected)) <= 5e-2
 
 
+# Every cp, layout and exchange in the default run (each pair of them once); the rest slow.
+_CP_FAST = {
+    (2, "contiguous", "ring"),
+    (2, "zigzag", "allgather"),
+    (4, "zigzag", "ring"),
+    (4, "contiguous", "allgather"),
+}
 CP_CASES = [
-    pytest.param(cp, name, kv, id=f"cp{cp}-{name}-{kv}")
+    pytest.param(
+        cp,
+        name,
+        kv,
+        id=f"cp{cp}-{name}-{kv}",
+        marks=() if (cp, name, kv) in _CP_FAST else (pytest.mark.slow,),
+    )
     for cp in (2, 4)
     for name in LAYOUTS
     for kv in ("allgather", "ring")
@@ -387,8 +400,15 @@ def test_memory_is_linear(cp, layout, kv_exchange, grad):
     assert large <= 4.2 * small, (small, large)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize(
+    "layout, grad",
+    [
+        ("zigzag", True),
+        pytest.param("zigzag", False, marks=pytest.mark.slow),
+        pytest.param("contiguous", True, marks=pytest.mark.slow),
+        pytest.param("contiguous", False, marks=pytest.mark.slow),
+    ],
+)
 def test_ring_memory_is_per_rank(layout, grad):
     # The ring holds one piece of keys and values at a time (its steps are a loop), and its
     # backward saves only the local inputs, output and log-sum-exp (running the ring again

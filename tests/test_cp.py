@@ -128,11 +128,15 @@ def test_payload_is_constant_in_sequence_length(exchange, cp, layout, fast_compi
 
 
 @pytest.mark.parametrize(
-    "exchange",
-    [*EXCHANGES[:3], *(pytest.param(x, marks=pytest.mark.slow) for x in [dcp.Auto(), "ring"])],
-    ids=exchange_id,
+    "exchange, layout",
+    [
+        *((ex, dcp.Contiguous()) for ex in EXCHANGES[:3]),
+        (dcp.Ring(), dcp.Zigzag()),
+        *(pytest.param(ex, dcp.Zigzag(), marks=pytest.mark.slow) for ex in EXCHANGES[:2]),
+        *(pytest.param(x, dcp.Contiguous(), marks=pytest.mark.slow) for x in [dcp.Auto(), "ring"]),
+    ],
+    ids=lambda x: _layout_id(x) if isinstance(x, dcp.AbstractLayout) else exchange_id(x),
 )
-@pytest.mark.parametrize("layout", [dcp.Contiguous(), dcp.Zigzag()], ids=_layout_id)
 def test_payload_with_final_state(exchange, layout, fast_compile):
     cp = 4
     module = exchange if not isinstance(exchange, str) else dcp.Ring()

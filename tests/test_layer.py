@@ -310,9 +310,11 @@ def test_cp_invariance(cp):
 
 @pytest.mark.parametrize(
     "cp, exchange",
+    # `slow`: tests/test_hybrid.py runs the layer (and its convolution) on zigzag shards
+    # in the default run, with every gradient.
     [
         pytest.param(2, "ring", marks=pytest.mark.slow),
-        (4, "allgather"),
+        pytest.param(4, "allgather", marks=pytest.mark.slow),
         pytest.param(8, "ppermute", marks=pytest.mark.slow),
     ],
 )
