@@ -1,3 +1,4 @@
+import gc
 import os
 
 
@@ -17,6 +18,20 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+
+@pytest.fixture(autouse=True)
+def _free_compiled_programs():
+    """Drop every compiled program after each test.
+
+    Each CPU executable keeps its JIT-compiled code in its own memory mappings. Over the whole
+    slow suite one process accumulates more than Linux's default `vm.max_map_count` (65530), and
+    the next compilation then segfaults inside XLA. Clearing JAX's caches lets the executables,
+    and their mappings, be freed.
+    """
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture
