@@ -20,18 +20,30 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
+def _memory_mappings() -> tuple[int, int] | None:
+    """This process's memory mappings and the kernel's limit on them (None off Linux)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            return sum(1 for _ in maps), int(limit.read())
+    except OSError:
+        return None
+
+
 @pytest.fixture(autouse=True)
 def _free_compiled_programs():
-    """Drop every compiled program after each test.
+    """Drop JAX's compiled programs once they hold a third of the memory-mapping limit.
 
     Each CPU executable keeps its JIT-compiled code in its own memory mappings. Over the whole
     slow suite one process accumulates more than Linux's default `vm.max_map_count` (65530), and
     the next compilation then segfaults inside XLA. Clearing JAX's caches lets the executables,
-    and their mappings, be freed.
+    and their mappings, be freed; doing it only past a threshold keeps the programs that later
+    tests of a module reuse.
     """
     yield
-    jax.clear_caches()
-    gc.collect()
+    mappings = _memory_mappings()
+    if mappings is not None and 3 * mappings[0] > mappings[1]:
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture
