@@ -10,6 +10,7 @@ from ._affine import (
 )
 from ._engine import (
     AbstractRecurrence as AbstractRecurrence,
+    default_block_size as default_block_size,
     run as run,
     run_contiguous as run_contiguous,
     run_sharded as run_sharded,

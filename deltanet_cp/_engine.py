@@ -30,6 +30,7 @@ from ._layout import (
     zigzag_half,
 )
 from ._packing import as_cu_seqlens, pack, segments, unpack
+from ._passes import Blocks, context_parallel, local
 
 
 _Inputs = TypeVar("_Inputs")
@@ -45,16 +46,22 @@ class AbstractRecurrence(eqx.Module, Generic[_Inputs, _Factors, _Map]):
     batch on axis 0 and time on axis 1. Every method below is one the engine calls:
 
     - `state(inputs)`: the shape and dtype of the recurrent state;
-    - `prepare(chunks)`: everything that does not depend on the incoming state (the
-        engine calls it on one chunk at a time inside its scans, and again in the
-        backward, so the factors of the whole sequence never exist at once);
+    - `prepare(chunks)`: everything that does not depend on the incoming state, batched
+        over a block of chunks (chunk-parallel, outside the sequential path);
     - `step(factors, h)`: one chunk, from its incoming state to its outgoing state and
-        outputs;
+        outputs: the state recursion, the only part that walks the chunks one by one;
     - `chunk_map(factors)`: one chunk as an explicit affine map (context parallelism);
     - `compose(factors, running)`: a chunk appended to a running map; the default forms
         `chunk_map`, a recurrence overrides it where a cheaper form exists;
-    - `finalize(outputs, chunks)`: the stacked per-chunk outputs in the public layout;
+    - `finalize(outputs, inputs)`: the assembled outputs in the public layout;
     - `check(inputs)`: optional input validation (the default checks nothing).
+
+    The engine differentiates the passes by hand: it keeps the state entering each chunk,
+    and in the backward forms each block's factors again, walks the chunks in reverse
+    carrying only the state's cotangent (`step`'s VJP in `h`), and then forms every
+    factor's cotangent batched over the block (`step`'s VJP in its factors) and pulls it
+    back through `prepare`. So `step` must be affine in `h`; what it does with the
+    factors is free.
 
     The engine pads the time axis with zeros to whole chunks: a token whose inputs are all
     zero must leave the state unchanged.
@@ -79,21 +86,25 @@ class AbstractRecurrence(eqx.Module, Generic[_Inputs, _Factors, _Map]):
 
     @abc.abstractmethod
     def prepare(self, chunks: _Inputs) -> _Factors:
-        """Per-chunk factors that do not depend on the incoming state.
+        """Per-chunk factors that do not depend on the incoming state, for many chunks.
 
         **Arguments:**
 
-        - `chunks`: the inputs with every array leaf's time axis zero-padded to whole
-            chunks and split: `(B, T, *rest)` becomes `(B, N, C, *rest)`.
+        - `chunks`: a block of the inputs: every array leaf's time axis zero-padded to
+            whole chunks and split, `(B, T, *rest)` becoming `(B, N, C, *rest)` with `N`
+            the chunks of the block.
 
         **Returns:**
 
-        A PyTree whose every leaf has the chunk index as its leading axis.
+        A PyTree whose every leaf has the chunk index as its leading axis (`N`).
         """
 
     @abc.abstractmethod
     def step(self, factors: _Factors, h: Array) -> tuple[Array, PyTree]:
         """Advance the state over one chunk and emit the chunk's outputs.
+
+        Affine in `h`. Keep it to the state recursion: everything that does not need `h`
+        belongs in `prepare`, which runs batched over chunks.
 
         **Arguments:**
 
@@ -102,7 +113,8 @@ class AbstractRecurrence(eqx.Module, Generic[_Inputs, _Factors, _Map]):
 
         **Returns:**
 
-        `(h_next, outputs)`.
+        `(h_next, outputs)`, the outputs a PyTree of arrays with the batch on axis 0 and
+        the chunk's `C` positions on axis 1.
         """
 
     @abc.abstractmethod
@@ -136,18 +148,18 @@ class AbstractRecurrence(eqx.Module, Generic[_Inputs, _Factors, _Map]):
         return running.then(self.chunk_map(factors))  # pyright: ignore[reportReturnType]
 
     @abc.abstractmethod
-    def finalize(self, outputs: PyTree, chunks: _Inputs) -> PyTree:
-        """Turn the stacked per-chunk outputs of `step` into the public layout.
+    def finalize(self, outputs: PyTree, inputs: _Inputs) -> PyTree:
+        """Turn the assembled outputs of `step` into the public outputs (their dtype, say).
 
         **Arguments:**
 
-        - `outputs`: the outputs of `step`, stacked on a leading chunk axis.
-        - `chunks`: the chunked inputs, as given to `prepare`.
+        - `outputs`: the outputs of `step` for every token, time on axis 1, in token
+            order (padding cut, packed documents put back).
+        - `inputs`: the inputs, as handed to [`deltanet_cp.run`][].
 
         **Returns:**
 
-        The outputs with time on axis 1, all `N * C` positions of it (the engine cuts the
-        padding and puts packed documents back in token order).
+        The public outputs.
         """
 
 
@@ -162,6 +174,7 @@ def run(
     axis_name: str | None = None,
     layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
+    block_size: int | None = None,
 ) -> tuple[PyTree, Array]: ...
 
 
@@ -176,6 +189,7 @@ def run(
     axis_name: str | None = None,
     layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
+    block_size: int | None = None,
 ) -> tuple[PyTree, Array | None]: ...
 
 
@@ -189,6 +203,7 @@ def run(
     axis_name: str | None = None,
     layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
+    block_size: int | None = None,
 ) -> tuple[PyTree, Array | None]:
     """Run a chunked recurrence: on one device, over packed documents, context-parallel.
 
@@ -235,6 +250,11 @@ def run(
     - `exchange`: how ranks exchange their maps: [`deltanet_cp.AllGather`][],
         [`deltanet_cp.PPermute`][], [`deltanet_cp.Ring`][], [`deltanet_cp.Auto`][], or the
         shorthands `"allgather"`, `"ppermute"`, `"ring"`, `"auto"`.
+    - `block_size`: tokens whose chunk factors are formed together (rounded down to whole
+        chunks). Larger blocks mean fewer, larger batched operations and fewer sequential
+        steps outside the state recursion; smaller blocks bound the memory of the factors.
+        A slice of at most `block_size` tokens is one block with no loop around its factor
+        work. `None` takes [`deltanet_cp.default_block_size`][].
 
     **Returns:**
 
@@ -256,6 +276,7 @@ def run(
         exchange=exchange,
         cu_seqlens=cu_seqlens,
         document_states=doc_h0,
+        block_size=block_size,
     )
     if axis_name is None or isinstance(layout, Contiguous):
         outputs, final, finals = engine(
@@ -303,6 +324,7 @@ def run_contiguous(
     document_states: Array | None = None,
     start: int = 0,
     reverse: bool = False,
+    block_size: int | None = None,
 ) -> tuple[PyTree, Array | None, Array | None]:
     """The engine: the three phases over one contiguous, in-order slice per rank.
 
@@ -327,6 +349,7 @@ def run_contiguous(
         `(num_docs, *state.shape[1:])`; zeros if `None`.
     - `start`: the sequence position of the first slice's first token.
     - `reverse`: the last rank holds the first slice and rank 0 the last.
+    - `block_size`: as in [`deltanet_cp.run`][].
 
     **Returns:**
 
@@ -338,6 +361,10 @@ def run_contiguous(
     check_contiguous(layout)
     if not isinstance(start, int) or start < 0:
         raise ValueError(f"`start` must be a non-negative int; got {start!r}.")
+    if block_size is not None and (
+        not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1
+    ):
+        raise ValueError(f"`block_size` must be a positive int or None; got {block_size!r}.")
     exchange = as_exchange(exchange)
     if cu_seqlens is not None:
         batch, length = _batch_and_length(inputs)
@@ -356,6 +383,7 @@ def run_contiguous(
         exchange=exchange,
         start=start,
         reverse=reverse,
+        block_size=block_size,
     )
 
 
@@ -372,29 +400,40 @@ def _run(
     exchange: AbstractExchange,
     start: int,
     reverse: bool,
+    block_size: int | None,
 ) -> tuple[PyTree, Array | None, Array | None]:
     recurrence.check(inputs)
     state = recurrence.state(inputs)
     c = recurrence.chunk_size
     _, length = _batch_and_length(inputs)
     h0 = _initial_state(state, initial_state)
+    per_block = _chunks_per_block(block_size, c)
     if cu_seqlens is None:
         seg, doc_states = None, None
-        chunks = _split(inputs, num_chunks(length, c), c)
+        blocks = Blocks.of(num_chunks(length, c), c, per_block)
+        chunks = _split(inputs, blocks.padded, c)
+        marks = None
     else:
         offset = start
         if axis_name is not None:
             offset = offset + _position(axis_name, reverse) * length
         seg = segments(cu_seqlens, length, c, offset)
         doc_states = _doc_states(state, seg.num_docs, document_states)
-        chunks = _split(jax.tree.map(lambda x: pack(x, seg), inputs), seg.num_chunks, c)
-    diff, static = eqx.partition(_by_chunk(chunks), eqx.is_inexact_array)
-    marks = None if seg is None else (seg.start_doc, seg.end_doc, seg.empty_doc)
+        blocks = Blocks.of(seg.num_chunks, c, per_block)
+        chunks = _split(jax.tree.map(lambda x: pack(x, seg), inputs), blocks.padded, c)
+        pad = (0, blocks.padded - blocks.n)
+        marks = (
+            jnp.pad(seg.start_doc, pad, constant_values=-1),
+            jnp.pad(seg.end_doc, pad, constant_values=-1),
+            seg.empty_doc,
+        )
+    diff, static = eqx.partition(chunks, eqx.is_inexact_array)
     if axis_name is None:
-        out = _local(recurrence, diff, static, h0, marks, doc_states)
+        out = local(recurrence, blocks, diff, static, h0, marks, doc_states)
     else:
-        out = _context_parallel(
+        out = context_parallel(
             recurrence,
+            blocks,
             exchange,
             axis_name,
             output_final_state,
@@ -406,13 +445,30 @@ def _run(
             doc_states,
         )
     outputs, final, finals = cast(tuple[PyTree, Any, Any], out)
-    outputs = recurrence.finalize(outputs, chunks)
     if seg is None:
         outputs = jax.tree.map(lambda y: y[:, :length], outputs)
     else:
         outputs = jax.tree.map(lambda y: unpack(y, seg), outputs)
         finals = finals[:, 0]
+    outputs = recurrence.finalize(outputs, inputs)
     return outputs, (final if output_final_state else None), finals
+
+
+def default_block_size() -> int:
+    """The tokens per block [`deltanet_cp.run`][] uses when `block_size` is `None`.
+
+    Chosen per backend from measurements of the training step at Qwen3-Next's head sizes
+    (see the benchmarks page): the largest block whose factor memory stays within the
+    temporaries budget.
+    """
+    return _DEFAULT_BLOCK_SIZE.get(jax.default_backend(), _DEFAULT_BLOCK_SIZE["cpu"])
+
+
+_DEFAULT_BLOCK_SIZE = {"cpu": 1024, "gpu": 1024, "tpu": 1024}
+
+
+def _chunks_per_block(block_size: int | None, chunk_size: int) -> int:
+    return max(1, (default_block_size() if block_size is None else block_size) // chunk_size)
 
 
 def _batch_and_length(inputs: PyTree) -> tuple[int, int]:
@@ -456,236 +512,6 @@ def _doc_states(state: jax.ShapeDtypeStruct, num_docs: int, initial_state: Array
     return initial_state[:, None].astype(state.dtype)
 
 
-def _by_chunk(chunks: PyTree) -> PyTree:
-    """`(B, N, C, ...)` -> `(N, B, C, ...)`: the scans below walk the leading chunk axis."""
-    return jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), chunks)
-
-
-def _factors(recurrence: AbstractRecurrence, x: tuple[PyTree, PyTree]) -> PyTree:
-    """One chunk's factors, from that chunk's inputs `(B, C, ...)`, split as
-    `(floating, other)` by `eqx.partition`.
-
-    Factors are formed chunk by chunk inside the scans, never for all chunks at once: the
-    working set is one chunk's, whatever the sequence length, and the backward recomputes
-    them from the inputs instead of keeping them.
-    """
-    f = recurrence.prepare(jax.tree.map(lambda a: a[:, None], eqx.combine(*x)))
-    return jax.tree.map(lambda a: a[0], f)
-
-
-# The local pass, differentiated by hand. Its forward keeps only the state entering each
-# chunk; its backward is one reverse scan over the chunks carrying the state's cotangent,
-# each chunk's factors recomputed from its inputs and differentiated with `jax.vjp`. The
-# packed-document version resets the state at each document's first chunk (`marks`: per
-# chunk, the document starting / ending there or -1; per document, whether it is empty and
-# starts here) and collects the final state of each document that ends here.
-
-
-def _pass(recurrence, diff, static, h0, marks, doc_states, *, keep_states: bool):
-    xs = (diff, static)  # floating inputs (differentiated), and the rest (masks, ...)
-
-    def run_chunk(h, x):
-        return recurrence.step(_factors(recurrence, x), h)
-
-    if marks is None:
-
-        def body(h, x):
-            h_next, out = run_chunk(h, x)
-            return h_next, (out, h if keep_states else None)
-
-        h, (outputs, states) = jax.lax.scan(body, h0, xs)
-        return (outputs, h, None), states
-
-    start, end, empty = marks
-    finals = jnp.where(empty.reshape((-1,) + (1,) * h0.ndim), doc_states, 0 * doc_states)
-
-    def body_docs(carry, inp):
-        h, finals = carry
-        x, s, e = inp
-        h = jnp.where(s >= 0, doc_states[jnp.maximum(s, 0)], h)
-        h_next, out = run_chunk(h, x)
-        slot = jnp.maximum(e, 0)
-        finals = finals.at[slot].set(jnp.where(e >= 0, h_next, finals[slot]))
-        return (h_next, finals), (out, h if keep_states else None)
-
-    (h, finals), (outputs, states) = jax.lax.scan(body_docs, (h0, finals), (xs, start, end))
-    return (outputs, h, finals), states
-
-
-def _pass_backward(recurrence, diff, static, states, marks, doc_states, cts):
-    """The cotangents of `(diff, h0, doc_states)` given those of `(outputs, h, finals)`."""
-    d_outputs, d_h, d_finals = cts
-
-    def chunk_vjp(x, h, d_out, d_next):
-        def f(x_diff, h):
-            return recurrence.step(_factors(recurrence, (x_diff, x[1])), h)
-
-        _, pull = jax.vjp(f, x[0], h)
-        return pull((d_next, d_out))
-
-    xs = (diff, static)
-    if marks is None:
-
-        def body(d_next, inp):
-            x, h, d_out = inp
-            dx, dh = chunk_vjp(x, h, d_out, d_next)
-            return dh, dx
-
-        dh0, dxs = jax.lax.scan(body, d_h, (xs, states, d_outputs), reverse=True)
-        return dxs, dh0, None
-
-    start, end, empty = marks
-    d_docs = jnp.where(empty.reshape((-1,) + (1,) * d_h.ndim), d_finals, 0 * d_finals)
-
-    def body_docs(carry, inp):
-        d_next, d_docs = carry
-        x, h, d_out, s, e = inp
-        d_next = d_next + jnp.where(e >= 0, d_finals[jnp.maximum(e, 0)], 0 * d_next)
-        dx, dh = chunk_vjp(x, h, d_out, d_next)
-        slot = jnp.maximum(s, 0)
-        d_docs = d_docs.at[slot].add(jnp.where(s >= 0, dh, 0 * dh))
-        return (jnp.where(s >= 0, 0 * dh, dh), d_docs), dx
-
-    init = (d_h, d_docs)
-    (dh0, d_docs), dxs = jax.lax.scan(
-        body_docs, init, (xs, states, d_outputs, start, end), reverse=True
-    )
-    return dxs, dh0, d_docs
-
-
-@ft.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _local(recurrence, diff, static, h0, marks, doc_states):
-    """One pass over all chunks from `h0`: `(outputs, final_state, document_finals)`."""
-    out, _ = _pass(recurrence, diff, static, h0, marks, doc_states, keep_states=False)
-    return out
-
-
-def _local_fwd(recurrence, diff, static, h0, marks, doc_states):
-    out, states = _pass(recurrence, diff, static, h0, marks, doc_states, keep_states=True)
-    return out, (diff, static, states, marks, doc_states)
-
-
-def _local_bwd(recurrence, res, cts):
-    diff, static, states, marks, doc_states = res
-    dxs, dh0, d_docs = _pass_backward(recurrence, diff, static, states, marks, doc_states, cts)
-    return dxs, None, dh0, None, d_docs
-
-
-_local.defvjp(_local_fwd, _local_bwd)
-
-
-@ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _context_parallel(
-    recurrence, exchange, axis_name, need_final, reverse, diff, static, h0, marks, doc_states
-):
-    """The three phases: `(outputs, final_state or None, document_finals or None)`."""
-    walk = (recurrence, exchange, axis_name, need_final, reverse)
-    out, _ = _three_phases(walk, diff, static, h0, marks, doc_states, keep=False)
-    return out
-
-
-def _three_phases(walk, diff, static, h0, marks, doc_states, *, keep):
-    recurrence, exchange, axis_name, need_final, reverse = walk
-    mine = _local_map(recurrence, diff, static, axis_name, marks, doc_states)
-    h_in, h_final = exchange(
-        mine, h0, axis_name=axis_name, need_final_state=need_final, reverse=reverse
-    )
-    h_in = _varying(h_in, diff)
-    (outputs, _, finals), states = _pass(
-        recurrence, diff, static, h_in, marks, doc_states, keep_states=keep
-    )
-    return (outputs, h_final, finals), (mine, states)
-
-
-def _context_parallel_fwd(
-    recurrence, exchange, axis_name, need_final, reverse, diff, static, h0, marks, doc_states
-):
-    walk = (recurrence, exchange, axis_name, need_final, reverse)
-    out, (mine, states) = _three_phases(walk, diff, static, h0, marks, doc_states, keep=True)
-    return out, (diff, static, states, marks, doc_states, mine, h0)
-
-
-def _context_parallel_bwd(recurrence, exchange, axis_name, need_final, reverse, res, cts):
-    # The backward has three phases too. The cotangent of the state entering rank r is
-    # lambda_r = g_r + M_r^T lambda_{r+1}, with g_r what rank r's own outputs ask of it: an
-    # affine map of lambda_{r+1}, so the exchange composes these maps walking the ranks the
-    # other way, starting from the final state's cotangent. Nothing per chunk is kept but
-    # the states of phase 3.
-    diff, static, states, marks, doc_states, mine, h0 = res
-    d_outputs, d_final, d_finals = cts
-    zero = jnp.zeros_like(states[0])
-    _, g, _ = _pass_backward(
-        recurrence, diff, static, states, marks, doc_states, (d_outputs, zero, d_finals)
-    )
-    start = d_final if need_final else jnp.zeros_like(h0)
-    lam_next, lam0 = exchange(
-        mine.adjoint(g),
-        start,
-        axis_name=axis_name,
-        need_final_state=True,
-        reverse=not reverse,
-    )
-    cts = (d_outputs, _varying(lam_next, diff), d_finals)
-    dxs, _, d_docs = _pass_backward(recurrence, diff, static, states, marks, doc_states, cts)
-    d_docs = None if d_docs is None else jax.lax.psum(d_docs, axis_name)
-    return dxs, None, lam0, None, d_docs
-
-
-_context_parallel.defvjp(_context_parallel_fwd, _context_parallel_bwd)
-
-
-def _local_map(recurrence, diff, static, axis_name, marks, doc_states) -> AbstractAffineMap:
-    """The affine map of all chunks together (phase 1): no outputs, state from zero.
-
-    With packed documents, a document's first chunk is preceded by the constant map to that
-    document's initial state ($M = 0$): what enters it does not matter.
-    """
-    xs = (diff, static)
-
-    def compose(running, x):
-        return recurrence.compose(_factors(recurrence, x), running)
-
-    def chunk_map(x):
-        return recurrence.chunk_map(_factors(recurrence, x))
-
-    shapes = eqx.filter_eval_shape(chunk_map, jax.tree.map(lambda a: a[0], xs))
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    init = _varying(zeros.identity_like(), diff)
-    if marks is None:
-        running, _ = jax.lax.scan(lambda m, x: (compose(m, x), None), init, xs)
-        return running
-
-    constant = jax.tree.map(jnp.zeros_like, init)
-
-    def body(running, inp):
-        x, s = inp
-        reset = eqx.tree_at(lambda m: m.U, constant, doc_states[jnp.maximum(s, 0)])
-        running = jax.tree.map(lambda a, b: jnp.where(s >= 0, a, b), reset, running)
-        return compose(running, x), None
-
-    running, _ = jax.lax.scan(body, init, (xs, marks[0]))
-    return running
-
-
-def _varying(tree: PyTree, like: PyTree) -> PyTree:
-    """Mark `tree`'s values as varying over every mesh axis that `like`'s values vary over.
-
-    Inside `shard_map`, a scan carry that starts replicated (the identity map, a state
-    from the exchange) but is updated with per-rank data must be typed as per-rank from
-    the start: over the context-parallel axis, and over any other axis the inputs are
-    sharded on (a data-parallel batch axis, say).
-    """
-    axes: set = set()
-    for leaf in jax.tree.leaves(like):
-        axes |= set(jax.typeof(leaf).manual_axis_type.varying)
-
-    def cast(x):
-        missing = tuple(sorted(axes - set(jax.typeof(x).manual_axis_type.varying), key=str))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, tree)
-
-
 def run_sharded(
     recurrence: AbstractRecurrence,
     inputs: PyTree,
@@ -698,6 +524,7 @@ def run_sharded(
     cu_seqlens: Any = None,
     layout: Layout = Contiguous(),
     exchange: AbstractExchange | ExchangeName = "allgather",
+    block_size: int | None = None,
 ) -> tuple[PyTree, Array | None]:
     """[`deltanet_cp.run`][] with context parallelism on global arrays: does the `shard_map`.
 
@@ -709,9 +536,9 @@ def run_sharded(
     **Arguments:**
 
     - `recurrence`, `inputs`, `initial_state`, `output_final_state`, `cu_seqlens`,
-        `exchange`: as in [`deltanet_cp.run`][], with global arrays in sequence order. The
-        sequence length must be divisible by the size of `axis_name` (by twice it under
-        `Zigzag`).
+        `exchange`, `block_size`: as in [`deltanet_cp.run`][], with global arrays in
+        sequence order. The sequence length must be divisible by the size of `axis_name`
+        (by twice it under `Zigzag`).
     - `layout`: [`deltanet_cp.Contiguous`][] or [`deltanet_cp.Zigzag`][]. Under `Zigzag`
         the arrays are permuted with [`deltanet_cp.to_zigzag`][] on the way in and back
         with [`deltanet_cp.from_zigzag`][] on the way out (two reorders of the sharded
@@ -767,6 +594,7 @@ def run_sharded(
         specs=(seq, state),
         exchange=exchange,
         layout=layout,
+        block_size=block_size,
     )
 
 
@@ -783,6 +611,7 @@ def _sharded(
     specs,
     exchange,
     layout,
+    block_size,
 ):
     seq, state = specs
     P = jax.sharding.PartitionSpec
@@ -799,6 +628,7 @@ def _sharded(
             axis_name=axis_name,
             layout=layout,
             exchange=exchange,
+            block_size=block_size,
         )
 
     fn = jax.shard_map(

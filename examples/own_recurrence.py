@@ -53,7 +53,7 @@ class RetentionFactors(eqx.Module):
     """All chunks' state-independent parts; `n_i`: a chunk's real tokens up to token `i`."""
 
     q: Float[Array, "n b h c k"]  # q_i gamma^n_i / sqrt(K): reads the incoming state
-    o: Float[Array, "n b h c v"]  # the outputs' part written by the chunk's own tokens
+    o: Float[Array, "n b c h v"]  # the outputs' part written by the chunk's own tokens
     map: dcp.DiagonalAffineMap  # h -> gamma^n_C h + sum_j gamma^(n_C - n_j) k_j v_j^T
 
 
@@ -101,15 +101,16 @@ class Retention(dcp.AbstractRecurrence[RetentionInputs, RetentionFactors, dcp.Di
         k = k * jnp.exp(a * (n[..., -1:] - n))[..., None]
         U = jnp.einsum("...ck,...cv->...kv", k, v, precision=HI)
         gamma = jnp.broadcast_to(jnp.exp(a * n[..., -1:]), U.shape[:-1])
-        o = jnp.einsum("...ij,...jv->...iv", attn, v, precision=HI)
+        o = jnp.einsum("...ij,...jv->...iv", attn, v, precision=HI)  # (N, B, H, C, V)
+        o = jnp.swapaxes(o, 2, 3)  # in the outputs' layout (N, B, C, H, V)
         return RetentionFactors(q * jnp.exp(a * n)[..., None], o, dcp.DiagonalAffineMap(gamma, U))
 
     # --8<-- [end:prepare]
 
     # --8<-- [start:step]
     def step(self, factors: RetentionFactors, h: Array) -> tuple[Array, Array]:
-        o = jnp.einsum("bhck,bhkv->bhcv", factors.q, h, precision=HI) + factors.o
-        return factors.map(h), o
+        o = jnp.einsum("bhck,bhkv->bchv", factors.q, h, precision=HI) + factors.o
+        return factors.map(h), o  # outputs (B, C, H, V): batch, then the chunk's positions
 
     def chunk_map(self, factors: RetentionFactors) -> dcp.DiagonalAffineMap:
         return factors.map  # diagonal: the default `compose` (`then`) is already cheap
@@ -117,9 +118,8 @@ class Retention(dcp.AbstractRecurrence[RetentionInputs, RetentionFactors, dcp.Di
     # --8<-- [end:step]
 
     # --8<-- [start:finalize]
-    def finalize(self, outputs: Float[Array, "n b h c v"], chunks: RetentionInputs) -> Array:
-        o = jnp.moveaxis(outputs, (0, 2), (1, 3))  # (B, N, C, H, V)
-        return o.reshape(o.shape[0], -1, *o.shape[3:]).astype(chunks.v.dtype)
+    def finalize(self, outputs: Float[Array, "b t h v"], inputs: RetentionInputs) -> Array:
+        return outputs.astype(inputs.v.dtype)
 
 
 # --8<-- [end:finalize]

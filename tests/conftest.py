@@ -46,6 +46,20 @@ def _free_compiled_programs():
         gc.collect()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _small_blocks():
+    """Blocks of two chunks (at the suite's chunk size of 8) for every test that does not pick
+    its own `block_size`, so the loop over blocks, the padding of the last block and the
+    carries between blocks are exercised everywhere; tests/test_recurrences.py checks one
+    block and other sizes explicitly."""
+    from deltanet_cp import _engine
+
+    saved = dict(_engine._DEFAULT_BLOCK_SIZE)
+    _engine._DEFAULT_BLOCK_SIZE.update({k: 16 for k in saved})
+    yield
+    _engine._DEFAULT_BLOCK_SIZE.update(saved)
+
+
 @pytest.fixture
 def getkey():
     """A fresh PRNG key on each call, seeded per test."""

@@ -999,3 +999,78 @@ def test_gated_delta_product_bad_input(without_runtime_typecheck):
         fn(q, k, v[:, :, :1], g, beta)
     with pytest.raises(ValueError, match="`beta` must have shape"):
         fn(q, k, v, g, beta[:, :, :1])
+
+
+# ---------------------------------------------------------------------------------------
+# Blocks of chunks: the factors are formed per block, the state recursion walks every chunk
+# ---------------------------------------------------------------------------------------
+
+# Block sizes in tokens at chunk 8: one block for the whole sequence, one chunk per block,
+# and blocks of three chunks (5 chunks -> 2 blocks of 3, one padding chunk; 8 packed chunks
+# -> 3 blocks of 3). The rest of the suite runs with blocks of two chunks (tests/conftest.py).
+BLOCKS = [4096, CHUNK, 3 * CHUNK]
+
+
+@pytest.mark.parametrize(
+    "family, block_size",
+    [
+        pytest.param(
+            f, bs, id=f"{f.name}-{bs}", marks=() if j == i % len(BLOCKS) else (pytest.mark.slow,)
+        )
+        for i, f in enumerate(FAMILIES)
+        for j, bs in enumerate(BLOCKS)
+    ],
+)
+def test_blocks_match_loop(family, block_size):
+    # One device: outputs, final state and every gradient; packed documents with their
+    # initial and final states; context parallelism (cp=2) with its gradients.
+    recurrence = family.recurrence(chunk_size=CHUNK, use_qk_l2norm=family.l2norm)
+    args, h0 = family.make(41, **SHAPE)
+
+    def fn(*a):
+        inputs = family.inputs(*a[:-1])
+        return dcp.run(
+            recurrence, inputs, initial_state=a[-1], output_final_state=True, block_size=block_size
+        )
+
+    o, final, grads = value_and_grad_fn(fn, len(family.arg_names) + 1)(*args, h0)
+    expected_o, expected_h = _reference(family, args, h0)
+    assert rel_err(o, expected_o) <= 1e-5
+    assert rel_err(final, expected_h) <= 1e-5
+    _check_gradients(family, args, h0, grads)
+
+    cu = DOCS[0]
+    args, _ = family.make(42, **PACKED)
+    docs = _doc_states(43, cu)
+    run = jax.jit(
+        lambda args, docs: dcp.run(
+            recurrence,
+            family.inputs(*args),
+            initial_state=docs,
+            output_final_state=True,
+            cu_seqlens=cu,
+            block_size=block_size,
+        )
+    )
+    o, finals = run(args, docs)
+    expected_o, expected_h = _reference(family, args, docs, cu_seqlens=cu)
+    assert rel_err(o, expected_o) <= 1e-5
+    assert rel_err(finals, expected_h) <= 1e-5
+
+    args, h0 = family.make(44, **SHAPE)
+
+    def per_rank(*a):
+        return dcp.run(
+            recurrence,
+            family.inputs(*a[:-1]),
+            initial_state=a[-1],
+            output_final_state=True,
+            axis_name="cp",
+            block_size=block_size,
+        )
+
+    o, final, grads = value_and_grad_fn(per_rank, len(family.arg_names) + 1, cp=2)(*args, h0)
+    expected_o, expected_h = _reference(family, args, h0)
+    assert rel_err(o, expected_o) <= 1e-5
+    assert rel_err(final, expected_h) <= 1e-5
+    _check_gradients(family, args, h0, grads)

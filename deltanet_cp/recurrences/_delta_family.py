@@ -15,7 +15,7 @@ outputs, one chunk is an affine map of the incoming state:
     h_next = diag(gamma) h + k~^T v_new,   gamma = exp(G_C),   k~ = k * exp(G_C - G)
 
 $T$ comes from [`unit_lower_inverse`](recursive blocking, batched matmuls), the decays
-from a compensated prefix sum (per token) or the blocked exact Gram (per channel).
+from direct segment sums (per token) or the blocked exact Gram (per channel).
 """
 
 from typing import ClassVar, Literal
@@ -26,17 +26,17 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._affine import AffineMap
-from .._chunking import chunk_major, from_chunk_major
+from .._chunking import chunk_major
 from .._engine import AbstractRecurrence
 from ._helpers import (
     check_arrays,
-    compensated_cumsum,
     compute_dtype,
     cumulative_decays,
     decayed_gram,
     einsum,
     l2norm,
     lift,
+    segment_sums,
     unit_lower_inverse,
 )
 
@@ -75,14 +75,15 @@ class DeltaFactors(eqx.Module):
     - `wq`: $w$ (rows `:s`) stacked over $q e^{G} - \mathrm{attn}\, w$ (rows `s:`), so one
         product with the state gives both $w h$ and the state's share of the outputs.
     - `u`: $u$, so that $v_\text{new} = u - w h$.
-    - `o_intra`: $\mathrm{attn}\, u$, the outputs' share that does not depend on the state.
+    - `o_intra`: $\mathrm{attn}\, u$, the outputs' share that does not depend on the state,
+        in the outputs' layout `(n_chunks, batch, c, value_heads, v)`.
     - `k_decayed_t`: $\tilde k^\top = (k e^{G_C - G})^\top$, shape `(..., K, s)`.
     - `gamma`: $e^{G_C}$, the decay over the whole chunk per key channel.
     """
 
     wq: Float[Array, "n b h sc k"]
     u: Float[Array, "n b h s v"]
-    o_intra: Float[Array, "n b h c v"]
+    o_intra: Float[Array, "n b c h v"]
     k_decayed_t: Float[Array, "n b h k s"]
     gamma: Float[Array, "n b h k"]
 
@@ -161,7 +162,7 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
         s = f.u.shape[-2]
         y = einsum("bhck,bhkv->bhcv", f.wq, h)  # [w h; (q_g - attn w) h]
         v_new = f.u - y[..., :s, :]
-        o = y[..., s:, :] + f.o_intra
+        o = jnp.swapaxes(y[..., s:, :], 1, 2) + f.o_intra  # (B, C, HV, V)
         h_next = f.gamma[..., None] * h + einsum("bhks,bhsv->bhkv", f.k_decayed_t, v_new)
         return h_next, o
 
@@ -183,8 +184,8 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
         mu = f.gamma[..., None] * mu + einsum("bhks,bhsd->bhkd", f.k_decayed_t, rhs)
         return AffineMap(mu[..., :dk], mu[..., dk:])
 
-    def finalize(self, outputs: Float[Array, "n b h c v"], chunks: DeltaInputs) -> Array:
-        return from_chunk_major(outputs).astype(chunks.v.dtype)
+    def finalize(self, outputs: Float[Array, "b t h v"], inputs: DeltaInputs) -> Array:
+        return outputs.astype(inputs.v.dtype)
 
 
 def _dtype(inputs: DeltaInputs) -> jnp.dtype:
@@ -224,13 +225,10 @@ def _factors(q, k, v, g, beta, *, rows: slice) -> DeltaFactors:
             q_decayed, k_decayed, bk = qr, kr, beta[..., None] * kr
             gamma = jnp.ones((*lead, dk), dt)
         else:
-            cum, err = compensated_cumsum(g)  # G_i from the chunk start, and its rounding error
-            # G_i - G_j without cancellation: the float32 difference plus that of the errors.
-            seg = (cum[..., :, None] - cum[..., None, :]) + jax.lax.stop_gradient(
-                err[..., :, None] - err[..., None, :]
-            )
-            decay = jnp.exp(jnp.where(incl, seg, -jnp.inf))  # masked before exp
-            decay_in = jnp.exp(cum)  # e^{G_i}
+            # G_i - G_j summed directly over (j, i], never as a difference of prefix sums:
+            # exact to a relative epsilon however negative the gates before j.
+            decay = jnp.exp(jnp.where(incl, segment_sums(g), -jnp.inf))  # masked before exp
+            decay_in = jnp.exp(jnp.cumsum(g, axis=-1))  # e^{G_i}
             attn = qk * decay[..., rows, :]
             a = jnp.where(strict, kk * decay, zero) * beta[..., :, None]
             q_decayed = decay_in[..., rows, None] * qr
@@ -249,7 +247,7 @@ def _factors(q, k, v, g, beta, *, rows: slice) -> DeltaFactors:
     return DeltaFactors(
         wq=heads(jnp.concatenate([wu[..., :dk], q_out], axis=-2)),
         u=heads(wu[..., dk:]),
-        o_intra=heads(a_wu[..., dk:]),
+        o_intra=jnp.swapaxes(heads(a_wu[..., dk:]), 2, 3),
         k_decayed_t=heads(jnp.swapaxes(k_decayed, -1, -2)),
         gamma=heads(gamma),
     )

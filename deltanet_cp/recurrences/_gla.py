@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._affine import DiagonalAffineMap
-from .._chunking import chunk_major, from_chunk_major
+from .._chunking import chunk_major
 from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, States, ValueTensor
 from .._engine import AbstractRecurrence, run, run_sharded
 from .._exchange import AbstractExchange, ExchangeName
@@ -46,11 +46,13 @@ class GLAInputs(eqx.Module):
 class GatedLinearAttentionFactors(eqx.Module):
     """The per-chunk quantities of gated linear attention that do not depend on the state.
 
-    Every field has leading axes `(n_chunks, batch, value_heads)`, then the chunk axis `c`.
+    Every field has leading axes `(n_chunks, batch, value_heads)`, then the chunk axis `c`,
+    but `o_intra` (the outputs' share that does not depend on the state), which is in the
+    outputs' layout `(n_chunks, batch, c, value_heads, v)`.
     """
 
     v: Float[Array, "n b h c v"]
-    attn: Float[Array, "n b h c c"]
+    o_intra: Float[Array, "n b c h v"]
     q_decayed: Float[Array, "n b h c k"]
     k_decayed_t: Float[Array, "n b h k c"]
     gamma: Float[Array, "n b h k"]
@@ -111,9 +113,10 @@ class GatedLinearAttention(
         per_channel = chunks.g.ndim == 5
         g = chunk_major(chunks.g.astype(dt), features=int(per_channel))
         decay_in, decay_out = cumulative_decays(g, per_channel)
+        attn = decayed_gram(q, k, g, strict=False)
         return GatedLinearAttentionFactors(
             v=v,
-            attn=decayed_gram(q, k, g, strict=False),
+            o_intra=jnp.swapaxes(einsum("...ij,...jv->...iv", attn, v), 2, 3),
             q_decayed=q * decay_in,
             k_decayed_t=jnp.swapaxes(k * decay_out, -1, -2),
             gamma=jnp.broadcast_to(decay_in[..., -1, :], k.shape[:-2] + k.shape[-1:]),
@@ -121,15 +124,15 @@ class GatedLinearAttention(
 
     def step(self, factors: GatedLinearAttentionFactors, h: Array) -> tuple[Array, Array]:
         f = factors
-        o = einsum("bhck,bhkv->bhcv", f.q_decayed, h) + einsum("bhij,bhjv->bhiv", f.attn, f.v)
+        o = jnp.swapaxes(einsum("bhck,bhkv->bhcv", f.q_decayed, h), 1, 2) + f.o_intra
         return f.gamma[..., :, None] * h + einsum("bhkc,bhcv->bhkv", f.k_decayed_t, f.v), o
 
     def chunk_map(self, factors: GatedLinearAttentionFactors) -> DiagonalAffineMap:
         f = factors
         return DiagonalAffineMap(f.gamma, einsum("bhkc,bhcv->bhkv", f.k_decayed_t, f.v))
 
-    def finalize(self, outputs: Float[Array, "n b h c v"], chunks: GLAInputs) -> Array:
-        return from_chunk_major(outputs).astype(chunks.v.dtype)
+    def finalize(self, outputs: Float[Array, "b t h v"], inputs: GLAInputs) -> Array:
+        return outputs.astype(inputs.v.dtype)
 
 
 @overload

@@ -88,33 +88,6 @@ def check_arrays(arrays: dict[str, tuple[Any, tuple[str, ...]]]) -> dict[str, in
     return sizes
 
 
-@jax.custom_jvp
-def compensated_cumsum(g: Float[Array, "... c"]) -> tuple[Array, Array]:
-    """`cumsum(g)` over the last axis in float32 and its rounding error (a two-sum scan).
-
-    `hi + lo` is the prefix sum to about twice the working precision, so `G_i - G_j` stays
-    accurate even after a very negative gate has made `|G|` large. The derivative is that of
-    the exact prefix sum (a cumsum of the tangent; `lo` has none), so the backward pass is
-    one reverse cumsum rather than the transpose of the scan.
-    """
-
-    def combine(x, y):
-        (xh, xl), (yh, yl) = x, y
-        s = xh + yh
-        bv = s - xh
-        err = (xh - (s - bv)) + (yh - bv)
-        return s, err + xl + yl
-
-    return jax.lax.associative_scan(combine, (g, jnp.zeros_like(g)), axis=-1)
-
-
-@compensated_cumsum.defjvp
-def _compensated_cumsum_jvp(primals, tangents):
-    (g,), (dg,) = primals, tangents
-    hi, lo = compensated_cumsum(g)
-    return (hi, lo), (jnp.cumsum(dg, axis=-1), jnp.zeros_like(lo))
-
-
 @jax.custom_vjp
 def unit_lower_inverse(a: Float[Array, "*batch c c"]) -> Float[Array, "*batch c c"]:
     r"""$(I + a)^{-1}$ for a strictly lower-triangular `a`, by recursive 2x2 blocking.
@@ -154,8 +127,8 @@ unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
 
 def _inverse_pow2(a: Array) -> Array:
     n = a.shape[-1]
-    if n == 1:
-        return jnp.ones_like(a)
+    if n <= 2:  # exact: a strictly lower 2 x 2 `a` has a @ a = 0
+        return lift(jnp.eye(n, dtype=a.dtype), a.ndim) - a
     h = n // 2
     halves = _inverse_pow2(jnp.stack([a[..., :h, :h], a[..., h:, h:]]))
     t11, t22 = halves[0], halves[1]
@@ -164,7 +137,7 @@ def _inverse_pow2(a: Array) -> Array:
     return jnp.concatenate([top, jnp.concatenate([t21, t22], axis=-1)], axis=-2)
 
 
-def _segsum(g: Float[Array, "... c"]) -> Float[Array, "... c c"]:
+def segment_sums(g: Float[Array, "... c"]) -> Float[Array, "... c c"]:
     """`L[i, j] = g[j+1] + ... + g[i]` for `i >= j` (0 on the diagonal), 0 above it.
 
     Summed directly rather than as a difference of cumulative sums, so a very negative
@@ -214,7 +187,7 @@ def decayed_gram(
         mask = jnp.tril(jnp.ones((c, c), dtype=bool), k=-1 if strict else 0)
         gram = einsum("...ik,...jk->...ij", x, y)
         if g is not None:
-            gram = gram * jnp.exp(_segsum(g))
+            gram = gram * jnp.exp(segment_sums(g))
         return jnp.where(lift(mask, gram.ndim), gram, jnp.zeros((), dt))
 
     s = _block_size(c)
@@ -226,7 +199,7 @@ def decayed_gram(
 
     xb, yb, gb = blocks(x), blocks(y), blocks(g)
     # Inside each block: seg[..., n, c, i, j] = sum_{t=j+1}^{i} g_tc, summed directly.
-    seg = _segsum(jnp.swapaxes(gb, -1, -2))
+    seg = segment_sums(jnp.swapaxes(gb, -1, -2))
     inner_mask = jnp.tril(jnp.ones((s, s), dtype=bool), k=-1 if strict else 0)
     inner_decay = jnp.where(lift(inner_mask, seg.ndim), jnp.exp(seg), jnp.zeros((), dt))
     inner = einsum("...nic,...ncij,...njc->...nij", xb, inner_decay, yb)
@@ -236,7 +209,7 @@ def decayed_gram(
     from_j = jnp.flip(jnp.cumsum(jnp.flip(gb, -2), axis=-2), -2)  # sum_{t >= j} in the block
     suffix = jnp.concatenate([from_j[..., 1:, :], jnp.zeros_like(from_j[..., :1, :])], axis=-2)
     totals = jnp.swapaxes(from_j[..., 0, :], -1, -2)  # (..., K, nb): each block's sum
-    upto = _segsum(totals)  # [I, J] = blocks J+1..I
+    upto = segment_sums(totals)  # [I, J] = blocks J+1..I
     between = jnp.concatenate([jnp.zeros_like(upto[..., :1, :]), upto[..., :-1, :]], axis=-2)
     outer_mask = jnp.tril(jnp.ones((nb, nb), dtype=bool), k=-1)
     outer_decay = jnp.where(lift(outer_mask, between.ndim), jnp.exp(between), jnp.zeros((), dt))

@@ -1,0 +1,405 @@
+"""The passes over a slice's chunks, and their hand-written VJPs.
+
+Everything that does not depend on the state (a recurrence's `prepare`) runs batched over a
+block of chunks; only the state recursion (`step`, affine in the state) walks the chunks one
+by one. Blocks bound the working set: the factors of one block exist at a time, and a slice
+that fits in one block has no loop around its factor work at all.
+
+- forward: per block, the factors; then a scan of `step` over the block's chunks, keeping
+  the state entering each chunk for the backward.
+- backward: per block (in reverse), the factors again and the VJP of `prepare`; a reverse
+  scan that carries only the state's cotangent (the VJP of `step` in `h`, which does not
+  depend on `h` since `step` is affine in it); then every factor's cotangent batched over
+  the block (the VJP of `step` in its factors, from the kept states and the cotangents the
+  scan emitted), pulled back through `prepare`.
+- the chunk maps (context parallelism's phase 1): per block, the factors; then `compose`
+  over the block's chunks.
+
+Packed documents: `marks = (start, end, empty)` per chunk the document starting / ending
+there (or -1), per document whether it is empty; a document's first chunk starts from that
+document's initial state, and the state after its last chunk is its final state.
+"""
+
+import functools as ft
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import PyTree
+
+from ._affine import AbstractAffineMap
+
+
+class Blocks(eqx.Module):
+    """How a slice's `n` chunks of `c` tokens are cut into `count` blocks of `size` chunks.
+
+    The inputs are padded with zero chunks (identity steps) up to `count * size`; `count`
+    is as small as the block size allows and the blocks are balanced, so the padding is
+    less than `count` chunks.
+    """
+
+    n: int = eqx.field(static=True)
+    c: int = eqx.field(static=True)
+    count: int = eqx.field(static=True)
+    size: int = eqx.field(static=True)
+
+    @classmethod
+    def of(cls, n: int, c: int, max_size: int) -> "Blocks":
+        count = -(-n // max(1, max_size))
+        return cls(n, c, count, -(-n // count))
+
+    @property
+    def padded(self) -> int:
+        """Chunks after padding: `count * size`."""
+        return self.count * self.size
+
+    def block(self, tree: PyTree, i, axis: int = 1) -> PyTree:
+        """Block `i` of per-chunk values whose chunk axis is `axis`."""
+        return jax.tree.map(
+            lambda x: jax.lax.dynamic_slice_in_dim(x, i * self.size, self.size, axis), tree
+        )
+
+    def to_time(self, tree: PyTree) -> PyTree:
+        """Per-chunk outputs `(count, size, B, C, ...)` -> `(B, padded * C, ...)`."""
+
+        def one(x):
+            x = x.reshape(self.padded, *x.shape[2:])  # (N, B, C, ...)
+            x = jnp.moveaxis(x, 0, 1)
+            return x.reshape(x.shape[0], self.padded * self.c, *x.shape[3:])
+
+        return jax.tree.map(one, tree)
+
+    def to_chunks(self, tree: PyTree) -> PyTree:
+        """Inverse of `to_time`: `(B, padded * C, ...)` -> `(count, size, B, C, ...)`."""
+
+        def one(x):
+            x = x.reshape(x.shape[0], self.count, self.size, self.c, *x.shape[2:])
+            return jnp.moveaxis(x, 0, 2)
+
+        return jax.tree.map(one, tree)
+
+
+def _over_blocks(body, carry, count: int, *, reverse: bool = False):
+    """`body(carry, i)` for every block `i`, stacking what it emits; no loop for one block."""
+    if count == 1:
+        carry, ys = body(carry, 0)
+        return carry, jax.tree.map(lambda y: y[None], ys)
+    return jax.lax.scan(body, carry, jnp.arange(count), reverse=reverse)
+
+
+def factors(recurrence, diff: PyTree, static: PyTree) -> PyTree:
+    """One block's factors, from its inputs `(B, size, C, ...)` split by `eqx.partition`."""
+    return recurrence.prepare(eqx.combine(diff, static))
+
+
+def steps(recurrence, f, carry, marks, doc_states, *, keep_states: bool):
+    """The state recursion over one block's chunks.
+
+    `carry = (h, finals)`: the state and the documents' final states (or `None`). Returns
+    the carry after the block and, per chunk, the outputs and (with `keep_states`) the
+    state entering the chunk.
+    """
+
+    def body(carry, inp):
+        h, finals = carry
+        f_c, m = inp
+        if m is not None:
+            h = jnp.where(m[0] >= 0, doc_states[jnp.maximum(m[0], 0)], h)
+        h_next, out = recurrence.step(f_c, h)
+        if m is not None:
+            e = m[1]
+            slot = jnp.maximum(e, 0)
+            finals = finals.at[slot].set(jnp.where(e >= 0, h_next, finals[slot]))
+        return (h_next, finals), (out, h if keep_states else None)
+
+    return jax.lax.scan(body, carry, (f, marks))
+
+
+def state_cotangents(recurrence, f, states, d_outputs, carry, marks, d_finals):
+    """The reverse scan of one block: only the state's cotangent is carried.
+
+    `carry = (dh, d_docs)`: the cotangent of the state leaving the block and the
+    documents' initial states' cotangents (or `None`). Returns the carry for the block
+    before and, per chunk, the cotangent of the state leaving it (what the factors'
+    cotangents need).
+    """
+
+    def pull_state(f_c, h, d_out, d_next):
+        _, pull = jax.vjp(lambda h: recurrence.step(f_c, h), h)
+        return pull((d_next, d_out))[0]
+
+    def body(carry, inp):
+        d_next, d_docs = carry
+        f_c, h, d_out, m = inp
+        if m is not None:
+            e = m[1]
+            d_next = d_next + jnp.where(e >= 0, d_finals[jnp.maximum(e, 0)], 0 * d_next)
+        dh = pull_state(f_c, h, d_out, d_next)
+        if m is not None:
+            s = m[0]
+            slot = jnp.maximum(s, 0)
+            d_docs = d_docs.at[slot].add(jnp.where(s >= 0, dh, 0 * dh))
+            dh = jnp.where(s >= 0, 0 * dh, dh)
+        return (dh, d_docs), d_next
+
+    return jax.lax.scan(body, carry, (f, states, d_outputs, marks), reverse=True)
+
+
+def factor_cotangents(recurrence, f, states, d_next, d_outputs):
+    """Every chunk's factors' cotangents, batched over the block's chunks."""
+
+    def one(f_c, h, d_next, d_out):
+        _, pull = jax.vjp(lambda f_c: recurrence.step(f_c, h), f_c)
+        return pull((d_next, d_out))[0]
+
+    return jax.vmap(one)(f, states, d_next, d_outputs)
+
+
+def composes(recurrence, f, running: AbstractAffineMap, marks, doc_states):
+    """One block's chunks appended to a running map (phase 1), one `compose` per chunk.
+
+    With packed documents, a document's first chunk is preceded by the constant map to
+    that document's initial state ($M = 0$): what enters it does not matter.
+    """
+    constant = jax.tree.map(jnp.zeros_like, running)
+
+    def body(running, inp):
+        f_c, m = inp
+        if m is not None:
+            s = m[0]
+            reset = eqx.tree_at(lambda m: m.U, constant, doc_states[jnp.maximum(s, 0)])
+            running = jax.tree.map(lambda a, b: jnp.where(s >= 0, a, b), reset, running)
+        return recurrence.compose(f_c, running), None
+
+    running, _ = jax.lax.scan(body, running, (f, marks))
+    return running
+
+
+# ---------------------------------------------------------------------------------------
+# The whole slice: a pass over all blocks, and the three phases of context parallelism.
+# Inputs arrive as `(B, padded, C, ...)` (split by `eqx.partition`), outputs leave as
+# `(B, padded * C, ...)`, kept states as `(count, size, *state)`; `marks` holds the
+# per-chunk `(start, end)`, `(padded,)` each, and the per-document `empty`.
+
+
+def _marks(marks):
+    return None if marks is None else marks[:2]
+
+
+def forward(recurrence, blocks, diff, static, h0, marks, doc_states, *, keep_states: bool):
+    """All blocks from `h0`: `((h, finals, outputs), states)`."""
+    finals = None
+    if marks is not None:
+        empty = marks[2].reshape((-1,) + (1,) * (doc_states.ndim - 1))
+        finals = jnp.where(empty, doc_states, jnp.zeros((), doc_states.dtype))
+
+    def body(carry, i):
+        f = factors(recurrence, *blocks.block((diff, static), i))
+        m = blocks.block(_marks(marks), i, axis=0)
+        return steps(recurrence, f, carry, m, doc_states, keep_states=keep_states)
+
+    (h, finals), (outputs, states) = _over_blocks(body, (h0, finals), blocks.count)
+    return (h, finals, blocks.to_time(outputs)), states
+
+
+def backward(recurrence, blocks, diff, static, states, marks, doc_states, cts):
+    """The cotangents of `(diff, h0, doc_states)` given those of `(outputs, h, finals)`."""
+    d_outputs, d_h, d_finals = cts
+    d_outputs = blocks.to_chunks(d_outputs)
+    d_docs = None
+    if marks is not None:
+        empty = marks[2].reshape((-1,) + (1,) * (d_h.ndim))
+        d_docs = jnp.where(empty, d_finals, jnp.zeros((), d_finals.dtype))
+    d_diff = jax.tree.map(jnp.zeros_like, diff)
+
+    def body(carry, i):
+        dh, d_docs, d_diff = carry
+        d, s = blocks.block((diff, static), i)
+        f, pull = jax.vjp(lambda d: factors(recurrence, d, s), d)
+        h, d_out = states[i], _chunk(d_outputs, i)
+        m = blocks.block(_marks(marks), i, axis=0)
+        (dh, d_docs), d_next = state_cotangents(recurrence, f, h, d_out, (dh, d_docs), m, d_finals)
+        d_f = factor_cotangents(recurrence, f, h, d_next, d_out)
+        d_diff = jax.tree.map(
+            lambda b, x: jax.lax.dynamic_update_slice_in_dim(b, x, i * blocks.size, 1),
+            d_diff,
+            pull(d_f)[0],
+        )
+        return (dh, d_docs, d_diff), None
+
+    count = blocks.count
+    (dh0, d_docs, d_diff), _ = _over_blocks(body, (d_h, d_docs, d_diff), count, reverse=True)
+    return d_diff, dh0, d_docs
+
+
+def state_cotangent_in(recurrence, blocks, diff, static, states, marks, d_outputs, d_finals):
+    """What the outputs (and documents' finals) ask of the state entering the slice.
+
+    The backward's first reverse scan under context parallelism: the cotangent of the
+    incoming state with nothing asked of the slice's final state. No factor cotangents.
+    """
+    d_outputs = blocks.to_chunks(d_outputs)
+    zero = jnp.zeros_like(states[0, 0])
+    d_docs = None if marks is None else jnp.zeros_like(d_finals)
+
+    def body(dh, i):
+        f = factors(recurrence, *blocks.block((diff, static), i))
+        m = blocks.block(_marks(marks), i, axis=0)
+        d_out = _chunk(d_outputs, i)
+        (dh, _), _ = state_cotangents(recurrence, f, states[i], d_out, (dh, d_docs), m, d_finals)
+        return dh, None
+
+    dh, _ = _over_blocks(body, zero, blocks.count, reverse=True)
+    return dh
+
+
+def local_map(recurrence, blocks, diff, static, marks, doc_states, identity: AbstractAffineMap):
+    """The affine map of the whole slice (phase 1): the blocks' chunks composed in order."""
+
+    def body(running, i):
+        f = factors(recurrence, *blocks.block((diff, static), i))
+        m = blocks.block(_marks(marks), i, axis=0)
+        return composes(recurrence, f, running, m, doc_states), None
+
+    running, _ = _over_blocks(body, identity, blocks.count)
+    return running
+
+
+def _chunk(tree: PyTree, i) -> PyTree:
+    return jax.tree.map(lambda x: x[i], tree)
+
+
+def varying(tree: PyTree, like: PyTree) -> PyTree:
+    """Mark `tree`'s values as varying over every mesh axis that `like`'s values vary over.
+
+    Inside `shard_map`, a scan carry that starts replicated (the identity map, a state
+    from the exchange) but is updated with per-rank data must be typed as per-rank from
+    the start: over the context-parallel axis, and over any other axis the inputs are
+    sharded on (a data-parallel batch axis, say).
+    """
+    axes: set = set()
+    for leaf in jax.tree.leaves(like):
+        axes |= set(jax.typeof(leaf).manual_axis_type.varying)
+
+    def cast(x):
+        missing = tuple(sorted(axes - set(jax.typeof(x).manual_axis_type.varying), key=str))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
+# ---------------------------------------------------------------------------------------
+# The custom VJPs: one device (a pass), and context parallelism (three phases).
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def local(recurrence, blocks, diff, static, h0, marks, doc_states):
+    """One pass over all chunks from `h0`: `(outputs, final_state, document_finals)`."""
+    return _local_fwd(recurrence, blocks, diff, static, h0, marks, doc_states, keep=False)[0]
+
+
+def _local_fwd(recurrence, blocks, diff, static, h0, marks, doc_states, *, keep=True):
+    h0 = varying(h0, diff)
+    (h, finals, outputs), states = forward(
+        recurrence, blocks, diff, static, h0, marks, doc_states, keep_states=keep
+    )
+    return (outputs, h, finals), (diff, static, states, marks, doc_states)
+
+
+def _local_bwd(recurrence, blocks, res, cts):
+    diff, static, states, marks, doc_states = res
+    d_outputs, d_h, d_finals = cts
+    cts = (d_outputs, varying(d_h, diff), d_finals)
+    d_diff, dh0, d_docs = backward(recurrence, blocks, diff, static, states, marks, doc_states, cts)
+    return d_diff, None, dh0, None, d_docs
+
+
+local.defvjp(_local_fwd, _local_bwd)
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def context_parallel(
+    recurrence,
+    blocks,
+    exchange,
+    axis_name,
+    need_final,
+    reverse,
+    diff,
+    static,
+    h0,
+    marks,
+    doc_states,
+):
+    """The three phases: `(outputs, final_state or None, document_finals or None)`."""
+    walk = (recurrence, blocks, exchange, axis_name, need_final, reverse)
+    return _three_phases(walk, diff, static, h0, marks, doc_states, keep=False)[0]
+
+
+def _three_phases(walk, diff, static, h0, marks, doc_states, *, keep=True):
+    recurrence, blocks, exchange, axis_name, need_final, reverse = walk
+    identity = _identity(recurrence, blocks, diff, static)
+    mine = local_map(recurrence, blocks, diff, static, marks, doc_states, identity)
+    h_in, h_final = exchange(
+        mine, h0, axis_name=axis_name, need_final_state=need_final, reverse=reverse
+    )
+    h_in = varying(h_in, diff)
+    (_, finals, outputs), states = forward(
+        recurrence, blocks, diff, static, h_in, marks, doc_states, keep_states=keep
+    )
+    return (outputs, h_final, finals), (mine, states)
+
+
+def _identity(recurrence, blocks, diff, static) -> AbstractAffineMap:
+    """The identity map of the shape a chunk map of this slice has, varying like `diff`."""
+
+    def chunk_map(d, s):
+        return recurrence.chunk_map(_chunk(factors(recurrence, *blocks.block((d, s), 0)), 0))
+
+    shapes = eqx.filter_eval_shape(chunk_map, diff, static)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return varying(zeros.identity_like(), diff)
+
+
+def _context_parallel_fwd(
+    recurrence,
+    blocks,
+    exchange,
+    axis_name,
+    need_final,
+    reverse,
+    diff,
+    static,
+    h0,
+    marks,
+    doc_states,
+):
+    walk = (recurrence, blocks, exchange, axis_name, need_final, reverse)
+    out, (mine, states) = _three_phases(walk, diff, static, h0, marks, doc_states)
+    return out, (diff, static, states, marks, doc_states, mine, h0)
+
+
+def _context_parallel_bwd(recurrence, blocks, exchange, axis_name, need_final, reverse, res, cts):
+    # The backward has three phases too. The cotangent of the state entering rank r is
+    # lambda_r = g_r + M_r^T lambda_{r+1}, with g_r what rank r's own outputs ask of it: an
+    # affine map of lambda_{r+1}, so the exchange composes these maps walking the ranks the
+    # other way, starting from the final state's cotangent. Nothing per chunk is kept but
+    # the states of phase 3.
+    diff, static, states, marks, doc_states, mine, h0 = res
+    d_outputs, d_final, d_finals = cts
+    g = state_cotangent_in(recurrence, blocks, diff, static, states, marks, d_outputs, d_finals)
+    start = d_final if need_final else jnp.zeros_like(h0)
+    lam_next, lam0 = exchange(
+        mine.adjoint(g),
+        start,
+        axis_name=axis_name,
+        need_final_state=True,
+        reverse=not reverse,
+    )
+    cts = (d_outputs, varying(lam_next, diff), d_finals)
+    d_diff, _, d_docs = backward(recurrence, blocks, diff, static, states, marks, doc_states, cts)
+    d_docs = None if d_docs is None else jax.lax.psum(d_docs, axis_name)
+    return d_diff, None, lam0, None, d_docs
+
+
+context_parallel.defvjp(_context_parallel_fwd, _context_parallel_bwd)
