@@ -68,9 +68,10 @@ bench: $(BENCH_VENV)/.installed
 	$(BENCH)/python benchmarks/attention_balance.py
 	$(BENCH)/python benchmarks/zigzag_cost.py
 
-# On a CUDA machine with jax, torch, triton and transformers and no network: ours vs FLA's Triton
-# kernel vs MaxText (benchmarks/accelerator.py; ends within 8 minutes). `make bench-gpu-wheels`,
-# run where there is a network, fills $(WHEELS) with what that machine lacks; carry it over.
+# On a CUDA machine with jax, torch, triton and transformers and no network: the sequential depth
+# on the GPU, then ours vs FLA's Triton kernel vs MaxText, one process each, paired
+# (benchmarks/accelerator.py; ends within 8 minutes). `make bench-gpu-wheels`, run where there is
+# a network, fills $(WHEELS) with what that machine lacks; carry it over.
 # `python benchmarks/accelerator.py --quick` runs the same script on a CPU (tiny shapes, no FLA).
 GPU_PYTHON ?= python3
 WHEELS ?= wheels
@@ -81,7 +82,7 @@ bench-gpu:
 bench-gpu-wheels:
 	$(PYTHON) -m pip download --no-deps -d $(WHEELS) fla-core einops equinox jaxtyping wadler-lindig
 	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d $(WHEELS) \
-		"$(MAXTEXT)"
+		"$(MAXTEXT)" "$(JLA)"
 
 clean:
 	rm -rf $(VENV) site .pytest_cache
