@@ -82,6 +82,12 @@ def main() -> int:
         f"{args.hang_after:.0f} s is a hang"
     )
     print(f"machine before: {machine_line()}", flush=True)
+    cores = len(os.sched_getaffinity(0))
+    if os.getloadavg()[0] > cores / 2:
+        print(
+            "warning: the machine is busy; under load an implementation using several threads "
+            "(PyTorch, LAPACK) loses more than one that does not, so ratios flatter the latter"
+        )
 
     results = []
     with Session(
@@ -95,7 +101,9 @@ def main() -> int:
             session.prepare(b=b, t=t, h=h, hv=hv, d=d, chunk=CHUNK, passes=PASSES)
             res = session.time(PASSES, rounds=args.rounds or rounds, calls=calls)
             results.append((label, res))
-            print(f"  done; {machine_line()}", flush=True)
+            loads = [x for n in names for x in res.outcomes[n].loads if x is not None]
+            during = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "-"
+            print(f"  done; load average during the rounds {during}; {machine_line()}")
 
     info = {}
     for _, res in results:
