@@ -59,8 +59,8 @@ $(BENCH_VENV)/.installed: pyproject.toml
 	$(BENCH)/python -m pip install --quiet --no-deps --ignore-requires-python $(BENCH_VENV)/wheels/*.whl
 	touch $@
 
-# Peer comparisons run one implementation per process, paired (benchmarks/_harness.py).
-# peers.py: about 4 minutes; depth.py: about 3; the CP cost scripts: about 6.
+# Peer comparisons run one implementation per process, paired (benchmarks/_harness.py); depth.py
+# compiles and reads the programs without running them.
 bench: $(BENCH_VENV)/.installed
 	$(BENCH)/python benchmarks/peers.py
 	$(BENCH)/python benchmarks/depth.py
