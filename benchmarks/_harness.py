@@ -382,6 +382,7 @@ class Session:
         self.workers: dict[str, Worker] = {}
         self.case: dict = {}
         self.outcomes: dict[str, Outcome] = {}
+        self.attempts: dict[str, int] = {}
         self.tmp = tempfile.mkdtemp(prefix="bench-outputs-")
 
     def __enter__(self):
