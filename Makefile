@@ -50,7 +50,7 @@ BENCH := $(BENCH_VENV)/bin
 MAXTEXT ?= maxtext==0.2.5
 JLA ?= jax-linear-attention==0.1.0
 
-$(BENCH_VENV)/.installed: pyproject.toml
+$(BENCH_VENV)/.installed: pyproject.toml Makefile
 	test -x $(BENCH)/python || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH)/python -m pip install --quiet "torch==2.13.0" transformers -e .
 	rm -rf $(BENCH_VENV)/wheels
