@@ -40,35 +40,38 @@ docs: $(VENV)/.installed-docs
 	$(BIN)/mkdocs build --strict --site-dir site
 
 # Benchmarks run in their own environment with the peers we compare against (torch, transformers,
-# MaxText); they are never dependencies of the library. pip picks the local CPU wheel by the exact
-# pin. MaxText's wheel declares Python >= 3.12 and pulls flax and much more: it is downloaded for
-# 3.12 and installed without its dependencies (benchmarks/_maxtext.py reads the one kernel file
-# from it without importing the package).
+# MaxText, jax-linear-attention); they are never dependencies of the library. pip picks the local
+# CPU wheel by the exact pin. The MaxText and jax-linear-attention wheels declare Python >= 3.12
+# (MaxText also pulls flax and much more): both are downloaded for 3.12 and installed without
+# their dependencies. benchmarks/_maxtext.py reads MaxText's kernel file without importing its
+# package; benchmarks/_jla.py imports only jla.ops.chunked and jla.distributed.context_parallel.
 BENCH_VENV ?= .venv-bench
 BENCH := $(BENCH_VENV)/bin
 MAXTEXT ?= maxtext==0.2.5
+JLA ?= jax-linear-attention==0.1.0
 
-$(BENCH_VENV)/.installed: pyproject.toml
+$(BENCH_VENV)/.installed: pyproject.toml Makefile
 	test -x $(BENCH)/python || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH)/python -m pip install --quiet "torch==2.13.0" transformers -e .
 	rm -rf $(BENCH_VENV)/wheels
 	$(BENCH)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
-		-d $(BENCH_VENV)/wheels "$(MAXTEXT)"
+		-d $(BENCH_VENV)/wheels "$(MAXTEXT)" "$(JLA)"
 	$(BENCH)/python -m pip install --quiet --no-deps --ignore-requires-python $(BENCH_VENV)/wheels/*.whl
 	touch $@
 
+# Peer comparisons run one implementation per process, paired (benchmarks/_harness.py); depth.py
+# compiles and reads the programs without running them.
 bench: $(BENCH_VENV)/.installed
-	$(BENCH)/python benchmarks/vs_transformers.py
-	$(BENCH)/python benchmarks/vs_maxtext.py
+	$(BENCH)/python benchmarks/peers.py
+	$(BENCH)/python benchmarks/depth.py
 	$(BENCH)/python benchmarks/cp_cost.py
 	$(BENCH)/python benchmarks/attention_balance.py
 	$(BENCH)/python benchmarks/zigzag_cost.py
-	$(BENCH)/python benchmarks/cpu_bound.py
-	$(BENCH)/python benchmarks/first_call.py
 
-# On a CUDA machine with jax, torch, triton and transformers and no network: ours vs FLA's Triton
-# kernel vs MaxText (benchmarks/accelerator.py; ends within 8 minutes). `make bench-gpu-wheels`,
-# run where there is a network, fills $(WHEELS) with what that machine lacks; carry it over.
+# On a CUDA machine with jax, torch, triton and transformers and no network: the sequential depth
+# on the GPU, then ours vs FLA's Triton kernel vs MaxText, one process each, paired
+# (benchmarks/accelerator.py; ends within 8 minutes). `make bench-gpu-wheels`, run where there is
+# a network, fills $(WHEELS) with what that machine lacks; carry it over.
 # `python benchmarks/accelerator.py --quick` runs the same script on a CPU (tiny shapes, no FLA).
 GPU_PYTHON ?= python3
 WHEELS ?= wheels
@@ -79,7 +82,7 @@ bench-gpu:
 bench-gpu-wheels:
 	$(PYTHON) -m pip download --no-deps -d $(WHEELS) fla-core einops equinox jaxtyping wadler-lindig
 	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d $(WHEELS) \
-		"$(MAXTEXT)"
+		"$(MAXTEXT)" "$(JLA)"
 
 clean:
 	rm -rf $(VENV) site .pytest_cache

@@ -1,0 +1,369 @@
+"""The implementations we compare, as forward functions and as `_harness` factories.
+
+Every implementation computes the chunked gated delta rule with q/k L2 normalisation, the
+final state returned, on the same inputs (`_common.gdn_inputs`, seed 0; `q, k: (B, T, H,
+K)`, `v: (B, T, HV, V)`, `g, beta: (B, T, HV)`):
+
+- `ours`: `deltanet_cp.chunk_gated_delta_rule` (one device) and
+  `deltanet_cp.chunk_gated_delta_rule_sharded` (the sequence over a mesh axis);
+- `maxtext`: MaxText's `jax_chunk_gated_delta_rule`, read from its files (`_maxtext.py`),
+  `compute_dtype` = the case's dtype; under CP its `cp_axis=` path in `shard_map`;
+- `jla`: jax-linear-attention's plain-JAX `jla.ops.chunked.gated_delta_rule` (`_jla.py`);
+  under CP its `context_parallel_linear_attention`;
+- `transformers`: Hugging Face's `torch_chunk_gated_delta_rule` (eager PyTorch, the raw
+  function, not the hub-kernel wrapper);
+- `fla`: flash-linear-attention's Triton `chunk_gated_delta_rule` (CUDA only).
+
+MaxText and jla take q and k with as many heads as v: they get them repeated (value head
+`j` reads key head `j // (HV / H)`, as Qwen3-Next does); the others broadcast themselves.
+MaxText returns its final state only when given an initial one, so it gets zeros.
+
+The forward+backward pass ("fwd+bwd") is the forward and the pullback of fixed random
+cotangents of `o` and the final state to all five inputs (`jax.vjp`,
+`torch.autograd.backward`): the gradients of `sum(o * do) + sum(h_T * dh)`.
+"""
+
+import importlib.metadata
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+from _common import gdn_inputs
+from _harness import Prepared
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PASSES = ("fwd", "fwd+bwd")
+
+
+def problem(b: int, t: int, h: int, hv: int, d: int) -> tuple[list, tuple]:
+    """float32 numpy inputs `[q, k, v, g, beta]` and cotangents `(do, dh)`, the same for all."""
+    inputs = gdn_inputs(np.random.default_rng(0), b, t, h, hv, d)
+    rng = np.random.default_rng(1)
+    d_o = rng.standard_normal((b, t, hv, d), dtype=np.float32)
+    d_h = rng.standard_normal((b, hv, d, d), dtype=np.float32)
+    return inputs, (d_o, d_h)
+
+
+def import_ours():
+    """`deltanet_cp`, installed or from this checkout (given metadata if never installed)."""
+    try:
+        import deltanet_cp
+
+        return deltanet_cp
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    # The package reads its version from its metadata; a checkout that was never installed
+    # has none, so give it some (a dist-info directory on sys.path).
+    site = tempfile.mkdtemp(prefix="bench-meta-")
+    info = os.path.join(site, "deltanet_cp-0.0.0+checkout.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: deltanet_cp\nVersion: 0.0.0+checkout\n")
+    sys.path.append(site)
+    for name in [m for m in sys.modules if m.startswith("deltanet_cp")]:
+        del sys.modules[name]
+    import deltanet_cp
+
+    return deltanet_cp
+
+
+def load_peer(name: str, wheels: str | None = None):
+    """The module or namespace behind a JAX implementation, and a version string."""
+    if name == "ours":
+        dcp = import_ours()
+        return dcp, dcp.__version__
+    if name == "maxtext":
+        from _maxtext import find_wheel, load_maxtext
+
+        try:
+            mt = load_maxtext()
+        except ImportError:
+            wheel = find_wheel(wheels) if wheels else None
+            if wheel is None:
+                raise
+            mt = load_maxtext(wheel=wheel)
+        return mt, mt.version
+    if name == "jla":
+        from _jla import load_jla
+
+        jla = load_jla(wheels)
+        return jla, jla.version
+    raise ValueError(f"no JAX implementation called {name!r}")
+
+
+def jax_forward(name: str, *, h: int, hv: int, d: int, chunk: int = 64, dtype="float32", **kw):
+    """`forward(q, k, v, g, beta) -> (o, h_T)` of JAX implementation `name` on one device."""
+    import jax.numpy as jnp
+
+    peer, _ = load_peer(name, kw.get("wheels"))
+    rep = hv // h
+    if name == "ours":
+
+        def forward(q, k, v, g, beta):
+            return peer.chunk_gated_delta_rule(
+                q, k, v, g, beta, use_qk_l2norm=True, output_final_state=True, chunk_size=chunk
+            )
+
+    elif name == "maxtext":
+
+        def forward(q, k, v, g, beta):
+            q, k = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
+            return peer.jax_chunk_gated_delta_rule(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                chunk_size=chunk,
+                initial_state=jnp.zeros((q.shape[0], hv, d, d), jnp.float32),
+                use_qk_norm_in_gdn=True,
+                compute_dtype=jnp.dtype(dtype),
+            )
+
+    else:
+
+        def forward(q, k, v, g, beta):
+            q, k = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
+            return peer.chunked.gated_delta_rule(
+                q, k, v, g, beta, output_final_state=True, use_qk_l2norm=True, chunk_size=chunk
+            )
+
+    return forward
+
+
+def jax_forward_cp(
+    name: str, mesh, *, h: int, hv: int, d: int, chunk: int = 64, exchange=None, **kw
+):
+    """`forward` of JAX implementation `name` with the sequence sharded over `mesh`'s axis
+    `"cp"` (global arrays in, sharded `P(None, "cp")`; global arrays out)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    peer, _ = load_peer(name, kw.get("wheels"))
+    rep = hv // h
+    if name == "ours":
+
+        def forward(q, k, v, g, beta):
+            return peer.chunk_gated_delta_rule_sharded(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                mesh=mesh,
+                axis_name="cp",
+                exchange=exchange,
+                use_qk_l2norm=True,
+                output_final_state=True,
+                chunk_size=chunk,
+            )
+
+        return forward
+    if name == "maxtext":
+
+        def per_rank(q, k, v, g, beta):
+            q, k = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
+            return peer.jax_chunk_gated_delta_rule(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                chunk_size=chunk,
+                initial_state=jnp.zeros((q.shape[0], hv, d, d), jnp.float32),
+                use_qk_norm_in_gdn=True,
+                cp_axis="cp",
+                compute_dtype=jnp.float32,
+            )
+
+        return jax.shard_map(
+            per_rank,
+            mesh=mesh,
+            in_specs=(P(None, "cp"),) * 5,
+            out_specs=(P(None, "cp"), P()),
+            check_vma=False,
+        )
+
+    def forward(q, k, v, g, beta):
+        q, k = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
+        return peer.context_parallel.context_parallel_linear_attention(
+            "gated_deltanet",
+            q,
+            k,
+            v,
+            mesh=mesh,
+            axis="cp",
+            g=g,
+            beta=beta,
+            output_final_state=True,
+            use_qk_l2norm=True,
+            chunk_size=chunk,
+        )
+
+    return forward
+
+
+def pullback(forward):
+    """`fwd_bwd(args, cotangents)`: the forward and the pullback of `cotangents` to `args`."""
+    import jax
+
+    def fwd_bwd(args, cotangents):
+        return jax.vjp(forward, *args)[1](cotangents)
+
+    return fwd_bwd
+
+
+def _sample(o, sample):
+    o = np.asarray(o, np.float32)
+    return o if sample is None else o[:, -sample:]
+
+
+# ------------------------------------------------------------------ harness factories
+
+
+def _jax(name, *, b, t, h, hv, d, chunk=64, dtype="float32", passes=PASSES, sample=None, **kw):
+    import jax
+    import jax.numpy as jnp
+
+    _, version = load_peer(name, kw.get("wheels"))
+    forward = jax_forward(name, h=h, hv=hv, d=d, chunk=chunk, dtype=dtype, **kw)
+    inputs, cot = problem(b, t, h, hv, d)
+    dt = jnp.dtype(dtype)
+    q, k, v, g, beta = (jnp.asarray(x) for x in inputs)
+    args = (q.astype(dt), k.astype(dt), v.astype(dt), g, beta.astype(dt))  # g stays float32
+    out = jax.eval_shape(forward, *args)
+    cots = tuple(jnp.asarray(c, o.dtype) for c, o in zip(cot, out))
+    device = jax.devices()[0]
+    info = {
+        "version": version,
+        "jax": jax.__version__,
+        "device": f"{jax.default_backend()} ({getattr(device, 'device_kind', device)})",
+    }
+    programs = {"fwd": (forward, args), "fwd+bwd": (pullback(forward), (args, cots))}
+    calls, compiled = {}, {}
+    for p in passes:
+        fn, a = programs[p]
+        start = time.perf_counter()
+        c = jax.jit(fn).lower(*a).compile()
+        info[f"compile_s {p}"] = time.perf_counter() - start
+        m = c.memory_analysis()
+        if m is not None:
+            info[f"temp_bytes {p}"] = m.temp_size_in_bytes
+            info[f"peak_bytes {p}"] = (
+                m.argument_size_in_bytes
+                + m.output_size_in_bytes
+                + m.temp_size_in_bytes
+                - m.alias_size_in_bytes
+            )
+        compiled[p] = c
+        calls[p] = lambda c=c, a=a: jax.block_until_ready(c(*a))
+
+    def outputs():
+        o, h_t = jax.jit(forward)(*args)
+        return {"o": _sample(o, sample), "h": np.asarray(h_t, np.float32)}
+
+    return Prepared(calls, outputs, info)
+
+
+def ours(**case) -> Prepared:
+    """Ours on one device (`deltanet_cp.chunk_gated_delta_rule`)."""
+    return _jax("ours", **case)
+
+
+def maxtext(**case) -> Prepared:
+    """MaxText's `jax_chunk_gated_delta_rule` on one device."""
+    return _jax("maxtext", **case)
+
+
+def jla(**case) -> Prepared:
+    """jax-linear-attention's `jla.ops.chunked.gated_delta_rule` on one device."""
+    return _jax("jla", **case)
+
+
+def _torch(fn, device, version, *, b, t, h, hv, d, dtype="float32", passes=PASSES, sample=None):
+    import torch
+
+    inputs, cot = problem(b, t, h, hv, d)
+    dt = getattr(torch, dtype)
+    q, k, v, g, beta = (torch.from_numpy(x).to(device) for x in inputs)
+    args = (q.to(dt), k.to(dt), v.to(dt), g, beta.to(dt))
+    d_o, d_h = (torch.from_numpy(c).to(device) for c in cot)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    info = {"version": version, "torch": torch.__version__, "device": device}
+    if device == "cpu":
+        info["threads"] = torch.get_num_threads()
+
+    def fwd():
+        with torch.no_grad():
+            out = fn(*args)
+        sync()
+        return out
+
+    def fwd_bwd():
+        leaves = [x.detach().requires_grad_(True) for x in args]
+        o, h_t = fn(*leaves)
+        torch.autograd.backward([o, h_t], [d_o.to(o.dtype), d_h.to(h_t.dtype)])
+        sync()
+        return [x.grad for x in leaves]
+
+    def with_peak(name, call):
+        """On CUDA, the first two calls (the harness's first call and warm-up) record the
+        peak of `max_memory_allocated` into `info`; the timed calls run as they are."""
+        seen = []
+
+        def wrapped():
+            if device != "cuda" or len(seen) >= 2:
+                return call()
+            torch.cuda.reset_peak_memory_stats()
+            out = call()
+            info[f"peak_bytes {name}"] = torch.cuda.max_memory_allocated()
+            seen.append(1)
+            return out
+
+        return wrapped
+
+    def outputs():
+        o, h_t = fwd()
+        return {"o": _sample(o.float().cpu().numpy(), sample), "h": h_t.float().cpu().numpy()}
+
+    calls = {"fwd": fwd, "fwd+bwd": fwd_bwd}
+    return Prepared({p: with_peak(p, calls[p]) for p in passes}, outputs, info)
+
+
+def transformers(*, chunk: int = 64, **case) -> Prepared:
+    """Hugging Face transformers' `torch_chunk_gated_delta_rule`, eager, on the CPU."""
+    import torch
+    import transformers as hf
+    from transformers.models.qwen3_next import modeling_qwen3_next
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    ref = modeling_qwen3_next.torch_chunk_gated_delta_rule
+    ref = getattr(ref, "__wrapped__", ref)  # the raw function, not the hub-kernel wrapper
+
+    def fn(*args):
+        return ref(*args, chunk_size=chunk, use_qk_l2norm_in_kernel=True, output_final_state=True)
+
+    return _torch(fn, "cpu", hf.__version__, **case)
+
+
+def fla(*, chunk: int = 64, **case) -> Prepared:
+    """flash-linear-attention's Triton `chunk_gated_delta_rule` (chunk 64 is built in)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("torch sees no CUDA device: FLA's Triton kernels need one")
+    import fla as fla_package
+    import triton
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    def fn(q, k, v, g, beta):
+        return chunk_gated_delta_rule(
+            q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True
+        )
+
+    version = f"{getattr(fla_package, '__version__', '?')} (triton {triton.__version__})"
+    return _torch(fn, "cuda", version, **case)

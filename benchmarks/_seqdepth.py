@@ -1,0 +1,129 @@
+"""Sequential depth of a compiled program, counted from its optimized HLO text.
+
+Every top-level op inside a `while` loop body runs once per trip, one trip after the other:
+on a GPU or TPU each is roughly one kernel launch on the critical path. The sequential depth
+is the number of such ops, each loop's body counted times its trip count (nested loops
+multiplied). Divided by the tokens it is a backend-independent measure of how much of a
+program is serialised; the ops outside every loop are what runs once, whatever the length.
+
+Counted as XLA compiled the program: a fusion is one op; parameters, tuples, tuple
+elements, constants, bitcasts and the like are not ops. A `call` counts its callee's ops and
+a `conditional` its largest branch. Trip counts come from XLA's `known_trip_count` (else
+the largest `s32` constant in the loop condition). The same count as
+`../shared/tools/seqdepth.py`, with the ops outside loops as well.
+"""
+
+import dataclasses
+import re
+
+
+_NOT_OPS = {
+    "parameter",
+    "get-tuple-element",
+    "tuple",
+    "constant",
+    "bitcast",
+    "after-all",
+    "partition-id",
+    "replica-id",
+}
+_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_OPCODE = re.compile(r"^(?:ROOT )?%?[\w.\-]+ = .*? ([a-z][\w\-]*)\(")
+
+
+@dataclasses.dataclass(frozen=True)
+class Depth:
+    """Ops of a compiled program, inside and outside its `while` loops.
+
+    - `inside`: ops inside loops, each body counted times its trips (the sequential depth).
+    - `outside`: ops outside every loop (run once per call).
+    - `loops`: `(trips, ops per trip)` of each outermost loop, in program order.
+    """
+
+    inside: int
+    outside: int
+    loops: tuple[tuple[int, int], ...]
+
+    def loops_text(self) -> str:
+        """The loops as `trips x body` terms, e.g. `64 x 92 + 64 x 154`."""
+        return " + ".join(f"{t} x {n}" for t, n in self.loops) or "no loops"
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+    computations: dict[str, list[str]] = {}
+    current, entry = None, None
+    for line in hlo.splitlines():
+        if line and not line.startswith(" "):
+            m = _HEADER.match(line.strip())
+            current = m.group(2) if m else None
+            if current:
+                computations[current] = []
+                if m.group(1):
+                    entry = current
+            continue
+        if current and "=" in line:
+            computations[current].append(line.strip())
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return computations, entry
+
+
+def _trips(line: str, computations: dict[str, list[str]]) -> int:
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+    if known:
+        return int(known.group(1))
+    condition = re.search(r"condition=%?([\w.\-]+)", line).group(1)
+    consts = [
+        int(c)
+        for body_line in computations.get(condition, [])
+        for c in re.findall(r"s32\[\] constant\((\d+)\)", body_line)
+    ]
+    return max(consts, default=1)
+
+
+def _count(computations, name, loops) -> tuple[int, int]:
+    """`(inside, outside)` ops of computation `name`; appends its outermost loops."""
+    inside = outside = 0
+    for line in computations.get(name, []):
+        m = _OPCODE.match(line)
+        op = m.group(1) if m else None
+        if op is None or op in _NOT_OPS:
+            continue
+        if op == "while":
+            body = re.search(r"body=%?([\w.\-]+)", line).group(1)
+            trips = _trips(line, computations)
+            body_inside, body_outside = _count(computations, body, [])
+            per_trip = body_inside + body_outside
+            loops.append((trips, per_trip))
+            inside += trips * per_trip
+            continue
+        if op in ("call", "conditional"):
+            callees = re.findall(
+                r"(?:to_apply|true_computation|false_computation)=%?([\w.\-]+)", line
+            )
+            branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+            if branches:
+                callees += re.findall(r"%?([\w.\-]+)", branches.group(1))
+            counts = [_count(computations, c, loops) for c in callees]
+            if counts:
+                best = max(counts, key=lambda c: (c[0] + c[1], c[0]))
+                inside += best[0]
+                outside += best[1]
+            else:
+                outside += 1
+            continue
+        outside += 1
+    return inside, outside
+
+
+def hlo_depth(hlo: str) -> Depth:
+    """The `Depth` of a compiled module's HLO text (`compiled.as_text()`)."""
+    computations, entry = _computations(hlo)
+    loops: list[tuple[int, int]] = []
+    inside, outside = _count(computations, entry, loops)
+    return Depth(inside, outside, tuple(loops))
+
+
+def depth(compiled) -> Depth:
+    """The `Depth` of a compiled JAX function (`jax.jit(f).lower(*args).compile()`)."""
+    return hlo_depth(compiled.as_text())

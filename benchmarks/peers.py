@@ -1,0 +1,175 @@
+"""Ours vs MaxText vs jax-linear-attention vs transformers: time on this CPU, paired.
+
+The chunked gated delta rule, float32, chunk 64, q/k L2 norm on, the final state returned,
+B = 1, K = V = 128, at Qwen3-Next's heads (H = 16, HV = 32, T = 2048) and at H = HV = 4,
+T = 4096; forward, and forward+backward (the pullback of fixed cotangents of `o` and the
+final state to q, k, v, g and beta). Four implementations (`_impls.py`):
+
+- ours: `deltanet_cp.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)`;
+- MaxText 0.2.5's JAX kernel (`jax_chunk_gated_delta_rule`, `compute_dtype=float32`);
+- jax-linear-attention 0.1.0's plain-JAX chunked path (`jla.ops.chunked.gated_delta_rule`);
+- transformers' `torch_chunk_gated_delta_rule` (eager PyTorch).
+
+Each runs in its own process, stopped while another is timed; a round times each once,
+the order rotating; a ratio is the median over rounds of the per-round ratio
+(`_harness.py`). A worker whose CPU time stops for `--hang-after` seconds is reported as a
+hang (MaxText's and jla's triangular solve can deadlock on XLA:CPU).
+
+Prints, per shape: medians (ms) and our speedup over each peer; each implementation's
+forward+backward / forward; the largest relative difference of each peer's outputs from
+ours; and the machine's load. Needs the environment of `make bench`.
+
+    python benchmarks/peers.py            # both shapes, about 4 minutes on 2 quiet cores
+    python benchmarks/peers.py --quick    # tiny shapes, a smoke test (under a minute)
+"""
+
+import argparse
+import os
+import sys
+import time
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from _common import machine_line, print_table  # noqa: E402
+from _harness import Impl, max_rel_diff, Session  # noqa: E402
+
+
+IMPLS = {
+    "ours": Impl("ours", "_impls:ours"),
+    "MaxText": Impl("MaxText", "_impls:maxtext"),
+    "jla": Impl("jla", "_impls:jla"),
+    "transformers": Impl("transformers", "_impls:transformers"),
+}
+PASSES = ["fwd", "fwd+bwd"]
+# (label, B, T, H, HV, K = V, paired rounds)
+SHAPES = [
+    ("Qwen3-Next heads: H=16, HV=32, T=2048", 1, 2048, 16, 32, 128, 5),
+    ("H=HV=4, T=4096", 1, 4096, 4, 4, 128, 7),
+]
+QUICK = [
+    ("tiny: H=2, HV=4, K=V=32, T=256", 1, 256, 2, 4, 32, 3),
+    ("tiny: H=HV=2, K=V=32, T=512", 1, 512, 2, 2, 32, 3),
+]
+CHUNK = 64
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, a smoke test")
+    parser.add_argument("--rounds", type=int, default=None, help="paired rounds per shape")
+    parser.add_argument("--calls", type=int, default=None, help="calls per pass per round")
+    parser.add_argument("--only", default=None, help="comma-separated implementations")
+    parser.add_argument("--shapes", default=None, help="comma-separated shape indices")
+    parser.add_argument("--budget", type=float, default=900, help="seconds for the whole run")
+    parser.add_argument("--hang-after", type=float, default=30, help="seconds without CPU time")
+    parser.add_argument("--retries", type=int, default=1, help="restarts of a hung worker")
+    args = parser.parse_args()
+
+    names = args.only.split(",") if args.only else list(IMPLS)
+    if names[0] != "ours" and "ours" in names:
+        names.remove("ours")
+        names.insert(0, "ours")
+    shapes = QUICK if args.quick else SHAPES
+    if args.shapes:
+        shapes = [shapes[int(i)] for i in args.shapes.split(",")]
+    calls = args.calls or (3 if args.quick else 1)
+    start = time.monotonic()
+    print(
+        f"float32, chunk {CHUNK}, q/k L2 norm, final state; one process per implementation, "
+        f"stopped while another is timed; a worker without CPU progress for "
+        f"{args.hang_after:.0f} s is a hang"
+    )
+    print(f"machine before: {machine_line()}", flush=True)
+    cores = len(os.sched_getaffinity(0))
+    if os.getloadavg()[0] > cores / 2:
+        print(
+            "warning: the machine is busy; under load an implementation using several threads "
+            "(PyTorch, LAPACK) loses more than one that does not, so ratios flatter the latter"
+        )
+
+    results = []
+    with Session(
+        [IMPLS[n] for n in names],
+        hang_after=args.hang_after,
+        deadline=start + args.budget,
+        retries=args.retries,
+    ) as session:
+        for label, b, t, h, hv, d, rounds in shapes:
+            print(f"{label}:", flush=True)
+            session.prepare(b=b, t=t, h=h, hv=hv, d=d, chunk=CHUNK, passes=PASSES)
+            res = session.time(PASSES, rounds=args.rounds or rounds, calls=calls)
+            results.append((label, res))
+            loads = [x for n in names for x in res.outcomes[n].loads if x is not None]
+            during = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "-"
+            print(f"  done; load average during the rounds {during}; {machine_line()}")
+
+    info = {}
+    for _, res in results:
+        for n in names:
+            info.setdefault(n, res.outcomes[n].info)
+    versions = ", ".join(
+        f"{n} {info[n].get('version', '?')}" for n in names if info.get(n, {}).get("version")
+    )
+    jax_version = next((i["jax"] for i in info.values() if "jax" in i), "?")
+    torch_version = next((i["torch"] for i in info.values() if "torch" in i), None)
+    print(f"\njax {jax_version}" + (f", torch {torch_version}" if torch_version else ""))
+    print(f"versions: {versions}")
+
+    peers = names[1:]
+    time_rows, ratio_rows, diff_rows, notes = [], [], [], []
+    for label, res in results:
+        for p in PASSES:
+            row = [label, p] + [res.ms(n, p) for n in names]
+            for peer in peers:
+                r = res.ratio(peer, names[0], p)
+                row.append(f"{r:.2f}x" if r is not None else "-")
+            row.append(min((res.rounds(n, p) for n in names if res.rounds(n, p)), default=0))
+            time_rows.append(row)
+        ratio_rows.append(
+            [label]
+            + [
+                f"{r:.2f}" if (r := res.ratio(n, n, "fwd+bwd", "fwd")) is not None else "-"
+                for n in names
+            ]
+        )
+        ref = res.outputs.get(names[0])
+        cells = []
+        for peer in peers:
+            out = res.outputs.get(peer)
+            if ref is None or out is None:
+                cells += [res.why_missing(peer, "fwd")] * 2
+            else:
+                cells += [f"{max_rel_diff(out[k], ref[k]):.1e}" for k in ("o", "h")]
+        diff_rows.append([label] + cells)
+        notes += [f"{label}, {n}" for n in res.notes()]
+
+    print_table(
+        ["shape (B=1, float32)", "pass"]
+        + [f"{n} ms" for n in names]
+        + [f"ours vs {p}" for p in peers]
+        + ["rounds"],
+        time_rows,
+        title="Medians over paired rounds, one process per implementation; ours vs X = median "
+        "of per-round X / ours times (> 1: ours faster)",
+    )
+    print_table(
+        ["shape"] + names,
+        ratio_rows,
+        title="Forward+backward / forward, each implementation in its own process (median of "
+        "per-round ratios)",
+    )
+    print_table(
+        ["shape"] + [f"{x}: {p} vs ours" for p in peers for x in ("o", "h_T")],
+        diff_rows,
+        title="Largest relative difference from our outputs (max |x - ours| / max |ours|)",
+    )
+    if notes:
+        print("\n* " + "\n* ".join(notes))
+    print(f"\nmachine after: {machine_line()}; whole run {time.monotonic() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
