@@ -7,6 +7,7 @@ documents and context parallelism; padding, chunking and packing happen here, on
 """
 
 import abc
+import dataclasses
 import functools as ft
 from typing import Any, cast, Generic, Literal, overload, TypeVar
 
@@ -408,10 +409,15 @@ def _run(
     _, length = _batch_and_length(inputs)
     h0 = _initial_state(state, initial_state)
     per_block = _chunks_per_block(block_size, c)
+    # A non-finite input must not reach earlier tokens through the chunk's products (a zero
+    # times NaN is NaN): the chunk is formed from zeros there, and NaN is added back to the
+    # outputs from the first such token of the chunk on and to the state leaving it.
+    bad, inputs = _non_finite(inputs)
     if cu_seqlens is None:
         seg, doc_states = None, None
         blocks = Blocks.of(num_chunks(length, c), c, per_block)
         chunks = _split(inputs, blocks.padded, c)
+        bad = _split(bad, blocks.padded, c)
         marks = None
     else:
         offset = start
@@ -421,6 +427,7 @@ def _run(
         doc_states = _doc_states(state, seg.num_docs, document_states)
         blocks = Blocks.of(seg.num_chunks, c, per_block)
         chunks = _split(jax.tree.map(lambda x: pack(x, seg), inputs), blocks.padded, c)
+        bad = _split(pack(bad, seg), blocks.padded, c)
         pad = (0, blocks.padded - blocks.n)
         marks = (
             jnp.pad(seg.start_doc, pad, constant_values=-1),
@@ -428,8 +435,11 @@ def _run(
             seg.empty_doc,
         )
     diff, static = eqx.partition(chunks, eqx.is_inexact_array)
+    nan = jnp.asarray(jnp.nan, state.dtype)
+    zero = jnp.zeros((), state.dtype)
+    poison = jnp.where(jnp.any(bad, axis=2).T, nan, zero)  # (chunks, B)
     if axis_name is None:
-        out = local(recurrence, blocks, diff, static, h0, marks, doc_states)
+        out = local(recurrence, blocks, diff, static, h0, marks, doc_states, poison)
     else:
         out = context_parallel(
             recurrence,
@@ -443,8 +453,16 @@ def _run(
             h0,
             marks,
             doc_states,
+            poison,
         )
     outputs, final, finals = cast(tuple[PyTree, Any, Any], out)
+    after_bad = (jnp.cumsum(bad, axis=2) > 0).reshape(bad.shape[0], -1)  # (B, padded * C)
+
+    def poisoned(y):
+        mask = after_bad.reshape(after_bad.shape + (1,) * (y.ndim - 2))
+        return jnp.where(mask, jnp.asarray(jnp.nan, y.dtype), y)
+
+    outputs = jax.tree.map(poisoned, outputs)
     if seg is None:
         outputs = jax.tree.map(lambda y: y[:, :length], outputs)
     else:
@@ -482,6 +500,43 @@ def _batch_and_length(inputs: PyTree) -> tuple[int, int]:
         )
     (batch, length) = sizes.pop()
     return batch, length
+
+
+def _non_finite(inputs: PyTree) -> tuple[Array, PyTree]:
+    """`(bad, inputs)`: per token `(B, T)` whether any floating input is NaN or infinite,
+    and the inputs with those values set to zero.
+
+    A field of an inputs module declared with `eqx.field(metadata={"log_decay": True})`
+    may hold `-inf`: a decay of zero, which the recurrences take as it is.
+    """
+    decays = _log_decay_leaves(inputs)
+    batch, length = _batch_and_length(inputs)
+    bad = jnp.zeros((batch, length), bool)
+
+    def clean(x, decay):
+        nonlocal bad
+        if not eqx.is_inexact_array(x):
+            return x
+        wrong = jnp.isnan(x) | (x == jnp.inf) | ((x == -jnp.inf) & (not decay))
+        bad = bad | jnp.any(wrong.reshape(batch, length, -1), axis=2)
+        return jnp.where(wrong, jnp.zeros((), x.dtype), x)
+
+    inputs = jax.tree.map(clean, inputs, decays)
+    return bad, inputs
+
+
+def _log_decay_leaves(inputs: PyTree) -> PyTree:
+    """`inputs` with every leaf replaced by whether its field is declared a log decay."""
+    leaves, treedef = jax.tree.flatten(inputs)
+    if not dataclasses.is_dataclass(inputs):
+        return jax.tree.unflatten(treedef, [False] * len(leaves))
+    flags = []
+    for f in dataclasses.fields(inputs):
+        n = len(jax.tree.leaves(getattr(inputs, f.name)))
+        flags += [bool(f.metadata.get("log_decay", False))] * n
+    if len(flags) != len(leaves):  # not a plain module of array fields: no log decays
+        flags = [False] * len(leaves)
+    return jax.tree.unflatten(treedef, flags)
 
 
 def _split(inputs: PyTree, n: int, c: int) -> PyTree:

@@ -92,27 +92,30 @@ def factors(recurrence, diff: PyTree, static: PyTree) -> PyTree:
     return recurrence.prepare(eqx.combine(diff, static))
 
 
-def steps(recurrence, f, carry, marks, doc_states, *, keep_states: bool):
+def steps(recurrence, f, carry, marks, doc_states, poison, *, keep_states: bool):
     """The state recursion over one block's chunks.
 
-    `carry = (h, finals)`: the state and the documents' final states (or `None`). Returns
-    the carry after the block and, per chunk, the outputs and (with `keep_states`) the
-    state entering the chunk.
+    `carry = (h, finals)`: the state and the documents' final states (or `None`). `poison`
+    holds per chunk and batch row 0, or NaN where the chunk holds a non-finite input (its
+    factors were formed from zeros there), added to the state leaving it. Returns the
+    carry after the block and, per chunk, the outputs and (with `keep_states`) the state
+    entering the chunk.
     """
 
     def body(carry, inp):
         h, finals = carry
-        f_c, m = inp
+        f_c, m, p = inp
         if m is not None:
             h = jnp.where(m[0] >= 0, doc_states[jnp.maximum(m[0], 0)], h)
         h_next, out = recurrence.step(f_c, h)
+        h_next = h_next + p.reshape(p.shape + (1,) * (h_next.ndim - 1))
         if m is not None:
             e = m[1]
             slot = jnp.maximum(e, 0)
             finals = finals.at[slot].set(jnp.where(e >= 0, h_next, finals[slot]))
         return (h_next, finals), (out, h if keep_states else None)
 
-    return jax.lax.scan(body, carry, (f, marks))
+    return jax.lax.scan(body, carry, (f, marks, poison))
 
 
 def state_cotangents(recurrence, f, states, d_outputs, carry, marks, d_finals):
@@ -155,23 +158,26 @@ def factor_cotangents(recurrence, f, states, d_next, d_outputs):
     return jax.vmap(one)(f, states, d_next, d_outputs)
 
 
-def composes(recurrence, f, running: AbstractAffineMap, marks, doc_states):
+def composes(recurrence, f, running: AbstractAffineMap, marks, doc_states, poison):
     """One block's chunks appended to a running map (phase 1), one `compose` per chunk.
 
     With packed documents, a document's first chunk is preceded by the constant map to
-    that document's initial state ($M = 0$): what enters it does not matter.
+    that document's initial state ($M = 0$): what enters it does not matter. `poison` as
+    in `steps`, added to the map's offset.
     """
     constant = jax.tree.map(jnp.zeros_like, running)
 
     def body(running, inp):
-        f_c, m = inp
+        f_c, m, p = inp
         if m is not None:
             s = m[0]
             reset = eqx.tree_at(lambda m: m.U, constant, doc_states[jnp.maximum(s, 0)])
             running = jax.tree.map(lambda a, b: jnp.where(s >= 0, a, b), reset, running)
-        return recurrence.compose(f_c, running), None
+        running = recurrence.compose(f_c, running)
+        u = running.U + p.reshape(p.shape + (1,) * (running.U.ndim - 1))
+        return eqx.tree_at(lambda m: m.U, running, u), None
 
-    running, _ = jax.lax.scan(body, running, (f, marks))
+    running, _ = jax.lax.scan(body, running, (f, marks, poison))
     return running
 
 
@@ -186,7 +192,9 @@ def _marks(marks):
     return None if marks is None else marks[:2]
 
 
-def forward(recurrence, blocks, diff, static, h0, marks, doc_states, *, keep_states: bool):
+def forward(
+    recurrence, blocks, diff, static, h0, marks, doc_states, poison, *, keep_states: bool
+):
     """All blocks from `h0`: `((h, finals, outputs), states)`."""
     finals = None
     if marks is not None:
@@ -195,8 +203,8 @@ def forward(recurrence, blocks, diff, static, h0, marks, doc_states, *, keep_sta
 
     def body(carry, i):
         f = factors(recurrence, *blocks.block((diff, static), i))
-        m = blocks.block(_marks(marks), i, axis=0)
-        return steps(recurrence, f, carry, m, doc_states, keep_states=keep_states)
+        m, p = blocks.block((_marks(marks), poison), i, axis=0)
+        return steps(recurrence, f, carry, m, doc_states, p, keep_states=keep_states)
 
     (h, finals), (outputs, states) = _over_blocks(body, (h0, finals), blocks.count)
     return (h, finals, blocks.to_time(outputs)), states
@@ -253,13 +261,15 @@ def state_cotangent_in(recurrence, blocks, diff, static, states, marks, d_output
     return dh
 
 
-def local_map(recurrence, blocks, diff, static, marks, doc_states, identity: AbstractAffineMap):
+def local_map(
+    recurrence, blocks, diff, static, marks, doc_states, poison, identity: AbstractAffineMap
+):
     """The affine map of the whole slice (phase 1): the blocks' chunks composed in order."""
 
     def body(running, i):
         f = factors(recurrence, *blocks.block((diff, static), i))
-        m = blocks.block(_marks(marks), i, axis=0)
-        return composes(recurrence, f, running, m, doc_states), None
+        m, p = blocks.block((_marks(marks), poison), i, axis=0)
+        return composes(recurrence, f, running, m, doc_states, p), None
 
     running, _ = _over_blocks(body, identity, blocks.count)
     return running
@@ -293,15 +303,16 @@ def varying(tree: PyTree, like: PyTree) -> PyTree:
 
 
 @ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def local(recurrence, blocks, diff, static, h0, marks, doc_states):
+def local(recurrence, blocks, diff, static, h0, marks, doc_states, poison):
     """One pass over all chunks from `h0`: `(outputs, final_state, document_finals)`."""
-    return _local_fwd(recurrence, blocks, diff, static, h0, marks, doc_states, keep=False)[0]
+    args = (diff, static, h0, marks, doc_states, poison)
+    return _local_fwd(recurrence, blocks, *args, keep=False)[0]
 
 
-def _local_fwd(recurrence, blocks, diff, static, h0, marks, doc_states, *, keep=True):
+def _local_fwd(recurrence, blocks, diff, static, h0, marks, doc_states, poison, *, keep=True):
     h0 = varying(h0, diff)
     (h, finals, outputs), states = forward(
-        recurrence, blocks, diff, static, h0, marks, doc_states, keep_states=keep
+        recurrence, blocks, diff, static, h0, marks, doc_states, poison, keep_states=keep
     )
     return (outputs, h, finals), (diff, static, states, marks, doc_states)
 
@@ -311,7 +322,7 @@ def _local_bwd(recurrence, blocks, res, cts):
     d_outputs, d_h, d_finals = cts
     cts = (d_outputs, varying(d_h, diff), d_finals)
     d_diff, dh0, d_docs = backward(recurrence, blocks, diff, static, states, marks, doc_states, cts)
-    return d_diff, None, dh0, None, d_docs
+    return d_diff, None, dh0, None, d_docs, None
 
 
 local.defvjp(_local_fwd, _local_bwd)
@@ -330,22 +341,23 @@ def context_parallel(
     h0,
     marks,
     doc_states,
+    poison,
 ):
     """The three phases: `(outputs, final_state or None, document_finals or None)`."""
     walk = (recurrence, blocks, exchange, axis_name, need_final, reverse)
-    return _three_phases(walk, diff, static, h0, marks, doc_states, keep=False)[0]
+    return _three_phases(walk, diff, static, h0, marks, doc_states, poison, keep=False)[0]
 
 
-def _three_phases(walk, diff, static, h0, marks, doc_states, *, keep=True):
+def _three_phases(walk, diff, static, h0, marks, doc_states, poison, *, keep=True):
     recurrence, blocks, exchange, axis_name, need_final, reverse = walk
     identity = _identity(recurrence, blocks, diff, static)
-    mine = local_map(recurrence, blocks, diff, static, marks, doc_states, identity)
+    mine = local_map(recurrence, blocks, diff, static, marks, doc_states, poison, identity)
     h_in, h_final = exchange(
         mine, h0, axis_name=axis_name, need_final_state=need_final, reverse=reverse
     )
     h_in = varying(h_in, diff)
     (_, finals, outputs), states = forward(
-        recurrence, blocks, diff, static, h_in, marks, doc_states, keep_states=keep
+        recurrence, blocks, diff, static, h_in, marks, doc_states, poison, keep_states=keep
     )
     return (outputs, h_final, finals), (mine, states)
 
@@ -373,9 +385,10 @@ def _context_parallel_fwd(
     h0,
     marks,
     doc_states,
+    poison,
 ):
     walk = (recurrence, blocks, exchange, axis_name, need_final, reverse)
-    out, (mine, states) = _three_phases(walk, diff, static, h0, marks, doc_states)
+    out, (mine, states) = _three_phases(walk, diff, static, h0, marks, doc_states, poison)
     return out, (diff, static, states, marks, doc_states, mine, h0)
 
 
@@ -399,7 +412,7 @@ def _context_parallel_bwd(recurrence, blocks, exchange, axis_name, need_final, r
     cts = (d_outputs, varying(lam_next, diff), d_finals)
     d_diff, _, d_docs = backward(recurrence, blocks, diff, static, states, marks, doc_states, cts)
     d_docs = None if d_docs is None else jax.lax.psum(d_docs, axis_name)
-    return d_diff, None, lam0, None, d_docs
+    return d_diff, None, lam0, None, d_docs, None
 
 
 context_parallel.defvjp(_context_parallel_fwd, _context_parallel_bwd)

@@ -1074,3 +1074,138 @@ def test_blocks_match_loop(family, block_size):
     assert rel_err(o, expected_o) <= 1e-5
     assert rel_err(final, expected_h) <= 1e-5
     _check_gradients(family, args, h0, grads)
+
+
+# ---------------------------------------------------------------------------------------
+# Infinite decays and non-finite inputs
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.gate is not None], ids=_name)
+def test_infinite_decays_match_loop(family):
+    # g = -inf is a decay of exp(-inf) = 0: the state is forgotten, everything stays finite,
+    # chunked, token by token and under context parallelism, and so do the gradients.
+    args, h0 = family.make(51, **SHAPE)
+    args = list(args)
+    gi = family.gate_index()
+    assert gi is not None
+    g = np.array(args[gi])
+    if family.gate_per_channel:
+        g[:, 13, :, :3] = -np.inf
+        g[:, 21] = -np.inf
+    else:
+        g[:, 13] = -np.inf
+        g[:, 21:23] = -np.inf
+    args[gi] = jnp.asarray(g)
+    expected_o, expected_h = _reference(family, args, h0)
+    assert np.all(np.isfinite(expected_o))
+    for kind, cp in [("chunk", None), ("recurrent", None), ("chunk", 2)]:
+        o, final, grads = _grad_fn(family, kind, cp)(*args, h0)
+        assert rel_err(o, expected_o) <= 1e-5, (kind, cp)
+        assert rel_err(final, expected_h) <= 1e-5, (kind, cp)
+        assert all(np.all(np.isfinite(x)) for x in grads), (kind, cp)
+    # The gradients equal those at a finite decay that underflows to the same zero.
+    g[np.isinf(g)] = -1e30
+    _, _, finite_grads = _grad_fn(family)(*[*args[:gi], jnp.asarray(g), *args[gi + 1 :]], h0)
+    _, _, grads = _grad_fn(family)(*args, h0)
+    for i, (a, b) in enumerate(zip(grads, finite_grads)):
+        if i != gi:
+            assert rel_err(a, b) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "family, where",
+    [
+        pytest.param(
+            f, where, id=f"{f.name}-{where}", marks=() if j == i % 3 else (pytest.mark.slow,)
+        )
+        for i, f in enumerate(FAMILIES)
+        for j, where in enumerate(["one_device", "cp", "packed"])
+    ],
+)
+def test_non_finite_input_does_not_reach_earlier_tokens(family, where):
+    # NaN, +inf or -inf in one input at token t: the outputs before t are the float64 loop's
+    # on the same inputs (as if the value were absent), from t on they are non-finite, and
+    # the gradients of a loss on the tokens before t are finite and the clean ones.
+    t = 13  # inside the second chunk of 8; on rank 0 of 2 (20 tokens each)
+    args, h0 = family.make(52, **SHAPE)
+    bad_values = [np.nan, np.inf, -np.inf]
+    for n, name in enumerate(family.arg_names):
+        value = bad_values[n % 3]
+        if name == family.gate and value == -np.inf:
+            value = np.nan  # -inf is a valid log decay
+        broken = list(args)
+        x = np.array(broken[n])
+        x[:, t] = value
+        broken[n] = jnp.asarray(x)
+        if where == "packed":
+            cu = [0, 9, 30, 40]  # t in the second document; the third stays clean
+            fn = jax.jit(
+                lambda a: family.chunk(
+                    *a, cu_seqlens=cu, output_final_state=True, **_options(family)
+                )
+            )
+            o, finals = fn(broken)
+            expected_o, expected_h = _reference(family, args, None, cu_seqlens=cu)
+            o, e = np.asarray(o, np.float64), np.asarray(expected_o)
+            assert rel_err(o[:, :t], e[:, :t]) <= 1e-5, name
+            assert rel_err(o[:, 30:], e[:, 30:]) <= 1e-5, name
+            assert not np.any(np.isfinite(o[:, t:30])), name
+            assert rel_err(finals[np.array([0, 2])], expected_h[np.array([0, 2])]) <= 1e-5
+            assert not np.any(np.isfinite(finals[1])), name
+            continue
+        cp = 2 if where == "cp" else None
+        o, final, _ = _grad_fn(family, "chunk", cp)(*broken, h0)
+        expected_o, _ = _reference(family, args, h0)
+        o = np.asarray(o, np.float64)
+        assert rel_err(o[:, :t], np.asarray(expected_o)[:, :t]) <= 1e-5, name
+        assert not np.any(np.isfinite(o[:, t:])), name
+        assert not np.any(np.isfinite(final)), name
+        grads = _prefix_grad_fn(family, cp, t)(broken, h0)
+        clean = _prefix_grad_fn(family, cp, t)(list(args), h0)
+        for i, (a, b) in enumerate(zip(grads, clean)):
+            a, b = np.asarray(a), np.asarray(b)
+            if i < len(family.arg_names):  # per token: only those before t
+                a, b = a[:, :t], b[:, :t]
+            assert np.all(np.isfinite(a)), (name, i)
+            assert rel_err(a, b) <= 1e-5, (name, i)
+
+
+@ft.cache
+def _prefix_grad_fn(family: Family, cp: int | None, t: int):
+    """Gradients of a loss on the outputs before token `t` (one device or inside shard_map)."""
+
+    def outputs(*a):
+        if cp is None:
+            return family.chunk(*a[:-1], initial_state=a[-1], **_options(family))[0]
+        mesh = _mesh(cp)
+        seq = P(None, "cp")
+
+        def per_rank(*a):
+            kw = dict(axis_name="cp", initial_state=a[-1], **_options(family))
+            return family.chunk_cp(*a[:-1], **kw)[0]
+
+        specs = (seq,) * (len(a) - 1) + (P(),)
+        return jax.shard_map(per_rank, mesh=mesh, in_specs=specs, out_specs=seq)(*a)
+
+    def loss(args, h0):
+        o = outputs(*args, h0)
+        before = (jnp.arange(o.shape[1]) < t).reshape(1, -1, 1, 1)
+        # Mask first: sin'(NaN) * 0 would be NaN.
+        return jnp.sum(jnp.sin(jnp.where(before, o, jnp.zeros((), o.dtype))))
+
+    grad = jax.jit(lambda args, h0: _flatten_grads(jax.grad(loss, argnums=(0, 1))(args, h0)))
+    if cp is None:
+        return grad
+    mesh = _mesh(cp)
+
+    def call(args, h0):
+        args = [jax.device_put(x, NamedSharding(mesh, P(None, "cp"))) for x in args]
+        return grad(args, jax.device_put(h0, NamedSharding(mesh, P())))
+
+    return call
+
+
+def _flatten_grads(grads):
+    args, h0 = grads
+    return [*args, h0]

@@ -62,7 +62,7 @@ class DeltaInputs(eqx.Module):
     q: Float[Array, "batch seq heads k"]
     k: Float[Array, "batch seq *nh heads k"]
     v: Float[Array, "batch seq *nh vheads v"]
-    g: Float[Array, "batch seq vheads *k"] | None
+    g: Float[Array, "batch seq vheads *k"] | None = eqx.field(metadata={"log_decay": True})
     beta: Float[Array, "batch seq *nh vheads"]
 
 

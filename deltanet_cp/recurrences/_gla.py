@@ -40,7 +40,7 @@ class GLAInputs(eqx.Module):
     q: QKTensor
     k: QKTensor
     v: ValueTensor
-    g: GateTensor | KeyGateTensor
+    g: GateTensor | KeyGateTensor = eqx.field(metadata={"log_decay": True})
 
 
 class GatedLinearAttentionFactors(eqx.Module):
