@@ -357,7 +357,9 @@ def chunk_delta_rule_sharded(
         `cu_seqlens`, `chunk_size`: as in [`deltanet_cp.chunk_delta_rule`][],
         global arrays in sequence order whatever the layout. The sequence length must be
         divisible by the size of `axis_name` (by twice it under `Zigzag`).
-    - `mesh`: a `jax.sharding.Mesh` with an axis named `axis_name`.
+    - `mesh`: a `jax.sharding.Mesh` with an axis named `axis_name`, as `jax.make_mesh`
+        gives. Outside a mesh context (`jax.set_mesh`) its `Explicit` axes are used as
+        `Auto`, so that eager `jax.grad` works through the call.
     - `axis_name`: the mesh axis to shard the sequence over.
     - `batch_axis`: optionally, a mesh axis to shard the batch over (data parallelism).
     - `layout`, `exchange`: as in [`deltanet_cp.chunk_delta_rule_cp`][].
