@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int, Shaped
 
+from ._validate import as_index, as_positive_index
+
 
 class AbstractLayout(eqx.Module):
     """How the tokens of a sequence are assigned to the ranks of a context-parallel axis.
@@ -85,9 +87,11 @@ def _zigzag_order(cp: int) -> list[int]:
 def _reorder(x: Array | np.ndarray, cp: int, axis: int, order: list[int], name: str) -> Array:
     """Cut `axis` into `2 cp` equal pieces and concatenate them in `order` (static slices,
     so that it works on sharded arrays too)."""
-    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
-        raise ValueError(f"`cp` must be a positive int; got {cp!r}.")
+    cp = as_positive_index(cp, "cp")
     x = jnp.asarray(x)
+    axis = as_index(axis, "axis")
+    if not -x.ndim <= axis < x.ndim:  # numpy's rule: negative axes count from the end
+        raise np.exceptions.AxisError(axis, x.ndim, msg_prefix=f"{name}: `axis`")
     axis = axis % x.ndim
     length = x.shape[axis]
     if length % (2 * cp):
@@ -125,13 +129,20 @@ def to_zigzag(x: Shaped[Array | np.ndarray, "..."], cp: int, axis: int = 1) -> S
     **Arguments:**
 
     - `x`: the array, in natural (sequence) order.
-    - `cp`: the number of ranks.
-    - `axis`: the time axis (1 for `(batch, seq, ...)`).
+    - `cp`: the number of ranks, a positive int (a NumPy integer too).
+    - `axis`: the time axis (1 for `(batch, seq, ...)`); negative counts from the end.
 
     **Returns:**
 
     `x` with its time axis permuted; [`deltanet_cp.from_zigzag`][] is the inverse.
+
+    **Raises:**
+
+    `ValueError` if the length of `axis` is not a multiple of `2 * cp` or if `cp < 1`;
+    `TypeError` if `cp` or `axis` is not an int; `numpy.exceptions.AxisError` (a
+    `ValueError`) if `axis` is out of range.
     """
+    cp = as_positive_index(cp, "cp")
     return _reorder(x, cp, axis, _zigzag_order(cp), "to_zigzag")
 
 
@@ -149,7 +160,12 @@ def from_zigzag(
     **Returns:**
 
     `x` with its time axis in natural order.
+
+    **Raises:**
+
+    As [`deltanet_cp.to_zigzag`][].
     """
+    cp = as_positive_index(cp, "cp")
     order = _zigzag_order(cp)
     inverse = [order.index(p) for p in range(2 * cp)]
     return _reorder(x, cp, axis, inverse, "from_zigzag")

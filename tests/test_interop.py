@@ -205,6 +205,88 @@ def test_clear_errors(tmp_path):
         gated_delta_net_from_hf(config, tmp_path / "nope.safetensors")
 
 
+def _two_layers(weights):
+    """The fixture's layer 0 and a copy of it as layer 1: `(layer 0, layer 1)` dicts."""
+    short = {k[len(PREFIX) :]: v for k, v in weights.items()}
+    return dict(weights), {f"model.layers.1.linear_attn.{k}": v for k, v in short.items()}
+
+
+def test_sharded_checkpoint_index(tmp_path):
+    """A directory with `model.safetensors.index.json` is read through its `weight_map`: a
+    stray file holding stale copies of the tensors is ignored (it was read too, and the last
+    file in sorted order won, silently)."""
+    config, weights, _ = _fixture("qwen3_5_gdn")
+    expected = _layer("qwen3_5_gdn")
+    layer0, layer1 = _two_layers(weights)
+    save_file(layer0, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file(layer1, str(tmp_path / "model-00002-of-00002.safetensors"))
+    stale = {k: np.zeros_like(v) for k, v in layer0.items()}
+    save_file(stale, str(tmp_path / "model-zz-stale.safetensors"))
+    weight_map = {k: "model-00001-of-00002.safetensors" for k in layer0}
+    weight_map |= {k: "model-00002-of-00002.safetensors" for k in layer1}
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for source in (tmp_path, index):
+        loaded = gated_delta_net_from_hf(config, source, prefix=PREFIX)
+        assert eqx.tree_equal(loaded, expected)
+    # An index naming a file that is not there, or a tensor not in its file.
+    bad = dict(weight_map, **{PREFIX + "A_log": "model-00003-of-00003.safetensors"})
+    index.write_text(json.dumps({"weight_map": bad}))
+    with pytest.raises(FileNotFoundError, match="model-00003-of-00003.safetensors"):
+        gated_delta_net_from_hf(config, tmp_path, prefix=PREFIX)
+    bad = dict(weight_map, **{PREFIX + "A_log": "model-00002-of-00002.safetensors"})
+    index.write_text(json.dumps({"weight_map": bad}))
+    with pytest.raises(ValueError, match=f"'{PREFIX}A_log' is not in .*model-00002-of-00002"):
+        gated_delta_net_from_hf(config, tmp_path, prefix=PREFIX)
+    index.write_text("{}")
+    with pytest.raises(ValueError, match="weight_map"):
+        gated_delta_net_from_hf(config, tmp_path, prefix=PREFIX)
+
+
+def test_duplicate_tensors_across_files(tmp_path):
+    """Without an index, a tensor in two files must be the same in both."""
+    config, weights, _ = _fixture("qwen3_5_gdn")
+    expected = _layer("qwen3_5_gdn")
+    save_file(dict(weights), str(tmp_path / "a.safetensors"))
+    save_file(dict(weights), str(tmp_path / "b.safetensors"))  # an identical copy: fine
+    assert eqx.tree_equal(gated_delta_net_from_hf(config, tmp_path), expected)
+    changed = dict(weights, **{PREFIX + "dt_bias": weights[PREFIX + "dt_bias"] + 1})
+    save_file(changed, str(tmp_path / "b.safetensors"))
+    with pytest.raises(
+        ValueError,
+        match=f"Tensor '{PREFIX}dt_bias' is in both 'a.safetensors' and 'b.safetensors', with "
+        "different values: remove the stale file, or add .*model.safetensors.index.json",
+    ):
+        gated_delta_net_from_hf(config, tmp_path)
+
+
+def test_refuses_non_floating_weights_and_dtype():
+    config, weights, _ = _fixture("qwen3_5_gdn")
+    short = {k[len(PREFIX) :]: v for k, v in weights.items()}
+    for dtype in [np.int32, np.bool_, np.uint8]:
+        bad = dict(short, **{"A_log": short["A_log"].astype(dtype)})
+        with pytest.raises(ValueError, match="Tensor 'A_log' has dtype .*floating-point"):
+            gated_delta_net_from_hf(config, bad)
+    for dtype in [jnp.int8, "int32", bool, "not a dtype"]:
+        with pytest.raises(ValueError, match="`dtype` must be a floating-point dtype"):
+            gated_delta_net_from_hf(config, short, dtype=dtype)
+
+
+def test_config_sizes_must_be_integers():
+    config, weights, _ = _fixture("qwen3_5_gdn")
+    short = {k[len(PREFIX) :]: v for k, v in weights.items()}
+    expected = _layer("qwen3_5_gdn")
+    # Integral values of other types are the same config.
+    hidden = config["hidden_size"]
+    for value in [np.int64(hidden), float(hidden)]:
+        layer = gated_delta_net_from_hf(dict(config, hidden_size=value), short)
+        assert eqx.tree_equal(layer, expected)
+    # A non-integral size was truncated by int(): refused, naming the field.
+    for value in [hidden + 0.9, "32", True]:
+        with pytest.raises(ValueError, match="The config's `hidden_size` must be an integer"):
+            gated_delta_net_from_hf(dict(config, hidden_size=value), short)
+
+
 # ---------------------------------------------------------------------------------------
 # Call shapes: deltanet_cp.interop.fla and deltanet_cp.interop.transformers
 # ---------------------------------------------------------------------------------------

@@ -163,6 +163,28 @@ def test_float64_layer(getkey):
         assert rel_err(out, layer_reference(layer, x)[0]) <= 1e-10
 
 
+def test_output_dtype_is_x_dtype(getkey):
+    """What the docstring says (issue 19, item 8): the layer computes in its parameters' dtype
+    and returns `x`'s, where a bfloat16 `x` through float32 parameters gave float32."""
+    layer = GatedDeltaNet(*SIZES, chunk_size=16, key=getkey())
+    x = jr.normal(getkey(), (20, SIZES[0])).astype(jnp.bfloat16)
+    call = eqx.filter_jit(lambda m, x, s: m(x, s, return_state=True))
+    out, state = call(layer, x, None)
+    assert out.dtype == jnp.bfloat16
+    assert state.conv.dtype == jnp.float32 and state.recurrent.dtype == jnp.float32
+    # The float32 computation of the same values, rounded once at the end.
+    expected, _ = call(layer, x.astype(jnp.float32), None)
+    assert rel_err(out, expected) <= 2**-8
+    # The token-by-token form, and a state carried in another dtype keeps its dtype.
+    y, new = eqx.filter_jit(GatedDeltaNet.step)(layer, x[0], layer.init_state(jnp.bfloat16))
+    assert y.dtype == jnp.bfloat16 and y.shape == (SIZES[0],)
+    assert new.conv.dtype == jnp.bfloat16 and new.recurrent.dtype == jnp.float32
+    # bfloat16 parameters (the tests promote dtypes strictly: no silent mixing inside).
+    half = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, layer)
+    assert call(half, x, None)[0].dtype == jnp.bfloat16
+    assert call(half, x.astype(jnp.float32), None)[0].dtype == jnp.float32
+
+
 def test_prefill_then_decode(getkey):
     """Prefill + token-by-token steps == one call over the whole sequence (and its state)."""
     layer = with_slow_decays(GatedDeltaNet(*SIZES, chunk_size=16, key=getkey()), getkey())

@@ -1,5 +1,8 @@
 """Hugging Face `transformers` weights for [`deltanet_cp.nn.GatedDeltaNet`][] (safetensors only)."""
 
+import json
+import math
+import operator
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,6 +20,7 @@ _QWEN3_NEXT = ("in_proj_qkvz.weight", "in_proj_ba.weight")
 _QWEN3_5 = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
 _COMMON = ("conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight")
 _ALL = _QWEN3_NEXT + _QWEN3_5 + _COMMON
+_INDEX = "model.safetensors.index.json"
 _REQUIRED_CONFIG = (
     "hidden_size",
     "linear_num_key_heads",
@@ -35,6 +39,22 @@ def _config_value(config: Any, name: str, default: Any = None) -> Any:
     return value
 
 
+def _config_int(config: Any, name: str, default: Any = None) -> int:
+    """An integer field of the config: an int, a NumPy integer or an integral float."""
+    value = _config_value(config, name, default)
+    if isinstance(value, bool):
+        raise ValueError(f"The config's `{name}` must be an integer; got {value!r}.")
+    if isinstance(value, float) and math.isfinite(value) and value == int(value):
+        return int(value)
+    try:
+        return operator.index(value)  # pyright: ignore[reportArgumentType]
+    except TypeError:
+        raise ValueError(
+            f"The config's `{name}` must be an integer; got {value!r}. Fix it in the config "
+            "(a non-integral size is not truncated)."
+        ) from None
+
+
 def _text_config(config: Any) -> Any:
     # Qwen3.5's top-level config nests the language model's fields in `text_config`.
     if _config_value(config, "hidden_size") is None:
@@ -45,11 +65,17 @@ def _text_config(config: Any) -> Any:
 
 
 class _Reader:
-    """Tensors by name, from a mapping or from `.safetensors` files (read lazily)."""
+    """Tensors by name, from a mapping or from `.safetensors` files (read lazily).
+
+    A sharded checkpoint says which file holds each tensor in its
+    `model.safetensors.index.json`; that is read when present (in a directory, or given as
+    the path). Without it, every `.safetensors` file of the directory is read, and a tensor
+    found in several files must be identical in all of them.
+    """
 
     def __init__(self, weights: Any):
         self._mapping: Mapping[str, Any] | None = None
-        self._files: dict[str, Path] = {}
+        self._files: dict[str, list[Path]] = {}
         if isinstance(weights, Mapping):
             self._mapping = weights
             return
@@ -59,7 +85,14 @@ class _Reader:
                 f"`.safetensors` file or of a directory of them; got {type(weights).__name__}."
             )
         path = Path(weights)
-        if path.is_dir():
+        index = None
+        if path.is_dir() and (path / _INDEX).is_file():
+            index = path / _INDEX
+        elif path.name.endswith(".safetensors.index.json"):
+            index = path
+        if index is not None:
+            files = None
+        elif path.is_dir():
             files = sorted(path.glob("*.safetensors"))
             if not files:
                 raise ValueError(f"No `.safetensors` files in the directory {str(path)!r}.")
@@ -80,10 +113,14 @@ class _Reader:
                 "`pip install safetensors`."
             ) from e
         self._safe_open = safe_open
+        if index is not None:
+            self._files = _read_index(index)
+            return
+        assert files is not None
         for file in files:
             with safe_open(str(file), framework="numpy") as f:
                 for name in f.keys():
-                    self._files[name] = file
+                    self._files.setdefault(name, []).append(file)
 
     def keys(self) -> list[str]:
         if self._mapping is not None:
@@ -98,8 +135,51 @@ class _Reader:
     def __getitem__(self, name: str) -> Any:
         if self._mapping is not None:
             return self._mapping[name]
-        with self._safe_open(str(self._files[name]), framework="numpy") as f:
+        first, *others = self._files[name]
+        x = self._read(first, name)
+        for other in others:
+            y = self._read(other, name)
+            if x.dtype != y.dtype or x.shape != y.shape or not np.array_equal(x, y):
+                raise ValueError(
+                    f"Tensor {name!r} is in both {first.name!r} and {other.name!r}, with "
+                    "different values: remove the stale file, or add the checkpoint's "
+                    f"`{_INDEX}` (which says which file holds each tensor)."
+                )
+        return x
+
+    def _read(self, file: Path, name: str) -> Any:
+        with self._safe_open(str(file), framework="numpy") as f:
+            if name not in f.keys():
+                raise ValueError(f"Tensor {name!r} is not in {str(file)!r}, as the index says.")
             return f.get_tensor(name)
+
+
+def _read_index(index: Path) -> dict[str, list[Path]]:
+    """The file of each tensor, from a `model.safetensors.index.json` (its `weight_map`)."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"Cannot read the `weight_map` of the index {str(index)!r}: {e!r}."
+        ) from None
+    if not isinstance(weight_map, Mapping) or not all(
+        isinstance(v, str) for v in weight_map.values()
+    ):
+        raise ValueError(f"The `weight_map` of {str(index)!r} must map tensor names to file names.")
+    files = {}
+    for name, file in weight_map.items():
+        path = index.parent / file
+        if Path(file).name != file or path.suffix != ".safetensors":
+            raise ValueError(
+                f"The index {str(index)!r} puts {name!r} in {file!r}: expected the name of a "
+                "`.safetensors` file next to it."
+            )
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"The index {str(index)!r} puts {name!r} in {file!r}, which does not exist."
+            )
+        files[name] = [path]
+    return files
 
 
 def _find_prefix(reader: _Reader, prefix: str | None) -> str:
@@ -142,13 +222,17 @@ def gated_delta_net_from_hf(
         `hidden_act` (must be `"silu"`). A Qwen3.5 config with a nested `text_config`
         works too.
     - `weights`: a mapping from tensor names to arrays (numpy or JAX), or the path of a
-        `.safetensors` file or of a directory of them (only the tensors of this layer are
-        read). Pickle-based checkpoints are refused.
+        `.safetensors` file, of a directory of them, or of a sharded checkpoint's
+        `model.safetensors.index.json` (only the tensors of this layer are read).
+        In a directory, the index says which file holds each tensor when it is present;
+        without it every `.safetensors` file is read and a tensor in several files must be
+        the same in all. Pickle-based checkpoints are refused.
     - `prefix`: the prefix of this layer's tensor names, e.g.
         `"model.layers.0.linear_attn."`. If `None`, the one prefix in front of an `A_log`
         tensor (possibly empty); it is an error if there are several.
     - `chunk_size`: the layer's chunk size for the gated delta rule.
-    - `dtype`: cast every parameter to this dtype; keep each tensor's dtype if `None`.
+    - `dtype`: cast every parameter to this floating-point dtype; keep each tensor's
+        dtype if `None`.
 
     **Returns:**
 
@@ -157,8 +241,10 @@ def gated_delta_net_from_hf(
 
     **Raises:**
 
-    `ValueError` naming the tensor if one is missing, misshapen or unexpected, or naming
-    the configuration field if one is missing or unsupported.
+    `ValueError` naming the tensor if one is missing, misshapen, not floating-point,
+    unexpected, or in two files with different values; naming the configuration field if
+    one is missing, unsupported or not an integer; or naming `dtype` if it is not a
+    floating-point dtype.
     """
     config = _text_config(config)
     missing = [n for n in _REQUIRED_CONFIG if _config_value(config, n) is None]
@@ -169,12 +255,22 @@ def gated_delta_net_from_hf(
         raise ValueError(
             f"Only `hidden_act='silu'` is supported for the convolution; the config has {act!r}."
         )
-    hidden = int(_config_value(config, "hidden_size"))
-    h = int(_config_value(config, "linear_num_key_heads"))
-    hv = int(_config_value(config, "linear_num_value_heads"))
-    dk = int(_config_value(config, "linear_key_head_dim"))
-    dv = int(_config_value(config, "linear_value_head_dim"))
-    width = int(_config_value(config, "linear_conv_kernel_dim"))
+    hidden = _config_int(config, "hidden_size")
+    h = _config_int(config, "linear_num_key_heads")
+    hv = _config_int(config, "linear_num_value_heads")
+    dk = _config_int(config, "linear_key_head_dim")
+    dv = _config_int(config, "linear_value_head_dim")
+    width = _config_int(config, "linear_conv_kernel_dim")
+    if dtype is not None:
+        try:
+            floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+        except TypeError:
+            floating = False
+        if not floating:
+            raise ValueError(
+                f"`dtype` must be a floating-point dtype (jnp.float32, jnp.bfloat16, ...) or "
+                f"None; got {dtype!r}."
+            )
     eps = float(_config_value(config, "rms_norm_eps", 1e-6))
     if hv % h != 0:
         raise ValueError(
@@ -224,6 +320,11 @@ def gated_delta_net_from_hf(
                 f"conv kernel {width})."
             )
         x = jnp.asarray(x)
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(
+                f"Tensor {name!r} has dtype {x.dtype}; the layer's weights must be "
+                "floating-point (is the checkpoint quantised?)."
+            )
         tensors[short] = x if dtype is None else x.astype(dtype)
 
     if layout == "Qwen3-Next":

@@ -11,6 +11,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._engine import run
 from .._exchange import AbstractExchange, ExchangeName
 from .._layout import check_layout, Contiguous, Layout
+from .._validate import as_positive_index
 from ..recurrences._delta_family import DeltaInputs
 from ..recurrences._gated_delta import GatedDeltaRule, recurrent_gated_delta_rule
 from ._conv import CausalConv1d
@@ -48,7 +49,10 @@ class GatedDeltaNet(eqx.Module):
     5. a gated RMSNorm per value head, $\mathrm{rms}(o) \odot w \odot \mathrm{silu}(z)$;
     6. the output projection back to `hidden`.
 
-    Call it on one sequence and `jax.vmap` over the batch, as any Equinox layer. Inside
+    Call it on one sequence and `jax.vmap` over the batch, as any Equinox layer. It computes
+    in its parameters' dtype (the recurrence's state and gates in float32, or float64) and
+    returns its input's dtype: a bfloat16 `x` through float32 parameters gives bfloat16.
+    Inside
     `jax.shard_map` with time sharded contiguously over a mesh axis, pass that axis as
     `axis_name`: the convolution fetches its `conv_kernel_size - 1` token halo from the
     previous rank by one `ppermute` and the recurrence runs through
@@ -104,7 +108,19 @@ class GatedDeltaNet(eqx.Module):
             use the Equinox/torch defaults, $A_{\log} = \log U(1, 16)$ and $\Delta_b = 1$
             (Qwen3-Next's recipe), and the norm weight is ones.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
+
+        **Raises:**
+
+        `TypeError` if a size is not an int (NumPy integers are accepted), `ValueError` if it
+        is not positive or if `num_value_heads` is not a multiple of `num_key_heads`.
         """
+        hidden_size = as_positive_index(hidden_size, "hidden_size")
+        num_key_heads = as_positive_index(num_key_heads, "num_key_heads")
+        num_value_heads = as_positive_index(num_value_heads, "num_value_heads")
+        key_head_dim = as_positive_index(key_head_dim, "key_head_dim")
+        value_head_dim = as_positive_index(value_head_dim, "value_head_dim")
+        conv_kernel_size = as_positive_index(conv_kernel_size, "conv_kernel_size")
+        chunk_size = as_positive_index(chunk_size, "chunk_size")
         if num_value_heads % num_key_heads != 0:
             raise ValueError(
                 f"`num_value_heads` ({num_value_heads}) must be a multiple of "
@@ -165,8 +181,26 @@ class GatedDeltaNet(eqx.Module):
             ),
         )
 
+    def _check_input(self, x, *, one_token: bool = False) -> None:
+        """A `ValueError` naming `x` unless it is floating, `(seq, hidden)` or `(hidden,)`."""
+        layout = "(hidden,)" if one_token else "(seq, hidden)"
+        dtype = getattr(x, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(
+                f"`x` must be a floating-point array {layout}; got "
+                f"{type(x).__name__ if dtype is None else dtype}. Cast it with `.astype(...)`."
+            )
+        if x.ndim != (1 if one_token else 2) or x.shape[-1] != self.hidden_size:
+            batched = "" if one_token else " It takes one sequence: `jax.vmap` it over a batch."
+            raise ValueError(
+                f"`x` must have shape {layout} with hidden = {self.hidden_size}; got "
+                f"{tuple(x.shape)}.{batched}"
+            )
+
     def _project(self, x):
-        """Projections of `x: (seq, hidden)`: `(qkv (seq, conv_dim), z, b, a)`."""
+        """Projections of `x: (seq, hidden)`, in the parameters' dtype:
+        `(qkv (seq, conv_dim), z, b, a)`."""
+        x = x.astype(self.out_proj.weight.dtype)
         return tuple(
             jax.vmap(lin)(x)
             for lin in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
@@ -216,6 +250,7 @@ class GatedDeltaNet(eqx.Module):
         convolution and SiLU (before L2 normalisation and head repetition), the norm gate
         `z: (seq, HV, V)`, and the log decays `g` and step sizes `beta`, `(seq, HV)`.
         """
+        self._check_input(x)
         mixed, z, b, a = self._project(x)
         conv_state = None if state is None else state.conv
         mixed, _ = self.conv1d(mixed, conv_state, axis_name=axis_name, layout=layout)
@@ -274,10 +309,17 @@ class GatedDeltaNet(eqx.Module):
 
         **Returns:**
 
-        The output, `(seq, hidden)`, in `x`'s dtype; with `return_state`, the pair
-        `(output, new_state)`.
+        The output, `(seq, hidden)`, in `x`'s dtype (computed in the parameters' dtype);
+        with `return_state`, the pair `(output, new_state)`, the new convolution state in
+        the given one's dtype (the parameters' without one).
+
+        **Raises:**
+
+        `ValueError` naming `x` if it is not a floating-point `(seq, hidden)` array (a
+        batch: `jax.vmap` the layer over it).
         """
         check_layout(layout, "GatedDeltaNet")
+        self._check_input(x)
         mixed, z, b, a = self._project(x)
         conv_state, h0 = (None, None) if state is None else (state.conv, state.recurrent)
         mixed, new_conv = self.conv1d(
@@ -293,10 +335,12 @@ class GatedDeltaNet(eqx.Module):
             layout=layout,
             exchange=exchange,
         )
-        out = self._finish(o[0], z)
+        out = self._finish(o[0], z).astype(x.dtype)
         if not return_state:
             return out
         assert new_conv is not None and h is not None
+        if conv_state is not None:
+            new_conv = new_conv.astype(conv_state.dtype)
         return out, GatedDeltaNetState(conv=new_conv, recurrent=h[0])
 
     def step(
@@ -312,8 +356,10 @@ class GatedDeltaNet(eqx.Module):
 
         **Returns:**
 
-        `(y, new_state)`: the output `(hidden,)` and the state after the token.
+        `(y, new_state)`: the output `(hidden,)` in `x`'s dtype and the state after the
+        token, in the dtypes of `state`.
         """
+        self._check_input(x, one_token=True)
         mixed, z, b, a = self._project(x[None])
         mixed, new_conv = self.conv1d(mixed, state.conv, return_state=True)
         q, k, v, z, g, beta = self._split(jax.nn.silu(mixed), z, b, a)
@@ -328,4 +374,8 @@ class GatedDeltaNet(eqx.Module):
             use_qk_l2norm=True,
         )
         assert new_conv is not None and h is not None
-        return self._finish(o[0], z)[0], GatedDeltaNetState(conv=new_conv, recurrent=h[0])
+        y = self._finish(o[0], z)[0].astype(x.dtype)
+        new_state = GatedDeltaNetState(
+            conv=new_conv.astype(state.conv.dtype), recurrent=h[0].astype(state.recurrent.dtype)
+        )
+        return y, new_state

@@ -2,11 +2,13 @@
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._exchange import AbstractExchange, ExchangeName
 from .._layout import check_layout, Contiguous, Layout
+from .._validate import as_positive_index
 from ._attention import CausalSelfAttention, KVExchange
 from ._gated_delta_net import GatedDeltaNet
 
@@ -94,6 +96,23 @@ class HybridBlock(eqx.Module):
         return x + jax.vmap(lambda y: self.mlp(self.mlp_norm(y)))(x)
 
 
+def _check_ids(tokens: Int[Array, " seq"], vocab: int) -> Int[Array, " seq"]:
+    """`tokens`, failing the computation (`equinox.error_if`) if an id is outside the vocabulary.
+
+    Inside `shard_map` the verdict is reduced over every mesh axis the tokens vary over, so
+    that all ranks fail together (a rank that failed alone would leave the others waiting in
+    their next collective); the check is made on a replicated zero added to the tokens.
+    """
+    bad = jnp.any((tokens < 0) | (tokens >= vocab))
+    axes = tuple(sorted(jax.typeof(bad).manual_axis_type.varying, key=str))
+    if axes:
+        bad = jax.lax.psum(bad.astype(jnp.int32), axes) > 0
+    zero = eqx.error_if(
+        jnp.zeros((), tokens.dtype), bad, f"`tokens` must be ids in [0, vocab_size = {vocab})."
+    )
+    return tokens + zero
+
+
 class HybridLM(eqx.Module):
     """A small hybrid language model in the Qwen3-Next pattern.
 
@@ -142,7 +161,16 @@ class HybridLM(eqx.Module):
         - `intermediate_size`: the MLP width; `4 * hidden_size` if `None`.
         - `key`: a PRNG key for the initial parameters.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
+
+        **Raises:**
+
+        `TypeError` if `vocab_size`, `hidden_size`, `num_layers` or `attention_every` is not
+        an int (NumPy integers are accepted), `ValueError` if one is not positive.
         """
+        vocab_size = as_positive_index(vocab_size, "vocab_size")
+        hidden_size = as_positive_index(hidden_size, "hidden_size")
+        num_layers = as_positive_index(num_layers, "num_layers")
+        attention_every = as_positive_index(attention_every, "attention_every")
         intermediate_size = 4 * hidden_size if intermediate_size is None else intermediate_size
         kemb, khead, *kblocks = jr.split(key, num_layers + 2)
         blocks = []
@@ -199,8 +227,23 @@ class HybridLM(eqx.Module):
         **Returns:**
 
         The next-token logits, `(seq, vocab)`.
+
+        **Raises:**
+
+        `ValueError` if `tokens` is not a 1-D integer array. A token id outside
+        `[0, vocab_size)` (which an embedding lookup would silently clamp) fails the call
+        through `equinox.error_if`: an `EquinoxRuntimeError` eagerly, an error when the
+        computation runs under `jax.jit`.
         """
         check_layout(layout, "HybridLM")
+        dtype = getattr(tokens, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.integer) or tokens.ndim != 1:
+            raise ValueError(
+                "`tokens` must be a 1-D integer array of token ids, one sequence (`jax.vmap` "
+                f"the model over a batch); got {getattr(tokens, 'shape', type(tokens).__name__)}"
+                f"{'' if dtype is None else f' of dtype {dtype}'}."
+            )
+        tokens = _check_ids(tokens, self.embed.num_embeddings)
         x = jax.vmap(self.embed)(tokens)
         for block in self.blocks:
             x = block(

@@ -45,6 +45,9 @@ class GatedRMSNorm(eqx.Module):
         h = x.astype(ct)
         h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
         w = self.weight.reshape((1,) * (h.ndim - 1) + self.weight.shape)
-        h = w * h.astype(dtype)
-        h = h * jax.nn.silu(gate.astype(ct))
+        # The reference rounds to x's dtype before the weight, then gates in float32 (torch
+        # promotes each product; here the casts are explicit).
+        wt = jnp.promote_types(w.dtype, dtype)
+        h = w.astype(wt) * h.astype(dtype).astype(wt)
+        h = h.astype(ct) * jax.nn.silu(gate.astype(ct))
         return h.astype(dtype)

@@ -21,6 +21,7 @@ from .._custom_types import CuSeqlens, GateTensor, QKTensor, States, ValueTensor
 from .._engine import run, run_sharded
 from .._exchange import AbstractExchange, ExchangeName
 from .._layout import Contiguous, Layout
+from .._validate import as_chunk_size, as_scale
 from ._delta_family import AbstractDeltaRule, DeltaInputs, GateKind
 
 
@@ -41,12 +42,13 @@ class GatedDeltaProduct(AbstractDeltaRule):
     **Arguments:**
 
     - `chunk_size`: tokens per chunk (each makes `n_h` updates).
-    - `scale`: query scale; `K ** -0.5` if `None`.
+    - `scale`: query scale, a Python float (a traced one is refused); `K ** -0.5` if
+        `None`.
     - `use_qk_l2norm`: L2-normalise `q` and every `k` over `K` (eps `1e-6`) first.
     """
 
-    chunk_size: int = eqx.field(default=64, static=True)
-    scale: float | None = eqx.field(default=None, static=True)
+    chunk_size: int = eqx.field(default=64, static=True, converter=as_chunk_size)
+    scale: float | None = eqx.field(default=None, static=True, converter=as_scale)
     use_qk_l2norm: bool = eqx.field(default=False, static=True)
     gate: ClassVar[GateKind] = "optional"
     householder: ClassVar[bool] = True
@@ -121,7 +123,9 @@ def chunk_gated_delta_product(
         once before the token's steps; `None` for the ungated DeltaProduct.
     - `beta`: step sizes, shape `(B, T, n_h, HV)`; in $[0, 2]$ for householder
         reflections with negative eigenvalues, $[0, 1]$ otherwise.
-    - `scale`: query scale, default `K ** -0.5`.
+    - `scale`: query scale, default `K ** -0.5`: a Python float, part of the static
+        configuration. The outputs are linear in it, so under `jax.jit` a traced scale is
+        `scale=1.0` and `o * scale`.
     - `initial_state`: the state before the first token, `(B, HV, K, V)`; zeros if `None`.
     - `output_final_state`: also return the state after the last token.
     - `use_qk_l2norm`: L2-normalise `q` and `k` over `K` (eps `1e-6`) first.
@@ -383,7 +387,9 @@ def chunk_gated_delta_product_sharded(
         `cu_seqlens`, `chunk_size`: as in [`deltanet_cp.chunk_gated_delta_product`][],
         global arrays in sequence order whatever the layout. The sequence length must be
         divisible by the size of `axis_name` (by twice it under `Zigzag`).
-    - `mesh`: a `jax.sharding.Mesh` with an axis named `axis_name`.
+    - `mesh`: a `jax.sharding.Mesh` with an axis named `axis_name`, as `jax.make_mesh`
+        gives. Outside a mesh context (`jax.set_mesh`) its `Explicit` axes are used as
+        `Auto`, so that eager `jax.grad` works through the call.
     - `axis_name`: the mesh axis to shard the sequence over.
     - `batch_axis`: optionally, a mesh axis to shard the batch over (data parallelism).
     - `layout`, `exchange`: as in [`deltanet_cp.chunk_gated_delta_product_cp`][].
