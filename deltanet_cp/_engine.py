@@ -30,8 +30,10 @@ from ._layout import (
     Zigzag,
     zigzag_half,
 )
+from ._mesh import mesh_to_run_on
 from ._packing import as_cu_seqlens, pack, segments, unpack
 from ._passes import Blocks, context_parallel, local
+from ._validate import check_inputs
 
 
 _Inputs = TypeVar("_Inputs")
@@ -262,6 +264,7 @@ def run(
     `(outputs, final_state)`: outputs in the recurrence's public layout (this rank's tokens,
     in the layout's order, under context parallelism), and the final state or `None`.
     """
+    check_inputs(recurrence, inputs)
     check_layout(layout)
     packed = cu_seqlens is not None
     if packed:
@@ -359,6 +362,7 @@ def run_contiguous(
     the documents that end in this rank's slice, `(num_docs, *state.shape[1:])`, zeros for
     the others (sum them over ranks for every document's), else `None`.
     """
+    check_inputs(recurrence, inputs)
     check_contiguous(layout)
     if not isinstance(start, int) or start < 0:
         raise ValueError(f"`start` must be a non-negative int; got {start!r}.")
@@ -405,8 +409,10 @@ def _run(
 ) -> tuple[PyTree, Array | None, Array | None]:
     recurrence.check(inputs)
     state = recurrence.state(inputs)
-    c = recurrence.chunk_size
     _, length = _batch_and_length(inputs)
+    # A chunk longer than the slice only pads: cap it at the slice rounded up to a power of
+    # two (T = 50 with chunk_size=16384 forms chunks of 64, not of 16384 mostly padding).
+    c = min(recurrence.chunk_size, 1 << max(0, length - 1).bit_length())
     h0 = _initial_state(state, initial_state)
     per_block = _chunks_per_block(block_size, c)
     # A non-finite input must not reach earlier tokens through the chunk's products (a zero
@@ -607,10 +613,12 @@ def run_sharded(
 
     `(outputs, final_state)` as global arrays.
     """
+    check_inputs(recurrence, inputs)
     check_layout(layout)
     exchange = as_exchange(exchange)
     if axis_name not in mesh.shape:
         raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {dict(mesh.shape)}.")
+    mesh = mesh_to_run_on(mesh)
     recurrence.check(inputs)
     batch, length = _batch_and_length(inputs)
     cp = mesh.shape[axis_name]

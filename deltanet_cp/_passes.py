@@ -192,9 +192,7 @@ def _marks(marks):
     return None if marks is None else marks[:2]
 
 
-def forward(
-    recurrence, blocks, diff, static, h0, marks, doc_states, poison, *, keep_states: bool
-):
+def forward(recurrence, blocks, diff, static, h0, marks, doc_states, poison, *, keep_states: bool):
     """All blocks from `h0`: `((h, finals, outputs), states)`."""
     finals = None
     if marks is not None:

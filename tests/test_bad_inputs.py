@@ -36,20 +36,6 @@ CHUNK = 4
 ENTRY_POINTS = ["chunk", "recurrent", "chunk_cp", "chunk_sharded"]
 CHUNKED = ["chunk", "chunk_cp", "chunk_sharded"]  # the ones with a `chunk_size`
 
-# Until `check_inputs` is called at the top of `run`, `run_contiguous` and `run_sharded`
-# (deltanet_cp/_engine.py), these cases still fail deep inside the engine. Remove the mark
-# once it is wired: a strict xfail that passes fails the run.
-ENGINE_HOOK = pytest.mark.xfail(
-    strict=True,
-    raises=(AttributeError, ZeroDivisionError),  # what these cases raise without it
-    reason="needs deltanet_cp._validate.check_inputs called from the engine",
-)
-# Until GatedLinearAttention's `chunk_size` and `scale` fields take the converters
-# `as_chunk_size` and `as_scale` (deltanet_cp/recurrences/_gla.py), as the delta rules' do.
-GLA_CONVERTERS = pytest.mark.xfail(
-    strict=True, reason="needs the as_chunk_size / as_scale converters on GLA's fields"
-)
-
 
 def _name(family: Family) -> str:
     return family.name
@@ -92,10 +78,7 @@ def _is_gla(family: Family) -> bool:
 
 
 def _families_with_converters():
-    return [
-        pytest.param(family, id=family.name, marks=[GLA_CONVERTERS] if _is_gla(family) else [])
-        for family in FAMILIES
-    ]
+    return [pytest.param(family, id=family.name) for family in FAMILIES]
 
 
 # ---------------------------------------------------------------------------------------
@@ -103,7 +86,7 @@ def _families_with_converters():
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family, entry", _cases(lambda family, entry: [ENGINE_HOOK]))
+@pytest.mark.parametrize("family, entry", _cases())
 def test_empty_key_axis(family, entry, without_runtime_typecheck):
     # K = 0 divided by zero in the default scale K ** -0.5.
     args, _ = family.make(0, **dict(SHAPE, dk=0))
@@ -111,9 +94,7 @@ def test_empty_key_axis(family, entry, without_runtime_typecheck):
         _call(family, entry, args, **_options(entry))
 
 
-@pytest.mark.parametrize(
-    "family, entry", _cases(lambda family, entry: [] if _is_gla(family) else [ENGINE_HOOK])
-)
+@pytest.mark.parametrize("family, entry", _cases())
 def test_missing_array(family, entry, without_runtime_typecheck):
     # The last argument (`beta`, or GLA's `g`) as None: was an AttributeError on `None`.
     args, _ = family.make(0, **SHAPE)
@@ -133,7 +114,7 @@ def test_chunk_size_not_an_int(family, entry, chunk_size, without_runtime_typech
 
 @pytest.mark.parametrize(
     "family, entry",
-    _cases(lambda family, entry: [GLA_CONVERTERS] if _is_gla(family) and entry in CHUNKED else []),
+    _cases(),
 )
 def test_integer_and_float_like_values_accepted(family, entry, without_runtime_typecheck):
     # np.int64 as `chunk_size` and a concrete 0-d array as `scale` are converted to the
@@ -146,9 +127,7 @@ def test_integer_and_float_like_values_accepted(family, entry, without_runtime_t
     assert (_call(family, entry, args, **like) == expected).all()
 
 
-@pytest.mark.parametrize(
-    "family, entry", _cases(lambda family, entry: [GLA_CONVERTERS] if _is_gla(family) else [])
-)
+@pytest.mark.parametrize("family, entry", _cases())
 def test_traced_scale(family, entry, without_runtime_typecheck):
     # A traced scale can't be part of the static configuration: refused, with the way out.
     args, _ = family.make(0, **SHAPE)
@@ -195,7 +174,6 @@ def _engine(entry: str, recurrence, inputs):
 ENGINE_ENTRY_POINTS = ["run", "run_contiguous", "run_sharded"]
 
 
-@ENGINE_HOOK
 @pytest.mark.parametrize("family", FAMILIES, ids=_name)
 @pytest.mark.parametrize("entry", ENGINE_ENTRY_POINTS)
 def test_engine_inputs_of_the_wrong_type(family, entry, without_runtime_typecheck):
@@ -214,7 +192,6 @@ def test_engine_inputs_of_the_wrong_type(family, entry, without_runtime_typechec
         _engine(entry, recurrence, other)
 
 
-@ENGINE_HOOK
 @pytest.mark.parametrize("entry", ENGINE_ENTRY_POINTS)
 def test_engine_recurrence_of_the_wrong_type(entry, without_runtime_typecheck):
     family = FAMILIES[0]

@@ -334,16 +334,7 @@ def test_bf16_inputs_across_ranks(exchange, fast_compile):
 # Eager differentiation through `_sharded` on a default mesh (issue 19, item 10)
 # ---------------------------------------------------------------------------------------
 
-# Until `mesh = mesh_to_run_on(mesh)` is in `run_sharded` (deltanet_cp/_engine.py). Remove
-# the mark once it is: a strict xfail that passes fails the run.
-_ENGINE_HOOK = pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="needs deltanet_cp._mesh.mesh_to_run_on called from run_sharded",
-)
 
-
-@_ENGINE_HOOK
 @pytest.mark.parametrize("layout", [dcp.Contiguous(), dcp.Zigzag()], ids=repr)
 def test_eager_grad_through_sharded_on_a_default_mesh(layout):
     # `jax.make_mesh` gives Explicit axes; eager `jax.grad` of a loss of the outputs failed

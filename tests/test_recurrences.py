@@ -1209,3 +1209,28 @@ def _prefix_grad_fn(family: Family, cp: int | None, t: int):
 def _flatten_grads(grads):
     args, h0 = grads
     return [*args, h0]
+
+
+@pytest.mark.parametrize("family", _families(lambda i, f: i == 0))
+def test_chunk_size_is_capped_by_the_sequence(family):
+    # A chunk far longer than the sequence used to be all padding (4 GiB of temporaries at
+    # T = 50 with chunk_size=16384); it is capped at the length rounded up to a power of 2.
+    args, h0 = family.make(53, **dict(SHAPE, t=50))
+
+    def temporaries(chunk_size):
+        fn = jax.jit(
+            lambda args, h0: family.chunk(
+                *args, initial_state=h0, **_options(family, chunk_size=chunk_size)
+            )
+        )
+        compiled = fn.lower(args, h0).compile()
+        memory = compiled.memory_analysis()
+        assert memory is not None
+        return compiled, memory.temp_size_in_bytes
+
+    big, big_bytes = temporaries(16384)
+    _, small_bytes = temporaries(64)
+    assert big_bytes == small_bytes
+    o, _ = big(args, h0)
+    expected_o, _ = _reference(family, args, h0)
+    assert rel_err(o, expected_o) <= 1e-5

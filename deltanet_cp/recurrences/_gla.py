@@ -24,6 +24,7 @@ from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, Stat
 from .._engine import AbstractRecurrence, run, run_sharded
 from .._exchange import AbstractExchange, ExchangeName
 from .._layout import Contiguous, Layout
+from .._validate import as_chunk_size, as_scale
 from ._helpers import check_arrays, compute_dtype, cumulative_decays, decayed_gram, einsum, l2norm
 
 
@@ -73,8 +74,8 @@ class GatedLinearAttention(
     - `use_qk_l2norm`: L2-normalise `q` and `k` over `K` (eps `1e-6`) first.
     """
 
-    chunk_size: int = eqx.field(default=64, static=True)
-    scale: float | None = eqx.field(default=None, static=True)
+    chunk_size: int = eqx.field(default=64, static=True, converter=as_chunk_size)
+    scale: float | None = eqx.field(default=None, static=True, converter=as_scale)
     use_qk_l2norm: bool = eqx.field(default=False, static=True)
 
     def check(self, inputs: GLAInputs) -> None:
