@@ -418,10 +418,11 @@ def _run(
     # A non-finite input must not reach earlier tokens through the chunk's products (a zero
     # times NaN is NaN): the chunk is formed from zeros there, and NaN is added back to the
     # outputs from the first such token of the chunk on and to the state leaving it.
-    bad, inputs = _non_finite(inputs)
+    log_decays = _log_decay_leaves(inputs)
+    bad = _non_finite(inputs, log_decays)
     if cu_seqlens is None:
         seg, doc_states = None, None
-        blocks = Blocks.of(num_chunks(length, c), c, per_block)
+        blocks = Blocks.of(num_chunks(length, c), c, per_block, log_decays)
         chunks = _split(inputs, blocks.padded, c)
         bad = _split(bad, blocks.padded, c)
         marks = None
@@ -431,7 +432,7 @@ def _run(
             offset = offset + _position(axis_name, reverse) * length
         seg = segments(cu_seqlens, length, c, offset)
         doc_states = _doc_states(state, seg.num_docs, document_states)
-        blocks = Blocks.of(seg.num_chunks, c, per_block)
+        blocks = Blocks.of(seg.num_chunks, c, per_block, log_decays)
         chunks = _split(jax.tree.map(lambda x: pack(x, seg), inputs), blocks.padded, c)
         bad = _split(pack(bad, seg), blocks.padded, c)
         pad = (0, blocks.padded - blocks.n)
@@ -508,41 +509,36 @@ def _batch_and_length(inputs: PyTree) -> tuple[int, int]:
     return batch, length
 
 
-def _non_finite(inputs: PyTree) -> tuple[Array, PyTree]:
-    """`(bad, inputs)`: per token `(B, T)` whether any floating input is NaN or infinite,
-    and the inputs with those values set to zero.
+def _non_finite(inputs: PyTree, log_decays: tuple[bool, ...]) -> Array:
+    """`(B, T)`: whether any floating input of the token is NaN or infinite (`-inf` in a
+    log decay excepted: a decay of zero, which the recurrences take as it is).
 
-    A field of an inputs module declared with `eqx.field(metadata={"log_decay": True})`
-    may hold `-inf`: a decay of zero, which the recurrences take as it is.
+    A field of an inputs module declared with `eqx.field(metadata={"log_decay": True})` is
+    a log decay.
     """
-    decays = _log_decay_leaves(inputs)
     batch, length = _batch_and_length(inputs)
     bad = jnp.zeros((batch, length), bool)
-
-    def clean(x, decay):
-        nonlocal bad
-        if not eqx.is_inexact_array(x):
-            return x
-        wrong = jnp.isnan(x) | (x == jnp.inf) | ((x == -jnp.inf) & (not decay))
-        bad = bad | jnp.any(wrong.reshape(batch, length, -1), axis=2)
-        return jnp.where(wrong, jnp.zeros((), x.dtype), x)
-
-    inputs = jax.tree.map(clean, inputs, decays)
-    return bad, inputs
+    for x, decay in zip(jax.tree.leaves(inputs), log_decays):
+        if eqx.is_inexact_array(x):
+            wrong = jnp.isnan(x) | (x == jnp.inf)
+            if not decay:
+                wrong = wrong | (x == -jnp.inf)
+            bad = bad | jnp.any(wrong.reshape(batch, length, -1), axis=2)
+    return bad
 
 
-def _log_decay_leaves(inputs: PyTree) -> PyTree:
-    """`inputs` with every leaf replaced by whether its field is declared a log decay."""
-    leaves, treedef = jax.tree.flatten(inputs)
+def _log_decay_leaves(inputs: PyTree) -> tuple[bool, ...]:
+    """Per leaf of `inputs` (flattened), whether its field is declared a log decay."""
+    leaves = jax.tree.leaves(inputs)
     if not dataclasses.is_dataclass(inputs):
-        return jax.tree.unflatten(treedef, [False] * len(leaves))
+        return (False,) * len(leaves)
     flags = []
     for f in dataclasses.fields(inputs):
         n = len(jax.tree.leaves(getattr(inputs, f.name)))
         flags += [bool(f.metadata.get("log_decay", False))] * n
     if len(flags) != len(leaves):  # not a plain module of array fields: no log decays
-        flags = [False] * len(leaves)
-    return jax.tree.unflatten(treedef, flags)
+        return (False,) * len(leaves)
+    return tuple(flags)
 
 
 def _split(inputs: PyTree, n: int, c: int) -> PyTree:

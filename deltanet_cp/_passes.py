@@ -42,11 +42,13 @@ class Blocks(eqx.Module):
     c: int = eqx.field(static=True)
     count: int = eqx.field(static=True)
     size: int = eqx.field(static=True)
+    # Per input leaf (flattened), whether it is a log decay, which may hold -inf.
+    log_decays: tuple[bool, ...] = eqx.field(static=True)
 
     @classmethod
-    def of(cls, n: int, c: int, max_size: int) -> "Blocks":
+    def of(cls, n: int, c: int, max_size: int, log_decays: tuple[bool, ...]) -> "Blocks":
         count = -(-n // max(1, max_size))
-        return cls(n, c, count, -(-n // count))
+        return cls(n, c, count, -(-n // count), log_decays)
 
     @property
     def padded(self) -> int:
@@ -87,9 +89,26 @@ def _over_blocks(body, carry, count: int, *, reverse: bool = False):
     return jax.lax.scan(body, carry, jnp.arange(count), reverse=reverse)
 
 
-def factors(recurrence, diff: PyTree, static: PyTree) -> PyTree:
-    """One block's factors, from its inputs `(B, size, C, ...)` split by `eqx.partition`."""
-    return recurrence.prepare(eqx.combine(diff, static))
+def factors(recurrence, blocks: Blocks, diff: PyTree, static: PyTree) -> PyTree:
+    """One block's factors, from its inputs `(B, size, C, ...)` split by `eqx.partition`.
+
+    Non-finite inputs are read as zeros (NaN, infinities; `-inf` in a log decay is kept):
+    the engine adds NaN back to the outputs and states they reach (`poison`), and zeros
+    keep them from reaching earlier tokens through the chunk's products. Done here, inside
+    the block, so that no cleaned copy of the inputs is ever stored.
+    """
+    leaves, treedef = jax.tree.flatten(eqx.combine(diff, static))
+
+    def clean(x, decay):
+        if not eqx.is_inexact_array(x):
+            return x
+        wrong = jnp.isnan(x) | (x == jnp.inf)
+        if not decay:
+            wrong = wrong | (x == -jnp.inf)
+        return jnp.where(wrong, jnp.zeros((), x.dtype), x)
+
+    leaves = [clean(x, d) for x, d in zip(leaves, blocks.log_decays)]
+    return recurrence.prepare(jax.tree.unflatten(treedef, leaves))
 
 
 def steps(recurrence, f, carry, marks, doc_states, poison, *, keep_states: bool):
@@ -200,7 +219,7 @@ def forward(recurrence, blocks, diff, static, h0, marks, doc_states, poison, *, 
         finals = jnp.where(empty, doc_states, jnp.zeros((), doc_states.dtype))
 
     def body(carry, i):
-        f = factors(recurrence, *blocks.block((diff, static), i))
+        f = factors(recurrence, blocks, *blocks.block((diff, static), i))
         m, p = blocks.block((_marks(marks), poison), i, axis=0)
         return steps(recurrence, f, carry, m, doc_states, p, keep_states=keep_states)
 
@@ -221,7 +240,7 @@ def backward(recurrence, blocks, diff, static, states, marks, doc_states, cts):
     def body(carry, i):
         dh, d_docs, d_diff = carry
         d, s = blocks.block((diff, static), i)
-        f, pull = jax.vjp(lambda d: factors(recurrence, d, s), d)
+        f, pull = jax.vjp(lambda d: factors(recurrence, blocks, d, s), d)
         h, d_out = states[i], _chunk(d_outputs, i)
         m = blocks.block(_marks(marks), i, axis=0)
         (dh, d_docs), d_next = state_cotangents(recurrence, f, h, d_out, (dh, d_docs), m, d_finals)
@@ -249,7 +268,7 @@ def state_cotangent_in(recurrence, blocks, diff, static, states, marks, d_output
     d_docs = None if marks is None else jnp.zeros_like(d_finals)
 
     def body(dh, i):
-        f = factors(recurrence, *blocks.block((diff, static), i))
+        f = factors(recurrence, blocks, *blocks.block((diff, static), i))
         m = blocks.block(_marks(marks), i, axis=0)
         d_out = _chunk(d_outputs, i)
         (dh, _), _ = state_cotangents(recurrence, f, states[i], d_out, (dh, d_docs), m, d_finals)
@@ -265,7 +284,7 @@ def local_map(
     """The affine map of the whole slice (phase 1): the blocks' chunks composed in order."""
 
     def body(running, i):
-        f = factors(recurrence, *blocks.block((diff, static), i))
+        f = factors(recurrence, blocks, *blocks.block((diff, static), i))
         m, p = blocks.block((_marks(marks), poison), i, axis=0)
         return composes(recurrence, f, running, m, doc_states, p), None
 
@@ -364,7 +383,8 @@ def _identity(recurrence, blocks, diff, static) -> AbstractAffineMap:
     """The identity map of the shape a chunk map of this slice has, varying like `diff`."""
 
     def chunk_map(d, s):
-        return recurrence.chunk_map(_chunk(factors(recurrence, *blocks.block((d, s), 0)), 0))
+        f = factors(recurrence, blocks, *blocks.block((d, s), 0))
+        return recurrence.chunk_map(_chunk(f, 0))
 
     shapes = eqx.filter_eval_shape(chunk_map, diff, static)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
