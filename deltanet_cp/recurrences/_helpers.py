@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 
@@ -137,16 +138,24 @@ def _inverse_pow2(a: Array) -> Array:
     return jnp.concatenate([top, jnp.concatenate([t21, t22], axis=-1)], axis=-2)
 
 
+# Log decays at or below this are a decay of exactly zero in float32 and float64 (exp(-1e4)
+# underflows in both); clamping there keeps -inf out of sums and products (0 * -inf = NaN).
+_LOG_ZERO = -1e4
+
+
 def segment_sums(g: Float[Array, "... c"]) -> Float[Array, "... c c"]:
     """`L[i, j] = g[j+1] + ... + g[i]` for `i >= j` (0 on the diagonal), 0 above it.
 
-    Summed directly rather than as a difference of cumulative sums, so a very negative
-    gate early in the chunk costs no accuracy later in it.
+    Summed directly over each segment rather than as a difference of cumulative sums, so a
+    very negative gate early in the chunk costs no accuracy later in it: one product with
+    a constant 0/1 tensor (the terms outside the segment are exact zeros), whose derivative
+    is one product too. Gates below `-1e4` (`-inf` included) are a decay of zero and are
+    taken as `-1e4`.
     """
     c = g.shape[-1]
-    strict = jnp.tril(jnp.ones((c, c), dtype=bool), k=-1)
-    x = jnp.where(lift(strict, g.ndim + 1), g[..., :, None], jnp.zeros((), g.dtype))
-    return jnp.cumsum(x, axis=-2)
+    t, i, j = np.ogrid[:c, :c, :c]
+    inside = jnp.asarray((j < t) & (t <= i), g.dtype)  # (t, i, j)
+    return einsum("...t,tij->...ij", jnp.maximum(g, jnp.asarray(_LOG_ZERO, g.dtype)), inside)
 
 
 def _block_size(c: int) -> int:
