@@ -46,7 +46,7 @@ class GatedRMSNorm(eqx.Module):
         h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
         w = self.weight.reshape((1,) * (h.ndim - 1) + self.weight.shape)
         h = w * h.astype(dtype)
-        h = h * jax.nn.silu(gate.astype(ct))
+        h = h.astype(ct) * jax.nn.silu(gate.astype(ct))
         return h.astype(dtype)
 
 
