@@ -541,7 +541,7 @@ def test_qwen_attention_matches_numpy():
     "cp, layout, kv_exchange",
     [
         (4, "zigzag", "ring"),
-        (2, "contiguous", "allgather"),
+        pytest.param(2, "contiguous", "allgather", marks=pytest.mark.slow),
         pytest.param(4, "zigzag", "allgather", marks=pytest.mark.slow),
         pytest.param(2, "contiguous", "ring", marks=pytest.mark.slow),
     ],
@@ -583,7 +583,10 @@ def test_kv_cache_prefill_and_steps():
 
 @pytest.mark.parametrize(
     "cp, layout, kv_exchange",
-    [(4, "zigzag", "ring"), pytest.param(2, "contiguous", "allgather", marks=pytest.mark.slow)],
+    [
+        pytest.param(4, "zigzag", "ring", marks=pytest.mark.slow),
+        pytest.param(2, "contiguous", "allgather", marks=pytest.mark.slow),
+    ],
 )
 def test_kv_cache_prefill_context_parallel(cp, layout, kv_exchange):
     # A prefill under context parallelism from a cache filled on one device: the outputs
