@@ -84,7 +84,7 @@ def measure(name: str, prompt_len: int, new_tokens: int, repeats: int) -> dict:
     capacity = prompt_len + new_tokens
     prefill = eqx.filter_jit(lambda m, t: m.prefill(t, capacity=capacity))
     prefill_ckpt = eqx.filter_jit(lambda m, t: m.prefill(t, capacity=capacity, checkpoint_every=64))
-    out = {"params": params}
+    out: dict[str, float] = {"params": float(params)}
     plain, ckpt = _median_times(
         [lambda: prefill(model, prompt), lambda: prefill_ckpt(model, prompt)], repeats
     )
@@ -107,7 +107,7 @@ def measure(name: str, prompt_len: int, new_tokens: int, repeats: int) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the tiny model only")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()

@@ -154,7 +154,7 @@ def main(
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--checkpoint", default=str(CHECKPOINT))
     parser.add_argument("--cp", type=int, default=4)
     parser.add_argument("--steps", type=int, default=60)
