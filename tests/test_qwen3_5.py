@@ -96,6 +96,10 @@ def test_layer_pattern_and_config():
         Qwen3_5Config.from_hf({"text_config": fields}).layer_types
         == (("linear_attention",) * 3 + ("full_attention",)) * 2
     )
+    with pytest.raises(ValueError, match="rope_type='yarn'"):
+        Qwen3_5Config.from_hf({**fields, "rope_parameters": {"rope_type": "yarn"}})
+    with pytest.raises(ValueError, match="missing `vocab_size`"):
+        Qwen3_5Config.from_hf({k: v for k, v in fields.items() if k != "vocab_size"})
 
 
 # ---------------------------------------------------------------------------------------

@@ -99,10 +99,13 @@ class Qwen3_5Config:
         for name in ("rope_theta", "partial_rotary_factor"):
             if name in rope:
                 kwargs[name] = rope[name]
-        if rope.get("rope_type", "default") != "default":
+        # Qwen3.5's multimodal rotary sections (`mrope_section`) turn the same position for
+        # every section on text: the default rotary embedding.
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
             raise ValueError(
                 f"Only the default rotary embedding is supported; the config asks for "
-                f"rope_type={rope['rope_type']!r}."
+                f"rope_type={kind!r}."
             )
         if "tie_word_embeddings" in top:
             kwargs["tie_word_embeddings"] = top["tie_word_embeddings"]
