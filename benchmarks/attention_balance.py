@@ -35,7 +35,7 @@ with `body` the flops of one tile step, forward (or forward + backward, for the 
 program, each backward loop having the trips of its forward loop), and
 
 - `trips`, exact, the tiles a loop runs in the whole program, from the static tile
-  schedule the library compiles in (`deltanet_cp.nn._attention._tiles`: the schedule of
+  schedule the library compiles in (`deltanet_cp.nn._schedule._tiles`: the schedule of
   each run of each loop, per rank): for the ring's nested loop, the tiles of each step
   summed over the `cp - 1` trips of the loop over steps;
 - `body`, measured in place: the same per-rank program compiled with its loops over tiles
@@ -79,7 +79,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import deltanet_cp as dcp  # noqa: E402
 from deltanet_cp._layout import positions  # noqa: E402
-from deltanet_cp.nn._attention import _blockwise_attention, _tiles  # noqa: E402
+from deltanet_cp.nn._flash import _blockwise_attention  # noqa: E402
+from deltanet_cp.nn._schedule import _tiles  # noqa: E402
 
 
 HEADS, HEAD_DIM, BLOCK = 4, 64, 128
@@ -118,7 +119,7 @@ def compile_rank(
             kv_exchange=exchange,
             block_size=BLOCK,
             unroll=unroll,
-        )
+        )[0]
 
     if grad:
 

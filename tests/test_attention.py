@@ -17,12 +17,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import deltanet_cp as dcp
 from deltanet_cp._layout import positions
 from deltanet_cp.nn import CausalSelfAttention
-from deltanet_cp.nn._attention import (
+from deltanet_cp.nn._flash import _flash, _to_blocks
+from deltanet_cp.nn._schedule import (
     _allgather_schedule,
-    _flash,
     _position_table,
     _ring_schedule,
-    _to_blocks,
     KVExchange,
 )
 
@@ -469,3 +468,149 @@ def test_busiest_rank_work():
         assert attn.busiest_rank_work(s, cp, dcp.Zigzag(), kv) == pytest.approx(zig)
         assert attn.busiest_rank_work(s, cp, dcp.Contiguous(), kv) == pytest.approx(con)
     assert zig <= 1.02 and con >= 1.7
+
+
+# ---------------------------------------------------------------------------------------
+# Qwen3.5's attention: grouped-query, gated, q/k norms, partial RoPE; the KV cache
+# ---------------------------------------------------------------------------------------
+
+
+def _qwen_attn(block_size: int = 4) -> CausalSelfAttention:
+    attn = CausalSelfAttention(
+        HIDDEN,
+        4,
+        8,
+        num_kv_heads=2,
+        rotary_dim=4,
+        output_gate=True,
+        qk_norm=True,
+        block_size=block_size,
+        key=jr.key(7),
+    )
+    assert attn.q_norm is not None and attn.k_norm is not None
+    norms = (0.3 * jr.normal(jr.key(8), (2, 8))).astype(jnp.float32)
+    return eqx.tree_at(lambda a: (a.q_norm.weight, a.k_norm.weight), attn, (norms[0], norms[1]))
+
+
+def qwen_reference(attn: CausalSelfAttention, x, start: int = 0) -> np.ndarray:
+    """Grouped-query attention with an output gate, zero-centred q/k RMSNorms and RoPE on
+    the first `rotary_dim` features, one query at a time, float64 numpy; the tokens at
+    positions `start ..` (the keys of earlier positions are not seen)."""
+    x = np.asarray(x, np.float64)
+    t, h, kvh, d, rd = x.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.rotary_dim
+    wq, wk, wv, wo = _weights(attn)
+    qg = (x @ wq.T).reshape(t, h, 2 * d)
+    q, gate = qg[..., :d], qg[..., d:].reshape(t, h * d)
+    k, v = (x @ wk.T).reshape(t, kvh, d), (x @ wv.T).reshape(t, kvh, d)
+    assert attn.q_norm is not None and attn.k_norm is not None
+
+    def norm(y, w):
+        w = np.asarray(w, np.float64)
+        return y / np.sqrt(np.mean(y * y, -1, keepdims=True) + 1e-6) * (1 + w)
+
+    q, k = norm(q, attn.q_norm.weight), norm(k, attn.k_norm.weight)
+    half = rd // 2
+    freq = attn.rope_theta ** (-np.arange(half) / half)
+
+    def rope(y, pos):
+        c, s = np.cos(pos * freq), np.sin(pos * freq)
+        y1, y2 = y[:, :half], y[:, half:rd]
+        return np.concatenate([y1 * c - y2 * s, y2 * c + y1 * s, y[:, rd:]], -1)
+
+    keys = np.stack([rope(k[j], start + j) for j in range(t)])
+    out = np.zeros((t, h, d))
+    for i in range(t):
+        qi = rope(q[i], start + i)
+        for head in range(h):
+            kv_head = head // (h // kvh)
+            s = keys[: i + 1, kv_head] @ qi[head] / np.sqrt(d)
+            p = np.exp(s - s.max())
+            out[i, head] = (p / p.sum()) @ v[: i + 1, kv_head]
+    out = out.reshape(t, h * d) / (1 + np.exp(-gate))
+    return out @ wo.T
+
+
+def test_qwen_attention_matches_numpy():
+    attn = _qwen_attn()
+    x, _ = _inputs(24)
+    out = jax.jit(lambda a, x: a(x))(attn, x)
+    assert rel_err(out, qwen_reference(attn, x)) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "cp, layout, kv_exchange",
+    [
+        (4, "zigzag", "ring"),
+        pytest.param(2, "contiguous", "allgather", marks=pytest.mark.slow),
+        pytest.param(4, "zigzag", "allgather", marks=pytest.mark.slow),
+        pytest.param(2, "contiguous", "ring", marks=pytest.mark.slow),
+    ],
+)
+def test_qwen_attention_context_parallel(cp, layout, kv_exchange):
+    # Grouped queries are rows of their key head's tiles: the same output and gradients
+    # on cp ranks as on one device.
+    attn = _qwen_attn()
+    x, w = _inputs(32)
+    out1, grads1 = _run_single(attn, x, w)
+    out, grads = _run_cp(attn, x, w, cp, LAYOUTS[layout], kv_exchange)
+    assert rel_err(out, out1) <= 1e-5
+    assert max(rel_err(g, e) for g, e in zip(grads, grads1)) <= 1e-5
+
+
+def test_kv_cache_prefill_and_steps():
+    # A prefill into an empty cache, a second prefill from it, then one token at a time:
+    # every output equals the one-pass output of the whole sequence, and the first
+    # prefill's cache continued is the second's.
+    attn = _qwen_attn()
+    x, _ = _inputs(20)
+    full = np.asarray(jax.jit(lambda a, x: a(x))(attn, x))
+    cache = attn.init_cache(24)
+    prefill = jax.jit(lambda a, x, c, n: a(x, c, length=n))
+    out_a, cache = prefill(attn, x[:8], cache, 0)
+    out_b, cache = prefill(attn, x[8:16], cache, 8)
+    step = jax.jit(lambda a, x, c, n: a.step(x, c, n))
+    rows = []
+    for i in range(16, 20):
+        y, cache = step(attn, x[i], cache, i)
+        rows.append(y)
+    got = np.concatenate([out_a, out_b, np.stack(rows)])
+    assert rel_err(got, full) <= 1e-5
+    assert rel_err(qwen_reference(attn, x[:8]), full[:8]) <= 1e-5
+    _, direct = prefill(attn, x, attn.init_cache(24), 0)
+    assert rel_err(cache.k[:20], direct.k[:20]) <= 1e-6
+    assert rel_err(cache.v[:20], direct.v[:20]) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "cp, layout, kv_exchange",
+    [
+        pytest.param(4, "zigzag", "ring", marks=pytest.mark.slow),
+        pytest.param(2, "contiguous", "allgather", marks=pytest.mark.slow),
+    ],
+)
+def test_kv_cache_prefill_context_parallel(cp, layout, kv_exchange):
+    # A prefill under context parallelism from a cache filled on one device: the outputs
+    # and the new cache (gathered in sequence order on every rank) equal one device's.
+    attn = _qwen_attn()
+    x, _ = _inputs(40)
+    prefill = jax.jit(lambda a, x, c, n: a(x, c, length=n))
+    _, cache = prefill(attn, x[:8], attn.init_cache(48), 0)
+    want, want_cache = prefill(attn, x[8:], cache, 8)
+    layout = LAYOUTS[layout]
+    mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
+    params, static = eqx.partition(attn, eqx.is_array)
+
+    def local(params, x, cache):
+        a = eqx.combine(params, static)
+        return a(x, cache, length=8, axis_name="cp", layout=layout, kv_exchange=kv_exchange)
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("cp"), P()), out_specs=(P("cp"), P()))
+    new = x[8:]
+    if isinstance(layout, dcp.Zigzag):
+        new = dcp.to_zigzag(new, cp, axis=0)
+    out, got_cache = jax.jit(f)(params, jax.device_put(new, NamedSharding(mesh, P("cp"))), cache)
+    if isinstance(layout, dcp.Zigzag):
+        out = dcp.from_zigzag(out, cp, axis=0)
+    assert rel_err(out, want) <= 1e-5
+    assert rel_err(got_cache.k, want_cache.k) <= 1e-6
+    assert rel_err(got_cache.v, want_cache.v) <= 1e-6

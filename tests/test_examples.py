@@ -3,6 +3,10 @@
 import importlib.util
 import pathlib
 
+import jax
+import numpy as np
+import pytest
+
 
 EXAMPLES = pathlib.Path(__file__).parent.parent / "examples"
 
@@ -22,3 +26,16 @@ def test_own_recurrence():
     errors = _load("own_recurrence").main(b=1, t=44, h=2, dk=8, dv=4, chunk_size=8, cp=4)
     assert len(errors) == 12, errors
     assert max(errors.values()) <= 1e-5, errors
+
+
+@pytest.mark.slow
+def test_finetune_qwen3_5():
+    # docs/guides/qwen3_5.md: fine-tuning on zigzag shards learns the task, and the
+    # context-parallel prefill's checkpoints fall every 8 tokens.
+    module = _load("finetune_qwen3_5")
+    with jax.numpy_dtype_promotion("standard"):  # optax's step counts mix ints and floats
+        result = module.main(cp=2, steps=40, verbose=False)
+    losses = result["losses"]
+    assert losses[-1] < losses[0] / 4, losses
+    assert result["accuracy"] >= 0.75, result
+    np.testing.assert_array_equal(result["checkpoints"].lengths, np.arange(8, 65, 8))

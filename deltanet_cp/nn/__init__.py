@@ -1,10 +1,10 @@
 """Equinox layers: the Gated DeltaNet layer of Qwen3-Next / Qwen3.5 and a small hybrid model."""
 
-from ._attention import CausalSelfAttention as CausalSelfAttention
+from ._attention import CausalSelfAttention as CausalSelfAttention, KVCache as KVCache
 from ._conv import CausalConv1d as CausalConv1d
 from ._gated_delta_net import (
     GatedDeltaNet as GatedDeltaNet,
     GatedDeltaNetState as GatedDeltaNetState,
 )
 from ._hybrid import HybridBlock as HybridBlock, HybridLM as HybridLM, SwiGLU as SwiGLU
-from ._norm import GatedRMSNorm as GatedRMSNorm
+from ._norm import GatedRMSNorm as GatedRMSNorm, ZeroCenteredRMSNorm as ZeroCenteredRMSNorm

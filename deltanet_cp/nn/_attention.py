@@ -1,607 +1,107 @@
-"""Causal softmax self-attention: blockwise (flash-style), context-parallel in both layouts.
+"""Causal softmax self-attention: grouped-query, optionally gated, with rotary embeddings and
+a key/value cache; context parallel in both layouts.
 
-This is the baseline the design note compares the gated delta rule against. The scores are
-computed one `(block, block)` tile at a time with an online softmax, so no rank ever holds
-more than one tile of them; the tiles computed are a static schedule of the block pairs the
-causal mask needs, so the tiles wholly in the future of their queries cost nothing.
-
-Under context parallelism each rank attends from its own queries to the keys and values of
-the whole sequence, which it obtains by one all-gather or by passing them around a ring:
-a payload of `(cp - 1) / cp * S * 2 * heads * head_dim` elements per rank and layer either
-way, growing with the sequence length `S`. With the zigzag layout every rank does the same
-causal work. The all-gather holds the whole sequence's keys and values on every rank; the
-ring, one rank's piece at a time, forward and backward (`_ring`).
+The blockwise (flash-style) kernel is in `_flash.py`, its tile schedules in `_schedule.py`.
 """
 
 import functools as ft
-from typing import cast, Literal
+from typing import cast, overload
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._layout import check_layout, Contiguous, Layout, positions, Zigzag, zigzag_half
+from .._layout import check_layout, Contiguous, from_zigzag, Layout, positions, Zigzag
+from ._flash import _blockwise_attention, _flash, _group_queries, _to_blocks, _ungroup_queries
+from ._norm import ZeroCenteredRMSNorm
+from ._schedule import _check_kv_exchange, _Schedule, _tiles, _tiling, KVExchange
 
 
-_HI = jax.lax.Precision.HIGHEST
-_KV_EXCHANGES = ("allgather", "ring")
-KVExchange = Literal["allgather", "ring"]
+class KVCache(eqx.Module):
+    """The keys and values a [`deltanet_cp.nn.CausalSelfAttention`][] has seen, for decoding.
+
+    **Fields:**
+
+    - `k`, `v`: `(capacity, kv_heads, head_dim)`, entry `p` for the token at position `p`
+        (keys after the rotary embedding). Entries at or past the number of tokens seen
+        are ignored; the caller keeps that number (the next position).
+
+    Both may carry the same leading batch axes (to be `jax.vmap`ped over with the input).
+    """
+
+    k: Float[Array, "*batch capacity kv_heads dim"]
+    v: Float[Array, "*batch capacity kv_heads dim"]
 
 
-def _rope(x: Float[Array, "seq heads dim"], positions: Array, theta: float) -> Array:
-    """Rotary position embedding (the half-split convention of Llama / Qwen)."""
-    half = x.shape[-1] // 2
+def _rope(
+    x: Float[Array, "seq heads dim"], positions: Array, theta: float, rotary_dim: int | None = None
+) -> Array:
+    """Rotary position embedding (the half-split convention of Llama / Qwen) on the first
+    `rotary_dim` features of each head (all if `None`); the others pass through."""
+    rotary_dim = x.shape[-1] if rotary_dim is None else rotary_dim
+    half = rotary_dim // 2
     inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (seq, half)
     cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:rotary_dim].astype(jnp.float32)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return jnp.concatenate([rotated.astype(x.dtype), x[..., rotary_dim:]], axis=-1)
 
 
-# ---------------------------------------------------------------------------------------
-# The block schedules: which (query block, key block) tiles to compute, per rank
-# ---------------------------------------------------------------------------------------
-
-
-def _triangle(m: int, q0: int = 0, k0: int = 0) -> list[tuple[int, int]]:
-    """The tiles of a causal diagonal: query block `q0 + i` with key block `k0 + j`, j <= i."""
-    return [(q0 + i, k0 + j) for i in range(m) for j in range(i + 1)]
-
-
-def _rect(q0: int, nq: int, k0: int, nk: int) -> list[tuple[int, int]]:
-    """Every tile of query blocks `q0 .. q0 + nq - 1` with key blocks `k0 .. k0 + nk - 1`."""
-    return [(q0 + i, k0 + j) for i in range(nq) for j in range(nk)]
-
-
-class _Schedule:
-    """The tiles each rank computes, as one static table indexed by the (traced) rank.
-
-    `tiles[r, :counts[r]]` lists rank `r`'s tiles as (query block, key block) pairs; shorter
-    lists are padded with tile (0, 0), never run. The table is a constant of the compiled
-    program, read one tile per step: no per-rank copy of it is made.
-    """
-
-    def __init__(self, tiles: np.ndarray, counts: tuple[int, ...]):
-        self.tiles = tiles  # (ranks, pairs, 2) int32
-        self.counts = counts
-
-    @classmethod
-    def of(cls, per_rank: list[list[tuple[int, int]]]) -> "_Schedule":
-        width = max(1, max(len(tiles) for tiles in per_rank))
-        table = np.zeros((len(per_rank), width, 2), np.int32)
-        for r, tiles in enumerate(per_rank):
-            if tiles:
-                table[r, : len(tiles)] = sorted(tiles)
-        return cls(table, tuple(len(tiles) for tiles in per_rank))
-
-    @property
-    def uniform(self) -> bool:
-        """Whether every rank computes the same number of tiles (a static trip count)."""
-        return len(set(self.counts)) == 1
-
-    def listed(self, rank: int) -> list[tuple[int, int]]:
-        """Rank `rank`'s tiles."""
-        return [(int(i), int(j)) for i, j in self.tiles[rank, : self.counts[rank]]]
-
-    def at(self, rank: Array | int) -> tuple[Array, Array, Array]:
-        """`(table, row, count)` for this rank: its tiles are `table[row, :count]`."""
-        row = jnp.asarray(0 if self.tiles.shape[0] == 1 else rank, jnp.int32)
-        if self.uniform:
-            count = jnp.asarray(self.counts[0], jnp.int32)
-        else:
-            count = jnp.asarray(np.asarray(self.counts, np.int32))[row]
-        return jnp.asarray(self.tiles), row, count
-
-
-def _zigzag_slot(piece: int, cp: int) -> int:
-    """Where global piece `piece` of `2 cp` lies in the rank-order concatenation of shards."""
-    return 2 * piece if piece < cp else 2 * (2 * cp - 1 - piece) + 1
-
-
-def _allgather_schedule(layout: Layout, cp: int, m: int) -> _Schedule:
-    """Tiles of local queries against the all-gathered keys, `m` blocks per piece.
-
-    Contiguous: rank `r` needs the key blocks of ranks `0 .. r - 1` whole and a causal
-    diagonal of its own, `m (m + 1) / 2 + r m^2` tiles. Zigzag: first piece `r` needs
-    pieces `0 .. r - 1` whole and its own diagonal, second piece `2 cp - 1 - r` needs pieces
-    `0 .. 2 cp - 2 - r` whole and its own diagonal: `(2 cp - 1) m^2 + m (m + 1)` tiles on
-    every rank.
-    """
-    per_rank = []
-    for r in range(cp):
-        if isinstance(layout, Contiguous):
-            tiles = _triangle(m, 0, r * m) + _rect(0, m, 0, r * m)
-        else:
-            tiles = []
-            for slot, piece in ((0, r), (1, 2 * cp - 1 - r)):
-                for p in range(piece):
-                    tiles += _rect(slot * m, m, _zigzag_slot(p, cp) * m, m)
-                tiles += _triangle(m, slot * m, _zigzag_slot(piece, cp) * m)
-        per_rank.append(tiles)
-    return _Schedule.of(per_rank)
-
-
-def _ring_schedule(layout: Layout, cp: int, m: int, step: int) -> _Schedule:
-    """Tiles of local queries against the keys held `step` ranks back around the ring.
-
-    Step 0 is the local causal diagonal. At step `i > 0` rank `r` holds the keys of source
-    `s = (r - i) mod cp`, all in its past if `s < r` (that is, `i <= r`), all in its future
-    otherwise. Contiguous: `m^2` tiles if `s < r`, none otherwise. Zigzag (the schedule of
-    ring-flash-attention): if `s < r` both local pieces attend to the source's first piece,
-    otherwise the local second piece attends to both source pieces; `2 m^2` tiles either way.
-    """
-    contiguous = isinstance(layout, Contiguous)
-    per_rank = []
-    for r in range(cp):
-        if step == 0:
-            tiles = _triangle(m if contiguous else 2 * m)
-        elif contiguous:
-            tiles = _rect(0, m, 0, m) if step <= r else []
-        else:
-            tiles = _rect(0, 2 * m, 0, m) if step <= r else _rect(m, m, 0, 2 * m)
-        per_rank.append(tiles)
-    return _Schedule.of(per_rank)
-
-
-def _position_table(layout: Layout, length: int, cp: int) -> np.ndarray:
-    """The global positions of every rank's `length` local tokens, `(cp, length)` int32
-    (what [`deltanet_cp._layout.positions`][] computes for one rank at run time)."""
-    local = np.arange(length)
-    if isinstance(layout, Contiguous):
-        table = np.stack([r * length + local for r in range(cp)])
-    else:
-        half = length // 2
-        table = np.stack(
-            [np.where(local < half, r, 2 * cp - 1 - r) * half + local % half for r in range(cp)]
-        )
-    return table.astype(np.int32)
-
-
-# ---------------------------------------------------------------------------------------
-# The blockwise kernel
-# ---------------------------------------------------------------------------------------
-
-
-def _acc_dtype(dtype) -> type:
-    """The accumulation dtype: float64 for float64 inputs, float32 otherwise."""
-    return jnp.float64 if dtype == jnp.float64 else jnp.float32
-
-
-def _varying(tree, like):
-    """Mark `tree`'s values as varying over every mesh axis `like`'s values vary over (a
-    loop carry that starts replicated but is updated with per-rank data, inside
-    `shard_map`)."""
-    axes: set = set()
-    for leaf in jax.tree.leaves(like):
-        axes |= set(jax.typeof(leaf).manual_axis_type.varying)
-
-    def cast(x):
-        missing = tuple(sorted(axes - set(jax.typeof(x).manual_axis_type.varying), key=str))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, tree)
-
-
-def _unrolled(unroll: bool | int) -> bool:
-    return unroll is True or (not isinstance(unroll, bool) and unroll > 1)
-
-
-def _loop(count: Array, trips: int, body, init, unroll: bool | int):
-    """`fori_loop(0, count, body, init)`: the loop over tiles.
-
-    `unroll` (for measuring the compiled program: see `benchmarks/attention_balance.py`)
-    is `False` (or 1) for a rolled loop, `True` for no loop (`trips` copies of the body),
-    an int `n > 1` for a loop running `n` tiles per trip; `count` must then be `trips`.
-    """
-    if _unrolled(unroll):
-        return jax.lax.fori_loop(0, trips, body, init, unroll=unroll)
-    return jax.lax.fori_loop(jnp.zeros((), count.dtype), count, body, init)
-
-
-def _tile(tiles: Array, row: Array, t: Array) -> tuple[Array, Array]:
-    """Tile `t` of row `row` of the table: (query block, key block)."""
-    ij = jax.lax.dynamic_slice(tiles, (row, t, jnp.zeros_like(t)), (1, 1, 2))
-    return ij[0, 0, 0], ij[0, 0, 1]
-
-
-def _take(x: Array, i: Array) -> Array:
-    return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
-
-
-def _put(x: Array, y: Array, i: Array) -> Array:
-    return jax.lax.dynamic_update_index_in_dim(x, y.astype(x.dtype), i, 0)
-
-
-def _tile_scores(q, k, pos_q, pos_k, i, j, acc):
-    """Scores of tile `(i, j)`, `(heads, block, block)`, and the causal mask of the tile."""
-    s = jnp.einsum(
-        "qhd,khd->hqk", _take(q, i), _take(k, j), precision=_HI, preferred_element_type=acc
-    )
-    mask = _take(pos_q, i)[:, None] >= _take(pos_k, j)[None, :]
-    return s, mask[None]
-
-
-def _flash_init(q: Array, like) -> tuple[Array, Array, Array]:
-    """The empty online-softmax state of queries `q`: (unnormalised output, running max,
-    running denominator), in the accumulation dtype, varying wherever `like` does."""
-    nq, b, h, d = q.shape
-    acc = _acc_dtype(q.dtype)
-    init = (
-        jnp.zeros((nq, b, h, d), acc),
-        jnp.full((nq, h, b), jnp.finfo(acc).min, acc),
-        jnp.zeros((nq, h, b), acc),
-    )
-    return _varying(init, like)
-
-
-def _flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, unroll, state):
-    """Run the listed tiles into the online-softmax `state` (see `_flash_init`)."""
-    acc = _acc_dtype(q.dtype)
-
-    def body(t, carry):
-        o, m, denom = carry
-        i, j = _tile(tiles, row, t)
-        s, mask = _tile_scores(q, k, pos_q, pos_k, i, j, acc)
-        s = jnp.where(mask, s, -jnp.inf)
-        m_old = _take(m, i)
-        m_new = jnp.maximum(m_old, jnp.max(s, axis=-1))
-        p = jnp.exp(s - m_new[..., None])
-        alpha = jnp.exp(m_old - m_new)
-        l_new = alpha * _take(denom, i) + jnp.sum(p, axis=-1)
-        pv = jnp.einsum(
-            "hqk,khd->qhd",
-            p.astype(v.dtype),
-            _take(v, j),
-            precision=_HI,
-            preferred_element_type=acc,
-        )
-        o_new = alpha.T[..., None] * _take(o, i) + pv
-        return _put(o, o_new, i), _put(m, m_new, i), _put(denom, l_new, i)
-
-    return _loop(count, tiles.shape[1], body, state, unroll)
-
-
-def _flash_finish(state: tuple[Array, Array, Array]) -> tuple[Array, Array]:
-    """`(out, lse)` from an online-softmax state: 0 and `-inf` where no key was seen."""
-    o, m, denom = state
-    seen = denom > 0
-    safe_l = jnp.where(seen, denom, 1)
-    out = o / safe_l.transpose(0, 2, 1)[..., None]
-    lse = jnp.where(seen, m + jnp.log(safe_l), -jnp.inf)
-    return out, lse
-
-
-def _flash_forward(q, k, v, pos_q, pos_k, tiles, row, count, unroll):
-    state = _flash_init(q, (q, k, v, pos_q, pos_k, tiles, row, count))
-    return _flash_finish(_flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, unroll, state))
-
-
-@ft.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _flash(q, k, v, pos_q, pos_k, tiles, row, count, unroll):
-    """Blockwise causal attention over a list of tiles, with an online softmax.
-
-    **Arguments:**
-
-    - `q`: the queries in blocks, `(nq, block, heads, dim)`, already scaled.
-    - `k`, `v`: the keys and values in blocks, `(nk, block, heads, dim)`.
-    - `pos_q`, `pos_k`: the global positions of the queries and keys, `(nq, block)` and
-        `(nk, block)`; query `a` sees key `c` iff `pos_q[a] >= pos_k[c]`.
-    - `tiles`, `row`: the tiles to compute are `tiles[row, t]` for `t < count`, each a
-        (query block, key block) pair; `tiles` is `(rows, pairs, 2)` int32 (one row per
-        rank), `row` an int32 scalar (may be traced). Tiles not listed are not computed.
-    - `count`: how many of the listed tiles to compute (an int32 scalar, may be traced).
-    - `unroll`: `False`, or (for measuring; `count` must then be `pairs`) `True` to unroll
-        the loop over tiles, an int `n` to run `n` tiles per trip.
-
-    **Returns:**
-
-    `(out, lse)`: the normalised output `(nq, block, heads, dim)` and the log-sum-exp of
-    each query's visible scores `(nq, heads, block)`, both in the accumulation dtype. A
-    query that sees no key gets output 0 and log-sum-exp `-inf`. Partial results over
-    disjoint keys merge with `logaddexp`; gradients flow through both outputs.
-    """
-    return _flash_forward(q, k, v, pos_q, pos_k, tiles, row, count, unroll)
-
-
-def _flash_fwd(q, k, v, pos_q, pos_k, tiles, row, count, unroll):
-    out, lse = _flash_forward(q, k, v, pos_q, pos_k, tiles, row, count, unroll)
-    return (out, lse), (q, k, v, pos_q, pos_k, tiles, row, count, out, lse)
-
-
-def _flash_grad_prep(out, lse, d_out, d_lse):
-    """`(d_out, lse, delta)` for `_flash_grad_steps`: the output's cotangent in the
-    accumulation dtype, the log-sum-exp with `-inf` (no key seen) made 0, and
-    `delta = rowsum(d_out * out) - d_lse`, `(nq, heads, block)`."""
-    acc = out.dtype
-    d_out = d_out.astype(acc)
-    delta = jnp.sum(d_out * out, axis=-1).transpose(0, 2, 1)
-    if d_lse is not None:
-        delta = delta - d_lse.astype(acc)
-    return d_out, jnp.where(jnp.isfinite(lse), lse, 0), delta
-
-
-def _flash_grad_steps(q, k, v, pos_q, pos_k, tiles, row, count, unroll, lse, delta, d_out, grads):
-    """Add the listed tiles' gradients to `grads = (dq, dk, dv)` (accumulation dtype).
-
-    The scores are recomputed tile by tile from the saved log-sum-exp:
-    p = exp(s - lse), dp = dout v^T, ds = p * (dp - delta), delta = rowsum(dout * out) - dlse.
-    """
-    acc = _acc_dtype(q.dtype)
-
-    def body(t, carry):
-        dq, dk, dv = carry
-        i, j = _tile(tiles, row, t)
-        s, mask = _tile_scores(q, k, pos_q, pos_k, i, j, acc)
-        p = jnp.where(mask, jnp.exp(s - _take(lse, i)[..., None]), 0)
-        q_i, k_j = _take(q, i).astype(acc), _take(k, j).astype(acc)
-        v_j, do_i = _take(v, j).astype(acc), _take(d_out, i)
-        dp = jnp.einsum("qhd,khd->hqk", do_i, v_j, precision=_HI)
-        ds = p * (dp - _take(delta, i)[..., None])
-        dq_i = jnp.einsum("hqk,khd->qhd", ds, k_j, precision=_HI)
-        dk_j = jnp.einsum("hqk,qhd->khd", ds, q_i, precision=_HI)
-        dv_j = jnp.einsum("hqk,qhd->khd", p, do_i, precision=_HI)
-        dq = _put(dq, _take(dq, i) + dq_i, i)
-        dk = _put(dk, _take(dk, j) + dk_j, j)
-        dv = _put(dv, _take(dv, j) + dv_j, j)
-        return dq, dk, dv
-
-    return _loop(count, tiles.shape[1], body, grads, unroll)
-
-
-def _flash_bwd(unroll, res, cts):
-    q, k, v, pos_q, pos_k, tiles, row, count, out, lse = res
-    d_out, lse, delta = _flash_grad_prep(out, lse, *cts)
-    acc = _acc_dtype(q.dtype)
-    init = (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
-    init = _varying(init, (q, k, v, pos_q, pos_k, tiles, row, count, d_out, delta))
-    dq, dk, dv = _flash_grad_steps(
-        q, k, v, pos_q, pos_k, tiles, row, count, unroll, lse, delta, d_out, init
-    )
-    grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
-    return grads + (None, None, None, None, None)
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
-
-
-def _to_blocks(x: Array, b: int) -> Array:
-    """`(seq, ...)` -> `(seq / b, b, ...)`: a reshape, no copy."""
-    return x.reshape(-1, b, *x.shape[1:])
-
-
-def _attend(q, k, v, pos_q, pos_k, tiles, b, unroll):
-    """`_flash` on `(seq, heads, dim)` arrays: `(out (seq, heads, dim), lse (seq, heads))`."""
-    tiles, row, count = tiles
-    out, lse = cast(
-        tuple[Array, Array],
-        _flash(
-            _to_blocks(q, b),
-            _to_blocks(k, b),
-            _to_blocks(v, b),
-            _to_blocks(pos_q, b),
-            _to_blocks(pos_k, b),
-            tiles,
-            row,
-            count,
-            unroll,
-        ),
-    )
-    t = q.shape[0]
-    return out.reshape(t, *q.shape[1:]), lse.transpose(0, 2, 1).reshape(t, -1)
-
-
-class _Ring:
-    """The static description of one ring attention (a non-differentiable argument of
-    `_ring`): the mesh axis, its size `cp`, the kernel's `unroll`, the
-    local diagonal's schedule (step 0), the schedules of steps `1 .. cp - 1` as one table
-    (row `(step - 1) cp + rank`), and the global positions of every rank's keys in blocks,
-    `(cp, blocks, b)`."""
-
-    def __init__(self, axis_name, cp, unroll, diagonal, steps, positions):
-        self.axis_name, self.cp, self.unroll = axis_name, cp, unroll
-        self.diagonal: _Schedule = diagonal
-        self.stacked = _Schedule.of(
-            [s.listed(r) for s in steps for r in range(cp)] if steps else [[]]
-        )
-        self.positions: np.ndarray = positions
-
-    def ring_loop(self, body, init):
-        """`body(step, carry)` for steps `1 .. cp - 1`: a loop, unless the kernel's loops
-        are all unrolled (`unroll=True`, for measuring), when it is straight-line code."""
-        return jax.lax.fori_loop(1, self.cp, body, init, unroll=self.unroll is True or 1)
-
-    def ppermute(self, x):
-        """Pass `x` one rank on around the ring (rank `r` receives rank `r - 1`'s)."""
-        perm = [(j, (j + 1) % self.cp) for j in range(self.cp)]
-        return jax.lax.ppermute(x, self.axis_name, perm)
-
-    def step(self, rank: Array, step: Array):
-        """`(pos_k, tiles, row, count)` of ring step `step > 0` on rank `rank`: the
-        positions of the keys it holds (those of rank `rank - step`) and its tiles."""
-        pos_k = _take(jnp.asarray(self.positions), (rank - step) % self.cp)
-        tiles, row, count = self.stacked.at((step - 1) * self.cp + rank)
-        return pos_k, tiles, row, count
-
-
-def _ring_forward(ring: _Ring, q, k, v, pos_q):
-    rank = jax.lax.axis_index(ring.axis_name)
-    state = _flash_init(q, (q, k, v, pos_q))
-    state = _flash_steps(q, k, v, pos_q, pos_q, *ring.diagonal.at(rank), ring.unroll, state)
-
-    def body(step, carry):
-        k, v, state = carry
-        k, v = ring.ppermute((k, v))
-        pos_k, tiles, row, count = ring.step(rank, step)
-        state = _flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, ring.unroll, state)
-        return k, v, state
-
-    _, _, state = ring.ring_loop(body, (k, v, state))
-    return _flash_finish(state)
-
-
-@ft.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(ring: _Ring, q, k, v, pos_q):
-    """Causal attention of the local queries to the whole sequence's keys, passed around
-    the ring: `out`, `(nq, block, heads, dim)` in the accumulation dtype (arguments in
-    blocks as for `_flash`; `k` and `v` this rank's own).
-
-    At step 0 the queries attend to the local keys (the causal diagonal); at each step
-    `i = 1 .. cp - 1` of a loop the keys and values move one rank on (rank `r` then holds
-    rank `r - i`'s) and the step's tiles run into the same online softmax. One piece of
-    keys and values is held (and one in flight) at a time, so memory is `O(S / cp)`.
-
-    The backward saves only `q, k, v, out` and the log-sum-exp, and runs the ring again:
-    the keys and values go around with accumulators of their gradients, to which each rank
-    adds its tiles' contributions (recomputed from the log-sum-exp, as `_flash` does); one
-    last step brings the accumulators home, where each holds its rank's `dk`, `dv`.
-    """
-    return _ring_forward(ring, q, k, v, pos_q)[0]
-
-
-def _ring_fwd(ring: _Ring, q, k, v, pos_q):
-    out, lse = _ring_forward(ring, q, k, v, pos_q)
-    return out, (q, k, v, pos_q, out, lse)
-
-
-def _ring_bwd(ring: _Ring, res, d_out):
-    q, k, v, pos_q, out, lse = res
-    rank = jax.lax.axis_index(ring.axis_name)
-    d_out, lse, delta = _flash_grad_prep(out, lse, d_out, None)
-    acc = _acc_dtype(q.dtype)
-    grads = (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
-    grads = _varying(grads, (q, k, v, pos_q, d_out, delta))
-    tiles, row, count = ring.diagonal.at(rank)
-    dq, dk, dv = _flash_grad_steps(
-        q, k, v, pos_q, pos_q, tiles, row, count, ring.unroll, lse, delta, d_out, grads
-    )
-
-    def body(step, carry):
-        k, v, dq, dk, dv = carry
-        k, v, dk, dv = ring.ppermute((k, v, dk, dv))
-        pos_k, tiles, row, count = ring.step(rank, step)
-        dq, dk, dv = _flash_grad_steps(
-            q, k, v, pos_q, pos_k, tiles, row, count, ring.unroll, lse, delta, d_out, (dq, dk, dv)
-        )
-        return k, v, dq, dk, dv
-
-    _, _, dq, dk, dv = ring.ring_loop(body, (k, v, dq, dk, dv))
-    if ring.cp > 1:
-        dk, dv = ring.ppermute((dk, dv))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
-
-
-_ring.defvjp(_ring_fwd, _ring_bwd)
-
-
-def _block(block_size: int, piece: int, what: str) -> int:
-    """The tile size: `block_size`, or the piece length if shorter; it must divide it."""
-    b = min(block_size, piece)
-    if piece % b:
-        fit = max(c for c in range(1, b + 1) if piece % c == 0)
-        raise ValueError(
-            f"CausalSelfAttention(block_size={block_size}) must divide {what} ({piece}), or be "
-            f"at least as long: pass block_size={fit} (the largest divisor below it), or pad "
-            f"the sequence so that {what} is a multiple of {block_size}."
-        )
-    return b
-
-
-def _check_kv_exchange(kv_exchange: object) -> None:
-    """Raise a `ValueError` unless `kv_exchange` is `"allgather"` or `"ring"`."""
-    if kv_exchange not in _KV_EXCHANGES:
-        raise ValueError(
-            f"CausalSelfAttention takes kv_exchange='allgather' (one all-gather of the keys "
-            f"and values) or kv_exchange='ring' (cp - 1 ppermute steps); got {kv_exchange!r}."
-        )
-
-
-def _tiles(layout: Layout, cp: int, m: int, kv_exchange: str) -> list[list[_Schedule]]:
-    """The tile loops of one attention's forward, in program order, each as the schedules
-    of its successive runs: the all-gather's one loop, run once; the ring's loop over the
-    local diagonal, run once, and its loop over one step's tiles, run once per step
-    `1 .. cp - 1` inside the loop over steps. (The backward has a loop for each.)"""
-    if kv_exchange == "allgather":
-        return [[_allgather_schedule(layout, cp, m)]]
-    ring = [_ring_schedule(layout, cp, m, step) for step in range(cp)]
-    return [ring[:1], ring[1:]]
-
-
-def _check_unroll(loops: list[list[_Schedule]], unroll: bool | int) -> None:
-    if _unrolled(unroll) and not all(
-        s.uniform and s.counts[0] == s.tiles.shape[1] for loop in loops for s in loop
-    ):
-        raise ValueError("unroll needs the same, static number of tiles on every rank.")
-
-
-def _tiling(layout: Layout, length: int, block_size: int) -> tuple[int, int]:
-    """`(tile side, tiles per piece)` for `length` local tokens under `layout`."""
-    if isinstance(layout, Zigzag):
-        b = _block(block_size, zigzag_half(length), "each zigzag piece (half the local length)")
-        return b, length // (2 * b)
-    b = _block(block_size, length, "the local sequence length")
-    return b, length // b
-
-
-def _blockwise_attention(
+def _cached_attention(
     q: Float[Array, "seq heads dim"],
-    k: Float[Array, "seq heads dim"],
-    v: Float[Array, "seq heads dim"],
-    pos_q: Int[Array, " seq"],
-    *,
-    axis_name: str | None,
-    layout: Layout,
-    kv_exchange: str,
+    k: Float[Array, "capacity kv_heads dim"],
+    v: Float[Array, "capacity kv_heads dim"],
+    length: Int[Array, ""] | int,
     block_size: int,
-    unroll: bool | int = False,
-) -> Float[Array, "seq heads dim"]:
-    """Causal softmax attention of this rank's queries (global positions `pos_q`, RoPE
-    already applied, not yet scaled) against every earlier key of the sequence."""
-    t, _, d = q.shape
-    q = q * (d**-0.5)
-    if axis_name is None:
-        b = _block(block_size, t, "the sequence length")
-        ((schedule,),) = loops = _tiles(Contiguous(), 1, t // b, "allgather")
-        _check_unroll(loops, unroll)
-        out, _ = _attend(q, k, v, pos_q, pos_q, schedule.at(0), b, unroll)
-        return out.astype(v.dtype)
-    check_layout(layout, "CausalSelfAttention")
-    _check_kv_exchange(kv_exchange)
-    cp = jax.lax.axis_size(axis_name)
-    rank = jax.lax.axis_index(axis_name)
-    b, m = _tiling(layout, t, block_size)
-    table = _position_table(layout, t, cp)
-    loops = _tiles(layout, cp, m, kv_exchange)
-    _check_unroll(loops, unroll)
-    if kv_exchange == "allgather":
-        k = jax.lax.all_gather(k, axis_name, axis=0, tiled=True)
-        v = jax.lax.all_gather(v, axis_name, axis=0, tiled=True)
-        pos_k = jnp.asarray(table.reshape(-1))
-        out, _ = _attend(q, k, v, pos_q, pos_k, loops[0][0].at(rank), b, unroll)
-        return out.astype(v.dtype)
-    (diagonal,), steps = loops
-    ring = _Ring(axis_name, cp, unroll, diagonal, steps, table.reshape(cp, -1, b))
-    blocks = (_to_blocks(x, b) for x in (q, k, v, pos_q))
-    out = cast(Array, _ring(ring, *blocks))
-    return out.reshape(q.shape).astype(v.dtype)
+) -> tuple[Array, Array]:
+    """Attention of queries (RoPE applied, not yet scaled) to the first `length` entries of
+    a key/value cache, all of which precede every query: `(out, lse)`, `(seq, heads, dim)`
+    and `(seq, heads)` in the accumulation dtype; output 0 and log-sum-exp `-inf` where
+    `length` is 0. One tile per block of queries, against the whole cache."""
+    t, h, d = q.shape
+    group = h // k.shape[1]
+    b = max(c for c in range(1, min(block_size, t) + 1) if t % c == 0)
+    rows = _to_blocks(_group_queries(q * (d**-0.5), group), b * group)
+    length = jnp.asarray(length, jnp.int32)
+    index = jnp.arange(k.shape[0], dtype=jnp.int32)
+    pos_k = jnp.where(index < length, index, jnp.iinfo(jnp.int32).max)
+    pos_q = jnp.broadcast_to(length, rows.shape[:2])
+    tiles = _Schedule.of([[(i, 0) for i in range(t // b)]]).at(0)
+    out, lse = cast(
+        tuple[Array, Array], _flash(rows, k[None], v[None], pos_q, pos_k[None], *tiles, False)
+    )
+    out = _ungroup_queries(out.reshape(t * group, h // group, d), group)
+    return out, _ungroup_queries(lse.transpose(0, 2, 1).reshape(t * group, -1), group)
+
+
+def _merge(a: tuple[Array, Array], b: tuple[Array, Array]) -> Array:
+    """Attention over two disjoint sets of keys, from each one's `(out, lse)`."""
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    lse = jnp.logaddexp(lse_a, lse_b)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0)
+    wa, wb = jnp.exp(lse_a - safe)[..., None], jnp.exp(lse_b - safe)[..., None]
+    return out_a * wa + out_b * wb
 
 
 class CausalSelfAttention(eqx.Module):
-    """Multi-head causal softmax self-attention with rotary position embeddings.
+    """Causal softmax self-attention with rotary position embeddings: multi-head or
+    grouped-query, optionally with an output gate and q/k norms (Qwen3.5's attention).
 
     The scores are computed in `(block_size, block_size)` tiles with an online softmax
     (flash attention): memory grows linearly with the sequence length, forward and
     backward (which recomputes the tiles), and tiles wholly in the future of their queries
-    are never computed.
+    are never computed. With `num_kv_heads < num_heads`, query head `h` reads key/value
+    head `h // (num_heads // num_kv_heads)` (grouped-query attention), and only
+    `num_kv_heads` heads of keys and values are stored, exchanged and cached.
 
     Inside `jax.shard_map` with time sharded over `axis_name`, every rank attends from its
     own queries (at their global positions) to the keys and values of the whole sequence,
     received by one all-gather or around a ring (`kv_exchange`): a payload of
-    `(cp - 1) / cp * S * 2 * heads * head_dim` elements per rank and layer either way,
-    growing with the sequence length `S`.
+    `(cp - 1) / cp * S * 2 * num_kv_heads * head_dim` elements per rank and layer either
+    way, growing with the sequence length `S`.
 
     Memory per rank is linear in the sequence length: no score matrix is ever held, only
     one tile of it. The all-gather holds the keys and values of the whole sequence,
@@ -619,15 +119,24 @@ class CausalSelfAttention(eqx.Module):
     idle). With `layout=Zigzag()` every rank computes the same tiles' worth of work: the
     causal ideal plus half a tile per query block on the two diagonals, a fraction
     `block_size / S` more.
+
+    For generation, a [`deltanet_cp.nn.KVCache`][] holds the keys and values seen so far:
+    `__call__` with a cache attends to it as well and writes the new keys and values into
+    it (a prefill, context parallel or not), `step` does one token.
     """
 
     q_proj: eqx.nn.Linear
     k_proj: eqx.nn.Linear
     v_proj: eqx.nn.Linear
     o_proj: eqx.nn.Linear
+    q_norm: ZeroCenteredRMSNorm | None
+    k_norm: ZeroCenteredRMSNorm | None
     num_heads: int = eqx.field(static=True)
+    num_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
+    rotary_dim: int = eqx.field(static=True)
     rope_theta: float = eqx.field(static=True)
+    output_gate: bool = eqx.field(static=True)
     block_size: int = eqx.field(static=True)
 
     def __init__(
@@ -636,7 +145,12 @@ class CausalSelfAttention(eqx.Module):
         num_heads: int,
         head_dim: int,
         *,
+        num_kv_heads: int | None = None,
         rope_theta: float = 10_000.0,
+        rotary_dim: int | None = None,
+        output_gate: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
         block_size: int = 128,
         key: PRNGKeyArray,
         dtype=None,
@@ -644,9 +158,19 @@ class CausalSelfAttention(eqx.Module):
         """**Arguments:**
 
         - `hidden_size`: the model width.
-        - `num_heads`: the number of attention heads (queries, keys and values alike).
-        - `head_dim`: the size of each head (even, for the rotary embedding).
+        - `num_heads`: the number of query heads.
+        - `head_dim`: the size of each head.
+        - `num_kv_heads`: the number of key/value heads, dividing `num_heads`; `num_heads`
+            if `None` (multi-head attention).
         - `rope_theta`: the base of the rotary embedding's frequencies.
+        - `rotary_dim`: how many features of each head (the first ones, an even number)
+            the rotary embedding turns; all of them if `None`. Qwen3.5: a quarter.
+        - `output_gate`: gate the attention output per head and feature by
+            `sigmoid(gate)`, the gate projected by `q_proj` beside the queries (its rows
+            per head: `head_dim` of query, then `head_dim` of gate, as in Qwen3.5).
+        - `qk_norm`: a [`deltanet_cp.nn.ZeroCenteredRMSNorm`][] over each query and key
+            head before the rotary embedding (Qwen3.5).
+        - `norm_eps`: the epsilon of the q/k norms.
         - `block_size`: the side of the score tiles. A sequence (on one device), local
             sequence (`Contiguous`) or zigzag piece (`Zigzag`, half the local sequence)
             shorter than it is one tile; a longer one must be a multiple of it (a
@@ -654,32 +178,120 @@ class CausalSelfAttention(eqx.Module):
         - `key`: a PRNG key for the initial parameters.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
         """
-        if head_dim % 2:
-            raise ValueError(f"`head_dim` must be even for rotary embeddings; got {head_dim}.")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(
+                f"`num_kv_heads` ({num_kv_heads}) must divide `num_heads` ({num_heads})."
+            )
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(
+                f"`rotary_dim` must be even and in (0, head_dim = {head_dim}]; got {rotary_dim}."
+            )
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"`block_size` must be a positive int; got {block_size!r}.")
         kq, kk, kv, ko = jr.split(key, 4)
-        inner = num_heads * head_dim
-        self.q_proj = eqx.nn.Linear(hidden_size, inner, use_bias=False, key=kq, dtype=dtype)
-        self.k_proj = eqx.nn.Linear(hidden_size, inner, use_bias=False, key=kk, dtype=dtype)
-        self.v_proj = eqx.nn.Linear(hidden_size, inner, use_bias=False, key=kv, dtype=dtype)
-        self.o_proj = eqx.nn.Linear(inner, hidden_size, use_bias=False, key=ko, dtype=dtype)
+        inner, kv_inner = num_heads * head_dim, num_kv_heads * head_dim
+
+        def linear(i, o, k):
+            return eqx.nn.Linear(i, o, use_bias=False, key=k, dtype=dtype)
+
+        self.q_proj = linear(hidden_size, inner * (2 if output_gate else 1), kq)
+        self.k_proj = linear(hidden_size, kv_inner, kk)
+        self.v_proj = linear(hidden_size, kv_inner, kv)
+        self.o_proj = linear(inner, hidden_size, ko)
+        if qk_norm:
+            self.q_norm = ZeroCenteredRMSNorm(head_dim, eps=norm_eps, dtype=dtype)
+            self.k_norm = ZeroCenteredRMSNorm(head_dim, eps=norm_eps, dtype=dtype)
+        else:
+            self.q_norm = self.k_norm = None
         self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
         self.rope_theta = rope_theta
+        self.output_gate = output_gate
         self.block_size = block_size
+
+    def init_cache(self, capacity: int, dtype=None) -> KVCache:
+        """An empty cache for `capacity` tokens.
+
+        **Arguments:**
+
+        - `capacity`: the most tokens (prompt and generated) the cache holds.
+        - `dtype`: the dtype of the keys and values; the parameters' if `None`.
+        """
+        dtype = self.k_proj.weight.dtype if dtype is None else dtype
+        shape = (capacity, self.num_kv_heads, self.head_dim)
+        return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    def _project(self, x, pos):
+        """Queries, keys (both normed and turned), values and the output gate (or `None`)."""
+        t, h, d = x.shape[0], self.num_heads, self.head_dim
+        q = jax.vmap(self.q_proj)(x)
+        gate = None
+        if self.output_gate:
+            q, gate = jnp.split(q.reshape(t, h, 2 * d), 2, axis=-1)
+            gate = gate.reshape(t, h * d)
+        q = q.reshape(t, h, d)
+        k = jax.vmap(self.k_proj)(x).reshape(t, self.num_kv_heads, d)
+        v = jax.vmap(self.v_proj)(x).reshape(t, self.num_kv_heads, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = _rope(q, pos, self.rope_theta, self.rotary_dim)
+        k = _rope(k, pos, self.rope_theta, self.rotary_dim)
+        return q, k, v, gate
+
+    def _finish(self, o, gate):
+        """The output gate and projection: `(seq, hidden)`."""
+        o = o.reshape(o.shape[0], self.num_heads * self.head_dim)
+        if gate is not None:
+            o = o * jax.nn.sigmoid(gate.astype(o.dtype))
+        return jax.vmap(self.o_proj)(o.astype(self.o_proj.weight.dtype))
+
+    @overload
+    def __call__(
+        self,
+        x: Float[Array, "seq hidden"],
+        cache: None = None,
+        *,
+        length: Int[Array, ""] | int = 0,
+        axis_name: str | None = None,
+        layout: Layout = Contiguous(),
+        kv_exchange: KVExchange = "allgather",
+    ) -> Float[Array, "seq hidden"]: ...
+
+    @overload
+    def __call__(
+        self,
+        x: Float[Array, "seq hidden"],
+        cache: KVCache,
+        *,
+        length: Int[Array, ""] | int = 0,
+        axis_name: str | None = None,
+        layout: Layout = Contiguous(),
+        kv_exchange: KVExchange = "allgather",
+    ) -> tuple[Float[Array, "seq hidden"], KVCache]: ...
 
     def __call__(
         self,
         x: Float[Array, "seq hidden"],
+        cache: KVCache | None = None,
         *,
+        length: Int[Array, ""] | int = 0,
         axis_name: str | None = None,
         layout: Layout = Contiguous(),
         kv_exchange: KVExchange = "allgather",
-    ) -> Float[Array, "seq hidden"]:
+    ) -> Float[Array, "seq hidden"] | tuple[Float[Array, "seq hidden"], KVCache]:
         """**Arguments:**
 
         - `x`: one sequence, `(seq, hidden)`; with `axis_name`, this rank's shard of it.
+        - `cache`: optionally, the keys and values of `length` earlier tokens, replicated
+            on every rank with `axis_name`. The queries then attend to those too, and the
+            new keys and values are written into it at positions `length ..`; it must hold
+            `length + ` the whole sequence's tokens.
+        - `length`: with `cache`, how many tokens it holds (the position of the first
+            token of `x`); ignored without.
         - `axis_name`: the `shard_map` axis that time is sharded over, or `None`.
         - `layout`: how the sequence is sharded: [`deltanet_cp.Contiguous`][] (rank `r`
             holds the `r`-th slice) or [`deltanet_cp.Zigzag`][] (rank `r` holds pieces `r`
@@ -694,30 +306,77 @@ class CausalSelfAttention(eqx.Module):
 
         **Returns:**
 
-        The output, `(seq, hidden)`.
+        The output, `(seq, hidden)`; with `cache`, the pair `(output, new_cache)` (the
+        new cache the same on every rank: under context parallelism the new keys and
+        values are all-gathered into it).
         """
         _check_kv_exchange(kv_exchange)
-        t = x.shape[0]
-
-        def heads(lin):
-            return jax.vmap(lin)(x).reshape(t, self.num_heads, self.head_dim)
-
-        q, k, v = heads(self.q_proj), heads(self.k_proj), heads(self.v_proj)
         if axis_name is not None:
             check_layout(layout, "CausalSelfAttention")
-        pos = positions(layout, t, axis_name)
-        q, k = _rope(q, pos, self.rope_theta), _rope(k, pos, self.rope_theta)
-        o = _blockwise_attention(
-            q,
-            k,
-            v,
-            pos,
+        t = x.shape[0]
+        rel = positions(layout, t, axis_name)
+        start = 0 if cache is None else length
+        q, k, v, gate = self._project(x, rel + start)
+        attend = ft.partial(
+            _blockwise_attention,
             axis_name=axis_name,
             layout=layout,
             kv_exchange=kv_exchange,
             block_size=self.block_size,
         )
-        return jax.vmap(self.o_proj)(o.reshape(t, self.num_heads * self.head_dim))
+        if cache is None:
+            return self._finish(attend(q, k, v, rel)[0], gate)
+        out, lse = attend(q, k, v, rel, return_lse=True)
+        assert lse is not None
+        old = _cached_attention(q, cache.k, cache.v, length, self.block_size)
+        o = _merge(old, (out, lse)).astype(v.dtype)
+        if axis_name is not None:
+            # Every rank's keys and values, the same on every rank (an invariant value).
+            k, v = (
+                jax.lax.all_gather(a, axis_name, axis=0, tiled=True, to="invarying") for a in (k, v)
+            )
+            if isinstance(layout, Zigzag):
+                cp = jax.lax.axis_size(axis_name)
+                k, v = from_zigzag(k, cp, axis=0), from_zigzag(v, cp, axis=0)
+        new_cache = KVCache(
+            k=jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), length, 0),
+            v=jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), length, 0),
+        )
+        return self._finish(o, gate), new_cache
+
+    def step(
+        self, x: Float[Array, " hidden"], cache: KVCache, position: Int[Array, ""] | int
+    ) -> tuple[Float[Array, " hidden"], KVCache]:
+        """One token of generation.
+
+        **Arguments:**
+
+        - `x`: the new token's input, `(hidden,)`.
+        - `cache`: the keys and values of the `position` tokens before it.
+        - `position`: the token's position (how many tokens the cache holds), below the
+            cache's capacity.
+
+        **Returns:**
+
+        `(y, new_cache)`: the output `(hidden,)` and the cache with the token's key and
+        value written at `position`.
+        """
+        position = jnp.asarray(position, jnp.int32)
+        q, k, v, gate = self._project(x[None], position[None])
+        cache = KVCache(
+            k=jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), position, 0),
+            v=jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), position, 0),
+        )
+        kvh, d = self.num_kv_heads, self.head_dim
+        acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+        qg = q[0].reshape(kvh, self.num_heads // kvh, d).astype(acc) * (d**-0.5)
+        hi = jax.lax.Precision.HIGHEST
+        s = jnp.einsum("hgd,chd->hgc", qg, cache.k.astype(acc), precision=hi)
+        visible = jnp.arange(cache.k.shape[0]) <= position
+        p = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1)
+        o = jnp.einsum("hgc,chd->hgd", p, cache.v.astype(acc), precision=hi)
+        o = o.reshape(1, self.num_heads, d).astype(v.dtype)
+        return self._finish(o, gate)[0], cache
 
     def busiest_rank_work(
         self,

@@ -10,10 +10,11 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._engine import run
 from .._exchange import AbstractExchange, ExchangeName
-from .._layout import check_layout, Contiguous, Layout
+from .._layout import check_layout, Contiguous, Layout, Zigzag
 from .._validate import as_positive_index
 from ..recurrences._delta_family import DeltaInputs
 from ..recurrences._gated_delta import GatedDeltaRule, recurrent_gated_delta_rule
+from ._checkpointed import Checkpointed, checkpoints
 from ._conv import CausalConv1d
 from ._norm import GatedRMSNorm
 
@@ -318,16 +319,93 @@ class GatedDeltaNet(eqx.Module):
         `ValueError` naming `x` if it is not a floating-point `(seq, hidden)` array (a
         batch: `jax.vmap` the layer over it).
         """
+        out, new_state, _ = self._forward(x, state, return_state, None, axis_name, layout, exchange)
+        if not return_state:
+            return out
+        assert new_state is not None
+        return out, new_state
+
+    def prefill(
+        self,
+        x: Float[Array, "seq hidden"],
+        state: GatedDeltaNetState | None = None,
+        *,
+        checkpoint_every: int | None = None,
+        axis_name: str | None = None,
+        layout: Layout = Contiguous(),
+        exchange: AbstractExchange | ExchangeName = "allgather",
+    ) -> tuple[Float[Array, "seq hidden"], GatedDeltaNetState, GatedDeltaNetState | None]:
+        """`__call__(x, state, return_state=True)`, and the states at fixed token boundaries.
+
+        With `checkpoint_every = L`, the recurrence runs in chunks of `L` tokens and the
+        engine's pass also emits the state after each of them (no extra pass, no extra
+        collective under context parallelism): for prefix caching, the state after
+        tokens `[0, L)`, `[0, 2 L)`, ... of `x` (counted from the first token of `x`).
+
+        **Arguments:**
+
+        - `x`, `state`, `axis_name`, `layout`, `exchange`: as for `__call__`.
+        - `checkpoint_every`: `L`, a multiple of `chunk_size` and at least
+            `conv_kernel_size - 1`; with `axis_name` it must divide each contiguous piece
+            of this rank's shard (the shard under `Contiguous`, each half under `Zigzag`),
+            so that the boundaries fall at multiples of `L` of the whole sequence. `None`
+            for no checkpoints.
+
+        **Returns:**
+
+        `(output, new_state, checkpoints)`. `checkpoints` is `None` without
+        `checkpoint_every`; else a [`deltanet_cp.nn.GatedDeltaNetState`][] with a leading
+        axis over the boundaries: `conv (n, conv_kernel_size - 1, conv_dim)` and
+        `recurrent (n, HV, K, V)`, the state after `L`, `2 L`, ... tokens of this rank's
+        tokens in the order they are laid out (`n = len(x) // L`; on one device, a last
+        partial chunk has no checkpoint). Under context parallelism each rank holds the
+        checkpoints of its own pieces: sharded over `axis_name` they are in the layout's
+        order (put them in sequence order with [`deltanet_cp.from_zigzag`][] on axis 0
+        under `Zigzag`).
+        """
+        out, new_state, saved = self._forward(
+            x, state, True, checkpoint_every, axis_name, layout, exchange
+        )
+        assert new_state is not None
+        return out, new_state, saved
+
+    def _check_checkpoints(self, every: int, length: int, axis_name, layout) -> None:
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"`checkpoint_every` must be a positive int; got {every!r}.")
+        if every % self.chunk_size or every < self.conv1d.history:
+            raise ValueError(
+                f"`checkpoint_every` ({every}) must be a multiple of the layer's chunk_size "
+                f"({self.chunk_size}) and at least conv_kernel_size - 1 "
+                f"({self.conv1d.history})."
+            )
+        if axis_name is None:
+            return
+        piece = length // 2 if isinstance(layout, Zigzag) else length
+        if piece % every:
+            raise ValueError(
+                f"Under context parallelism `checkpoint_every` ({every}) must divide each "
+                f"contiguous piece of a rank's shard ({piece} tokens under {layout!r}), so "
+                "that the checkpoints fall at multiples of it in the whole sequence."
+            )
+
+    def _forward(
+        self, x, state, return_state, checkpoint_every, axis_name, layout, exchange
+    ) -> tuple[Array, GatedDeltaNetState | None, GatedDeltaNetState | None]:
         check_layout(layout, "GatedDeltaNet")
         self._check_input(x)
+        if checkpoint_every is not None:
+            self._check_checkpoints(checkpoint_every, x.shape[0], axis_name, layout)
         mixed, z, b, a = self._project(x)
         conv_state, h0 = (None, None) if state is None else (state.conv, state.recurrent)
-        mixed, new_conv = self.conv1d(
+        conv_out, new_conv = self.conv1d(
             mixed, conv_state, axis_name=axis_name, return_state=return_state, layout=layout
         )
-        q, k, v, z, g, beta = self._split(jax.nn.silu(mixed), z, b, a)
+        q, k, v, z, g, beta = self._split(jax.nn.silu(conv_out), z, b, a)
+        recurrence = GatedDeltaRule(chunk_size=self.chunk_size, use_qk_l2norm=True)
+        if checkpoint_every is not None:
+            recurrence = Checkpointed(inner=recurrence, chunk_size=checkpoint_every)
         o, h = run(
-            GatedDeltaRule(chunk_size=self.chunk_size, use_qk_l2norm=True),
+            recurrence,
             DeltaInputs(q[None], k[None], v[None], g[None], beta[None]),
             initial_state=None if h0 is None else h0[None],
             output_final_state=return_state,
@@ -335,13 +413,24 @@ class GatedDeltaNet(eqx.Module):
             layout=layout,
             exchange=exchange,
         )
+        saved = None
+        if checkpoint_every is not None:
+            o, spread = o
+            n, w = x.shape[0] // checkpoint_every, self.conv1d.history
+            ends = checkpoint_every * jnp.arange(1, n + 1)
+            saved = GatedDeltaNetState(
+                conv=mixed[ends[:, None] - w + jnp.arange(w)[None, :]],
+                recurrent=checkpoints(spread, checkpoint_every, self.init_state().recurrent.shape)[
+                    0
+                ],
+            )
         out = self._finish(o[0], z).astype(x.dtype)
         if not return_state:
-            return out
+            return out, None, None
         assert new_conv is not None and h is not None
         if conv_state is not None:
             new_conv = new_conv.astype(conv_state.dtype)
-        return out, GatedDeltaNetState(conv=new_conv, recurrent=h[0])
+        return out, GatedDeltaNetState(conv=new_conv, recurrent=h[0]), saved
 
     def step(
         self, x: Float[Array, " hidden"], state: GatedDeltaNetState

@@ -1,4 +1,4 @@
-"""The gated RMSNorm applied per value head at the end of the Gated DeltaNet layer."""
+"""RMSNorms: the gated one of the Gated DeltaNet layer, and the zero-centred one of Qwen3.5."""
 
 import equinox as eqx
 import jax
@@ -51,3 +51,41 @@ class GatedRMSNorm(eqx.Module):
         h = w.astype(wt) * h.astype(dtype).astype(wt)
         h = h.astype(ct) * jax.nn.silu(gate.astype(ct))
         return h.astype(dtype)
+
+
+class ZeroCenteredRMSNorm(eqx.Module):
+    r"""RMSNorm with a zero-centred weight: $x / \mathrm{rms}(x) \cdot (1 + w)$.
+
+    The convention of Qwen3.5 (`Qwen3_5RMSNorm`, and Gemma's): the weight is initialised to
+    zeros, so the initial norm scales by one. Normalisation and scaling run in float32
+    (float64 for float64 inputs) and the result is cast back to `x`'s dtype.
+    """
+
+    weight: Float[Array, " dim"]
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, dtype=None):
+        """**Arguments:**
+
+        - `dim`: the size of the normalised (last) axis.
+        - `eps`: added to the mean square before the reciprocal square root.
+        - `dtype`: the parameter dtype; the default floating dtype if `None`.
+        """
+        dtype = jnp.zeros(()).dtype if dtype is None else dtype
+        self.weight = jnp.zeros((dim,), dtype)
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
+        """**Arguments:**
+
+        - `x`: the values to normalise over the last axis.
+
+        **Returns:**
+
+        An array of `x`'s shape and dtype.
+        """
+        ct = jnp.dtype(jnp.float64 if x.dtype == jnp.float64 else jnp.float32)
+        h = x.astype(ct)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        w = (1 + self.weight.astype(ct)).reshape((1,) * (h.ndim - 1) + self.weight.shape)
+        return (h * w).astype(x.dtype)

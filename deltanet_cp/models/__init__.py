@@ -1,0 +1,14 @@
+"""Whole models built from deltanet_cp's layers, with Hugging Face checkpoints.
+
+- [`deltanet_cp.models.Qwen3_5ForCausalLM`][]: the Qwen3.5 dense text model (Gated
+    DeltaNet and gated attention layers), context parallel, with prefill (state
+    checkpoints included) and decoding.
+"""
+
+from ._config import Qwen3_5Config as Qwen3_5Config
+from ._qwen3_5 import (
+    Qwen3_5Cache as Qwen3_5Cache,
+    Qwen3_5Checkpoints as Qwen3_5Checkpoints,
+    Qwen3_5DecoderLayer as Qwen3_5DecoderLayer,
+    Qwen3_5ForCausalLM as Qwen3_5ForCausalLM,
+)

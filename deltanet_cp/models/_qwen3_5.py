@@ -1,0 +1,469 @@
+"""The Qwen3.5 dense text model (`Qwen3_5ForCausalLM`), built from deltanet_cp's layers."""
+
+import os
+from typing import overload
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from .._exchange import AbstractExchange, ExchangeName
+from .._layout import check_layout, Contiguous, Layout, positions
+from ..nn._attention import CausalSelfAttention, KVCache
+from ..nn._gated_delta_net import GatedDeltaNet, GatedDeltaNetState
+from ..nn._hybrid import SwiGLU
+from ..nn._norm import ZeroCenteredRMSNorm
+from ..nn._schedule import KVExchange
+from ._config import Qwen3_5Config
+
+
+class _CP(eqx.Module):
+    """The context-parallel options of one call, in one place: every layer takes them from
+    here (the Gated DeltaNet layers `gdn`, the attention layers `attention`)."""
+
+    axis_name: str | None = eqx.field(static=True)
+    layout: Layout = eqx.field(static=True)
+    exchange: AbstractExchange | ExchangeName = eqx.field(static=True)
+    kv_exchange: KVExchange = eqx.field(static=True)
+
+    def __check_init__(self):
+        check_layout(self.layout, "Qwen3_5ForCausalLM")
+
+    def gdn(self) -> dict:
+        return dict(axis_name=self.axis_name, layout=self.layout, exchange=self.exchange)
+
+    def attention(self) -> dict:
+        return dict(axis_name=self.axis_name, layout=self.layout, kv_exchange=self.kv_exchange)
+
+
+class Qwen3_5Cache(eqx.Module):
+    """What [`deltanet_cp.models.Qwen3_5ForCausalLM`][] carries from a prefill to the next
+    token.
+
+    **Fields:**
+
+    - `layers`: per layer, a [`deltanet_cp.nn.GatedDeltaNetState`][] (the Gated DeltaNet
+        layers' conv and recurrent states) or a [`deltanet_cp.nn.KVCache`][] (the
+        attention layers' keys and values, with room for `capacity` tokens).
+    - `length`: how many tokens the model has seen (the position of the next one).
+    """
+
+    layers: tuple[GatedDeltaNetState | KVCache, ...]
+    length: Int[Array, ""]
+
+    @property
+    def capacity(self) -> int:
+        """The most tokens the attention layers' caches hold."""
+        for c in self.layers:
+            if isinstance(c, KVCache):
+                return c.k.shape[-3]
+        return jnp.iinfo(jnp.int32).max
+
+
+class Qwen3_5Checkpoints(eqx.Module):
+    """The Gated DeltaNet layers' states at fixed token boundaries of a prefill.
+
+    **Fields:**
+
+    - `layers`: per layer, a [`deltanet_cp.nn.GatedDeltaNetState`][] with a leading axis
+        over the checkpoints (`None` for the attention layers, whose keys and values for
+        any prefix are the cache's first entries).
+    - `lengths`: `(n,)`, how many tokens the model had seen at each checkpoint.
+
+    [`deltanet_cp.models.Qwen3_5ForCausalLM.restore`][] turns one checkpoint and the
+    prefill's cache into the cache of that prefix.
+    """
+
+    layers: tuple[GatedDeltaNetState | None, ...]
+    lengths: Int[Array, " n"]
+
+
+class Qwen3_5DecoderLayer(eqx.Module):
+    """A pre-norm residual block: `x + mixer(norm(x))`, then `x + mlp(norm(x))`, with
+    zero-centred RMSNorms; the token mixer is a [`deltanet_cp.nn.GatedDeltaNet`][] or a
+    [`deltanet_cp.nn.CausalSelfAttention`][]."""
+
+    input_layernorm: ZeroCenteredRMSNorm
+    mixer: GatedDeltaNet | CausalSelfAttention
+    post_attention_layernorm: ZeroCenteredRMSNorm
+    mlp: SwiGLU
+
+    def __init__(self, config: Qwen3_5Config, kind: str, *, chunk_size, block_size, key, dtype):
+        kmix, kmlp = jr.split(key)
+        c, eps = config, config.rms_norm_eps
+        if kind == "linear_attention":
+            self.mixer = GatedDeltaNet(
+                c.hidden_size,
+                c.linear_num_key_heads,
+                c.linear_num_value_heads,
+                c.linear_key_head_dim,
+                c.linear_value_head_dim,
+                conv_kernel_size=c.linear_conv_kernel_dim,
+                norm_eps=eps,
+                chunk_size=chunk_size,
+                key=kmix,
+                dtype=dtype,
+            )
+        else:
+            self.mixer = CausalSelfAttention(
+                c.hidden_size,
+                c.num_attention_heads,
+                c.head_dim,
+                num_kv_heads=c.num_key_value_heads,
+                rope_theta=c.rope_theta,
+                rotary_dim=c.rotary_dim,
+                output_gate=True,
+                qk_norm=True,
+                norm_eps=eps,
+                block_size=block_size,
+                key=kmix,
+                dtype=dtype,
+            )
+        self.input_layernorm = ZeroCenteredRMSNorm(c.hidden_size, eps=eps, dtype=dtype)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(c.hidden_size, eps=eps, dtype=dtype)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, key=kmlp, dtype=dtype)
+
+    def _mlp(self, x):
+        return x + jax.vmap(self.mlp)(self.post_attention_layernorm(x))
+
+    def __call__(self, x, cp: _CP):
+        h = self.input_layernorm(x)
+        if isinstance(self.mixer, GatedDeltaNet):
+            h = self.mixer(h, **cp.gdn())
+        else:
+            h = self.mixer(h, **cp.attention())
+        return self._mlp(x + h)
+
+    def prefill(self, x, cache, length, checkpoint_every, cp: _CP):
+        h = self.input_layernorm(x)
+        saved = None
+        if isinstance(self.mixer, GatedDeltaNet):
+            assert isinstance(cache, GatedDeltaNetState)
+            kw = cp.gdn()
+            h, cache, saved = self.mixer.prefill(h, cache, checkpoint_every=checkpoint_every, **kw)
+        else:
+            assert isinstance(cache, KVCache)
+            h, cache = self.mixer(h, cache, length=length, **cp.attention())
+        return self._mlp(x + h), cache, saved
+
+    def step(self, x, cache, position):
+        h = self.input_layernorm(x)
+        if isinstance(self.mixer, GatedDeltaNet):
+            assert isinstance(cache, GatedDeltaNetState)
+            h, cache = self.mixer.step(h, cache)
+        else:
+            assert isinstance(cache, KVCache)
+            h, cache = self.mixer.step(h, cache, position)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class Qwen3_5ForCausalLM(eqx.Module):
+    """The Qwen3.5 dense text model: what transformers' `Qwen3_5ForCausalLM` computes.
+
+    Embedding; `num_hidden_layers` pre-norm residual blocks whose token mixer is a
+    [`deltanet_cp.nn.GatedDeltaNet`][] (`"linear_attention"`) or a gated, grouped-query
+    [`deltanet_cp.nn.CausalSelfAttention`][] with q/k norms and a partial rotary embedding
+    (`"full_attention"`), each followed by a SwiGLU MLP; zero-centred RMSNorms
+    ($x / \\mathrm{rms}(x) \\cdot (1 + w)$); a final norm and the LM head (the embedding's
+    transpose if `tie_word_embeddings`).
+
+    Unbatched like the layers: `model(tokens)` maps `(T,)` token ids to `(T, vocab)`
+    logits; `jax.vmap` it over a batch. Context parallel: inside `jax.shard_map`, pass
+    the mesh axis the sequence is sharded over as `axis_name` (and the `layout`,
+    `exchange`, `kv_exchange`); every layer runs on the same shards.
+
+    For generation: `prefill` (optionally context parallel, from a cache, with state
+    checkpoints), `decode_step` and greedy `generate`.
+    """
+
+    embed: eqx.nn.Embedding
+    layers: tuple[Qwen3_5DecoderLayer, ...]
+    norm: ZeroCenteredRMSNorm
+    lm_head: eqx.nn.Linear | None
+    config: Qwen3_5Config = eqx.field(static=True)
+
+    def __init__(
+        self,
+        config: Qwen3_5Config,
+        *,
+        chunk_size: int = 64,
+        block_size: int = 128,
+        key: PRNGKeyArray,
+        dtype=None,
+    ):
+        """**Arguments:**
+
+        - `config`: the sizes, a [`deltanet_cp.models.Qwen3_5Config`][].
+        - `chunk_size`: the Gated DeltaNet layers' chunk size.
+        - `block_size`: the attention layers' tile size.
+        - `key`: a PRNG key for the (random) initial parameters.
+        - `dtype`: the parameter dtype; the default floating dtype if `None`.
+        """
+        kemb, khead, *keys = jr.split(key, config.num_hidden_layers + 2)
+        self.embed = eqx.nn.Embedding(config.vocab_size, config.hidden_size, key=kemb, dtype=dtype)
+        self.layers = tuple(
+            Qwen3_5DecoderLayer(
+                config, kind, chunk_size=chunk_size, block_size=block_size, key=k, dtype=dtype
+            )
+            for kind, k in zip(config.layer_types, keys)
+        )
+        self.norm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else eqx.nn.Linear(
+                config.hidden_size, config.vocab_size, use_bias=False, key=khead, dtype=dtype
+            )
+        )
+        self.config = config
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        *,
+        dtype=None,
+        chunk_size: int = 64,
+        block_size: int = 128,
+    ) -> "Qwen3_5ForCausalLM":
+        """Load a Hugging Face checkpoint: a directory with `config.json` and
+        `model.safetensors`, or `model.safetensors.index.json` and its shards.
+
+        Only safetensors are read (never pickle). Every tensor is mapped by name to its
+        parameter; the names of transformers' `Qwen3_5ForCausalLM` (`model.layers.N...`)
+        and of the multimodal `Qwen3_5ForConditionalGeneration` (`model.language_model.
+        layers.N...`, whose vision tower `model.visual.*` is skipped) are both read, and
+        multi-token-prediction weights (`mtp.*`) are skipped, as transformers does.
+
+        **Arguments:**
+
+        - `path`: the checkpoint directory.
+        - `dtype`: cast every parameter to this dtype (e.g. `jnp.bfloat16`; the recurrent
+            states stay float32); keep each tensor's stored dtype if `None`.
+        - `chunk_size`, `block_size`: as for `__init__`.
+
+        **Raises:**
+
+        `ValueError` listing, by name, every missing, unexpected or misshapen tensor.
+        """
+        from ._weights import load
+
+        return load(cls, path, dtype=dtype, chunk_size=chunk_size, block_size=block_size)
+
+    def _logits(self, x):
+        x = self.norm(x)
+        if self.lm_head is None:
+            return x @ self.embed.weight.T
+        return jax.vmap(self.lm_head)(x)
+
+    def __call__(
+        self,
+        tokens: Int[Array, " seq"],
+        *,
+        axis_name: str | None = None,
+        layout: Layout = Contiguous(),
+        exchange: AbstractExchange | ExchangeName = "allgather",
+        kv_exchange: KVExchange = "allgather",
+    ) -> Float[Array, "seq vocab"]:
+        """**Arguments:**
+
+        - `tokens`: one sequence of token ids; with `axis_name`, this rank's shard of it
+            under `layout`.
+        - `axis_name`: the `shard_map` axis the sequence is sharded over, or `None`.
+        - `layout`: [`deltanet_cp.Contiguous`][] (the default) or [`deltanet_cp.Zigzag`][]
+            (put the tokens in that order with [`deltanet_cp.to_zigzag`][]; the logits
+            come out in it too).
+        - `exchange`: the Gated DeltaNet layers' state exchange (see
+            [`deltanet_cp.chunk_gated_delta_rule_cp`][]).
+        - `kv_exchange`: how the attention layers get the other ranks' keys and values,
+            `"allgather"` or `"ring"` (see [`deltanet_cp.nn.CausalSelfAttention`][]).
+
+        **Returns:**
+
+        The next-token logits, `(seq, vocab)`, in the parameters' dtype.
+        """
+        cp = _CP(axis_name, layout, exchange, kv_exchange)
+        x = jax.vmap(self.embed)(tokens)
+        for layer in self.layers:
+            x = layer(x, cp)
+        return self._logits(x)
+
+    def init_cache(self, capacity: int, dtype=None) -> Qwen3_5Cache:
+        """The cache before the first token, with room for `capacity` tokens.
+
+        **Arguments:**
+
+        - `capacity`: the most tokens (prompt and generated) the attention layers' caches
+            hold.
+        - `dtype`: the dtype of the conv states and keys/values; the parameters' if `None`
+            (the recurrent states are float32).
+        """
+        layers = tuple(
+            layer.mixer.init_state(dtype)
+            if isinstance(layer.mixer, GatedDeltaNet)
+            else layer.mixer.init_cache(capacity, dtype)
+            for layer in self.layers
+        )
+        return Qwen3_5Cache(layers, jnp.zeros((), jnp.int32))
+
+    @overload
+    def prefill(
+        self,
+        tokens: Int[Array, " seq"],
+        cache: Qwen3_5Cache | None = None,
+        *,
+        checkpoint_every: None = None,
+        capacity: int | None = None,
+        axis_name: str | None = None,
+        layout: Layout = Contiguous(),
+        exchange: AbstractExchange | ExchangeName = "allgather",
+        kv_exchange: KVExchange = "allgather",
+    ) -> tuple[Float[Array, "seq vocab"], Qwen3_5Cache]: ...
+
+    @overload
+    def prefill(
+        self,
+        tokens: Int[Array, " seq"],
+        cache: Qwen3_5Cache | None = None,
+        *,
+        checkpoint_every: int,
+        capacity: int | None = None,
+        axis_name: str | None = None,
+        layout: Layout = Contiguous(),
+        exchange: AbstractExchange | ExchangeName = "allgather",
+        kv_exchange: KVExchange = "allgather",
+    ) -> tuple[Float[Array, "seq vocab"], Qwen3_5Cache, Qwen3_5Checkpoints]: ...
+
+    def prefill(
+        self,
+        tokens: Int[Array, " seq"],
+        cache: Qwen3_5Cache | None = None,
+        *,
+        checkpoint_every: int | None = None,
+        capacity: int | None = None,
+        axis_name: str | None = None,
+        layout: Layout = Contiguous(),
+        exchange: AbstractExchange | ExchangeName = "allgather",
+        kv_exchange: KVExchange = "allgather",
+    ) -> (
+        tuple[Float[Array, "seq vocab"], Qwen3_5Cache]
+        | tuple[Float[Array, "seq vocab"], Qwen3_5Cache, Qwen3_5Checkpoints]
+    ):
+        """Run a prompt (or the next part of one) and return the cache to continue from.
+
+        **Arguments:**
+
+        - `tokens`: the prompt's token ids; with `axis_name`, this rank's shard of them.
+        - `cache`: the cache after the tokens before these (replicated on every rank with
+            `axis_name`), or `None` to start a new sequence.
+        - `checkpoint_every`: `L`, to also return the Gated DeltaNet layers' states after
+            every `L` tokens of `tokens` (for prefix caching), computed in the same pass
+            (see [`deltanet_cp.nn.GatedDeltaNet.prefill`][] for what `L` must divide).
+        - `capacity`: with `cache=None`, the most tokens the new cache holds (prompt and
+            generated); the whole prompt's length if `None`.
+        - `axis_name`, `layout`, `exchange`, `kv_exchange`: as for `__call__`.
+
+        **Returns:**
+
+        `(logits, cache)`, the logits `(seq, vocab)` of `tokens` (in the layout's order)
+        and the cache after them, the same on every rank; with `checkpoint_every`,
+        `(logits, cache, checkpoints)`, a [`deltanet_cp.models.Qwen3_5Checkpoints`][]
+        (under context parallelism each rank's own, in the layout's order).
+        """
+        cp = _CP(axis_name, layout, exchange, kv_exchange)
+        t = tokens.shape[0]
+        total = t if axis_name is None else t * jax.lax.axis_size(axis_name)
+        if cache is None:
+            cache = self.init_cache(total if capacity is None else capacity)
+        if total > cache.capacity:
+            raise ValueError(f"The cache holds {cache.capacity} tokens; the prompt has {total}.")
+        length = cache.length
+        x = jax.vmap(self.embed)(tokens)
+        states, saved = [], []
+        for layer, state in zip(self.layers, cache.layers):
+            x, state, ckpt = layer.prefill(x, state, length, checkpoint_every, cp)
+            states.append(state)
+            saved.append(ckpt)
+        new_cache = Qwen3_5Cache(tuple(states), length + total)
+        if checkpoint_every is None:
+            return self._logits(x), new_cache
+        n = t // checkpoint_every
+        ends = positions(layout, t, axis_name)[checkpoint_every - 1 :: checkpoint_every][:n]
+        return self._logits(x), new_cache, Qwen3_5Checkpoints(tuple(saved), length + ends + 1)
+
+    def restore(
+        self, cache: Qwen3_5Cache, checkpoints: Qwen3_5Checkpoints, index: Int[Array, ""] | int
+    ) -> Qwen3_5Cache:
+        """The cache after the prefix that checkpoint `index` ends, from a later cache of
+        the same sequence (its keys and values hold the prefix's) and the checkpoints.
+
+        **Arguments:**
+
+        - `cache`: a cache of the same sequence, at or past the checkpoint.
+        - `checkpoints`: from `prefill(..., checkpoint_every=L)` (gathered, in sequence
+            order, under context parallelism).
+        - `index`: which checkpoint.
+        """
+        layers = tuple(
+            c if saved is None else jax.tree.map(lambda a: a[index], saved)
+            for c, saved in zip(cache.layers, checkpoints.layers)
+        )
+        return Qwen3_5Cache(layers, checkpoints.lengths[index])
+
+    @eqx.filter_jit
+    def decode_step(
+        self, token: Int[Array, ""], cache: Qwen3_5Cache
+    ) -> tuple[Float[Array, " vocab"], Qwen3_5Cache]:
+        """One token of generation, compiled once per model and cache shape.
+
+        **Arguments:**
+
+        - `token`: the next token id (a scalar).
+        - `cache`: the cache after the tokens before it (from `prefill` or the last
+            `decode_step`), with room for one more.
+
+        **Returns:**
+
+        `(logits, cache)`: the next-token logits `(vocab,)` and the cache after `token`.
+        """
+        cache = eqx.error_if(cache, cache.length >= cache.capacity, "The cache is full.")
+        x = self.embed(token)
+        states = []
+        for layer, state in zip(self.layers, cache.layers):
+            x, state = layer.step(x, state, cache.length)
+            states.append(state)
+        return self._logits(x[None])[0], Qwen3_5Cache(tuple(states), cache.length + 1)
+
+    def generate(
+        self, tokens: Int[Array, " seq"], max_new_tokens: int
+    ) -> Int[Array, " max_new_tokens"]:
+        """Greedy decoding: a prefill of `tokens`, then `max_new_tokens` tokens, each the
+        most likely after the ones before (one compiled loop).
+
+        **Arguments:**
+
+        - `tokens`: the prompt's token ids, `(seq,)`.
+        - `max_new_tokens`: how many tokens to generate.
+
+        **Returns:**
+
+        The generated token ids, `(max_new_tokens,)`.
+        """
+        return _generate(self, tokens, max_new_tokens)
+
+
+@eqx.filter_jit
+def _generate(model: Qwen3_5ForCausalLM, tokens, max_new_tokens: int):
+    logits, cache = model.prefill(tokens, capacity=tokens.shape[0] + max_new_tokens)
+    first = jnp.argmax(logits[-1]).astype(tokens.dtype)
+
+    def body(carry, _):
+        token, cache = carry
+        logits, cache = model.decode_step(token, cache)
+        return (jnp.argmax(logits).astype(token.dtype), cache), token
+
+    _, out = jax.lax.scan(body, (first, cache), length=max_new_tokens)
+    return out

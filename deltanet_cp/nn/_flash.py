@@ -1,0 +1,450 @@
+"""The blockwise (flash-style) causal attention kernel, on one device and context parallel.
+
+The scores are computed one `(block, block)` tile at a time with an online softmax, so no
+rank ever holds more than one tile of them; the tiles computed are a static schedule of the
+block pairs the causal mask needs (`_schedule.py`), so the tiles wholly in the future of
+their queries cost nothing.
+
+Under context parallelism each rank attends from its own queries to the keys and values of
+the whole sequence, which it obtains by one all-gather or by passing them around a ring:
+a payload of `(cp - 1) / cp * S * 2 * kv_heads * head_dim` elements per rank and layer
+either way, growing with the sequence length `S`. With the zigzag layout every rank does
+the same causal work. The all-gather holds the whole sequence's keys and values on every
+rank; the ring, one rank's piece at a time, forward and backward (`_ring`).
+"""
+
+import functools as ft
+from typing import cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from .._layout import check_layout, Contiguous, Layout
+from ._schedule import (
+    _block,
+    _check_kv_exchange,
+    _check_unroll,
+    _position_table,
+    _Schedule,
+    _tiles,
+    _tiling,
+    _unrolled,
+)
+
+
+_HI = jax.lax.Precision.HIGHEST
+
+# ---------------------------------------------------------------------------------------
+# The blockwise kernel
+# ---------------------------------------------------------------------------------------
+
+
+def _acc_dtype(dtype) -> type:
+    """The accumulation dtype: float64 for float64 inputs, float32 otherwise."""
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
+def _varying(tree, like):
+    """Mark `tree`'s values as varying over every mesh axis `like`'s values vary over (a
+    loop carry that starts replicated but is updated with per-rank data, inside
+    `shard_map`)."""
+    axes: set = set()
+    for leaf in jax.tree.leaves(like):
+        axes |= set(jax.typeof(leaf).manual_axis_type.varying)
+
+    def cast(x):
+        missing = tuple(sorted(axes - set(jax.typeof(x).manual_axis_type.varying), key=str))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
+def _loop(count: Array, trips: int, body, init, unroll: bool | int):
+    """`fori_loop(0, count, body, init)`: the loop over tiles.
+
+    `unroll` (for measuring the compiled program: see `benchmarks/attention_balance.py`)
+    is `False` (or 1) for a rolled loop, `True` for no loop (`trips` copies of the body),
+    an int `n > 1` for a loop running `n` tiles per trip; `count` must then be `trips`.
+    """
+    if _unrolled(unroll):
+        return jax.lax.fori_loop(0, trips, body, init, unroll=unroll)
+    return jax.lax.fori_loop(jnp.zeros((), count.dtype), count, body, init)
+
+
+def _tile(tiles: Array, row: Array, t: Array) -> tuple[Array, Array]:
+    """Tile `t` of row `row` of the table: (query block, key block)."""
+    ij = jax.lax.dynamic_slice(tiles, (row, t, jnp.zeros_like(t)), (1, 1, 2))
+    return ij[0, 0, 0], ij[0, 0, 1]
+
+
+def _take(x: Array, i: Array) -> Array:
+    return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+
+
+def _put(x: Array, y: Array, i: Array) -> Array:
+    return jax.lax.dynamic_update_index_in_dim(x, y.astype(x.dtype), i, 0)
+
+
+def _tile_scores(q, k, pos_q, pos_k, i, j, acc):
+    """Scores of tile `(i, j)`, `(heads, block, block)`, and the causal mask of the tile."""
+    s = jnp.einsum(
+        "qhd,khd->hqk", _take(q, i), _take(k, j), precision=_HI, preferred_element_type=acc
+    )
+    mask = _take(pos_q, i)[:, None] >= _take(pos_k, j)[None, :]
+    return s, mask[None]
+
+
+def _flash_init(q: Array, like) -> tuple[Array, Array, Array]:
+    """The empty online-softmax state of queries `q`: (unnormalised output, running max,
+    running denominator), in the accumulation dtype, varying wherever `like` does."""
+    nq, b, h, d = q.shape
+    acc = _acc_dtype(q.dtype)
+    init = (
+        jnp.zeros((nq, b, h, d), acc),
+        jnp.full((nq, h, b), jnp.finfo(acc).min, acc),
+        jnp.zeros((nq, h, b), acc),
+    )
+    return _varying(init, like)
+
+
+def _flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, unroll, state):
+    """Run the listed tiles into the online-softmax `state` (see `_flash_init`)."""
+    acc = _acc_dtype(q.dtype)
+
+    def body(t, carry):
+        o, m, denom = carry
+        i, j = _tile(tiles, row, t)
+        s, mask = _tile_scores(q, k, pos_q, pos_k, i, j, acc)
+        s = jnp.where(mask, s, -jnp.inf)
+        m_old = _take(m, i)
+        m_new = jnp.maximum(m_old, jnp.max(s, axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        alpha = jnp.exp(m_old - m_new)
+        l_new = alpha * _take(denom, i) + jnp.sum(p, axis=-1)
+        pv = jnp.einsum(
+            "hqk,khd->qhd",
+            p.astype(v.dtype),
+            _take(v, j),
+            precision=_HI,
+            preferred_element_type=acc,
+        )
+        o_new = alpha.T[..., None] * _take(o, i) + pv
+        return _put(o, o_new, i), _put(m, m_new, i), _put(denom, l_new, i)
+
+    return _loop(count, tiles.shape[1], body, state, unroll)
+
+
+def _flash_finish(state: tuple[Array, Array, Array]) -> tuple[Array, Array]:
+    """`(out, lse)` from an online-softmax state: 0 and `-inf` where no key was seen."""
+    o, m, denom = state
+    seen = denom > 0
+    safe_l = jnp.where(seen, denom, 1)
+    out = o / safe_l.transpose(0, 2, 1)[..., None]
+    lse = jnp.where(seen, m + jnp.log(safe_l), -jnp.inf)
+    return out, lse
+
+
+def _flash_forward(q, k, v, pos_q, pos_k, tiles, row, count, unroll):
+    state = _flash_init(q, (q, k, v, pos_q, pos_k, tiles, row, count))
+    return _flash_finish(_flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, unroll, state))
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _flash(q, k, v, pos_q, pos_k, tiles, row, count, unroll):
+    """Blockwise causal attention over a list of tiles, with an online softmax.
+
+    **Arguments:**
+
+    - `q`: the queries in blocks, `(nq, block, heads, dim)`, already scaled.
+    - `k`, `v`: the keys and values in blocks, `(nk, block, heads, dim)`.
+    - `pos_q`, `pos_k`: the global positions of the queries and keys, `(nq, block)` and
+        `(nk, block)`; query `a` sees key `c` iff `pos_q[a] >= pos_k[c]`.
+    - `tiles`, `row`: the tiles to compute are `tiles[row, t]` for `t < count`, each a
+        (query block, key block) pair; `tiles` is `(rows, pairs, 2)` int32 (one row per
+        rank), `row` an int32 scalar (may be traced). Tiles not listed are not computed.
+    - `count`: how many of the listed tiles to compute (an int32 scalar, may be traced).
+    - `unroll`: `False`, or (for measuring; `count` must then be `pairs`) `True` to unroll
+        the loop over tiles, an int `n` to run `n` tiles per trip.
+
+    **Returns:**
+
+    `(out, lse)`: the normalised output `(nq, block, heads, dim)` and the log-sum-exp of
+    each query's visible scores `(nq, heads, block)`, both in the accumulation dtype. A
+    query that sees no key gets output 0 and log-sum-exp `-inf`. Partial results over
+    disjoint keys merge with `logaddexp`; gradients flow through both outputs.
+    """
+    return _flash_forward(q, k, v, pos_q, pos_k, tiles, row, count, unroll)
+
+
+def _flash_fwd(q, k, v, pos_q, pos_k, tiles, row, count, unroll):
+    out, lse = _flash_forward(q, k, v, pos_q, pos_k, tiles, row, count, unroll)
+    return (out, lse), (q, k, v, pos_q, pos_k, tiles, row, count, out, lse)
+
+
+def _flash_grad_prep(out, lse, d_out, d_lse):
+    """`(d_out, lse, delta)` for `_flash_grad_steps`: the output's cotangent in the
+    accumulation dtype, the log-sum-exp with `-inf` (no key seen) made 0, and
+    `delta = rowsum(d_out * out) - d_lse`, `(nq, heads, block)`."""
+    acc = out.dtype
+    d_out = d_out.astype(acc)
+    delta = jnp.sum(d_out * out, axis=-1).transpose(0, 2, 1)
+    if d_lse is not None:
+        delta = delta - d_lse.astype(acc)
+    return d_out, jnp.where(jnp.isfinite(lse), lse, 0), delta
+
+
+def _flash_grad_steps(q, k, v, pos_q, pos_k, tiles, row, count, unroll, lse, delta, d_out, grads):
+    """Add the listed tiles' gradients to `grads = (dq, dk, dv)` (accumulation dtype).
+
+    The scores are recomputed tile by tile from the saved log-sum-exp:
+    p = exp(s - lse), dp = dout v^T, ds = p * (dp - delta), delta = rowsum(dout * out) - dlse.
+    """
+    acc = _acc_dtype(q.dtype)
+
+    def body(t, carry):
+        dq, dk, dv = carry
+        i, j = _tile(tiles, row, t)
+        s, mask = _tile_scores(q, k, pos_q, pos_k, i, j, acc)
+        p = jnp.where(mask, jnp.exp(s - _take(lse, i)[..., None]), 0)
+        q_i, k_j = _take(q, i).astype(acc), _take(k, j).astype(acc)
+        v_j, do_i = _take(v, j).astype(acc), _take(d_out, i)
+        dp = jnp.einsum("qhd,khd->hqk", do_i, v_j, precision=_HI)
+        ds = p * (dp - _take(delta, i)[..., None])
+        dq_i = jnp.einsum("hqk,khd->qhd", ds, k_j, precision=_HI)
+        dk_j = jnp.einsum("hqk,qhd->khd", ds, q_i, precision=_HI)
+        dv_j = jnp.einsum("hqk,qhd->khd", p, do_i, precision=_HI)
+        dq = _put(dq, _take(dq, i) + dq_i, i)
+        dk = _put(dk, _take(dk, j) + dk_j, j)
+        dv = _put(dv, _take(dv, j) + dv_j, j)
+        return dq, dk, dv
+
+    return _loop(count, tiles.shape[1], body, grads, unroll)
+
+
+def _flash_bwd(unroll, res, cts):
+    q, k, v, pos_q, pos_k, tiles, row, count, out, lse = res
+    d_out, lse, delta = _flash_grad_prep(out, lse, *cts)
+    acc = _acc_dtype(q.dtype)
+    init = (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
+    init = _varying(init, (q, k, v, pos_q, pos_k, tiles, row, count, d_out, delta))
+    dq, dk, dv = _flash_grad_steps(
+        q, k, v, pos_q, pos_k, tiles, row, count, unroll, lse, delta, d_out, init
+    )
+    grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
+    return grads + (None, None, None, None, None)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _to_blocks(x: Array, b: int) -> Array:
+    """`(seq, ...)` -> `(seq / b, b, ...)`: a reshape, no copy."""
+    return x.reshape(-1, b, *x.shape[1:])
+
+
+def _attend(q, k, v, pos_q, pos_k, tiles, b, group, unroll):
+    """`_flash` on `(rows, heads, dim)` arrays, `b` keys and `b * group` query rows a tile:
+    `(out (rows, heads, dim), lse (rows, heads))`."""
+    tiles, row, count = tiles
+    out, lse = cast(
+        tuple[Array, Array],
+        _flash(
+            _to_blocks(q, b * group),
+            _to_blocks(k, b),
+            _to_blocks(v, b),
+            _to_blocks(pos_q, b * group),
+            _to_blocks(pos_k, b),
+            tiles,
+            row,
+            count,
+            unroll,
+        ),
+    )
+    t = q.shape[0]
+    return out.reshape(t, *q.shape[1:]), lse.transpose(0, 2, 1).reshape(t, -1)
+
+
+class _Ring:
+    """The static description of one ring attention (a non-differentiable argument of
+    `_ring`): the mesh axis, its size `cp`, the kernel's `unroll`, the
+    local diagonal's schedule (step 0), the schedules of steps `1 .. cp - 1` as one table
+    (row `(step - 1) cp + rank`), and the global positions of every rank's keys in blocks,
+    `(cp, blocks, b)`."""
+
+    def __init__(self, axis_name, cp, unroll, diagonal, steps, positions):
+        self.axis_name, self.cp, self.unroll = axis_name, cp, unroll
+        self.diagonal: _Schedule = diagonal
+        self.stacked = _Schedule.of(
+            [s.listed(r) for s in steps for r in range(cp)] if steps else [[]]
+        )
+        self.positions: np.ndarray = positions
+
+    def ring_loop(self, body, init):
+        """`body(step, carry)` for steps `1 .. cp - 1`: a loop, unless the kernel's loops
+        are all unrolled (`unroll=True`, for measuring), when it is straight-line code."""
+        return jax.lax.fori_loop(1, self.cp, body, init, unroll=self.unroll is True or 1)
+
+    def ppermute(self, x):
+        """Pass `x` one rank on around the ring (rank `r` receives rank `r - 1`'s)."""
+        perm = [(j, (j + 1) % self.cp) for j in range(self.cp)]
+        return jax.lax.ppermute(x, self.axis_name, perm)
+
+    def step(self, rank: Array, step: Array):
+        """`(pos_k, tiles, row, count)` of ring step `step > 0` on rank `rank`: the
+        positions of the keys it holds (those of rank `rank - step`) and its tiles."""
+        pos_k = _take(jnp.asarray(self.positions), (rank - step) % self.cp)
+        tiles, row, count = self.stacked.at((step - 1) * self.cp + rank)
+        return pos_k, tiles, row, count
+
+
+def _ring_forward(ring: _Ring, q, k, v, pos_q, pos_k):
+    rank = jax.lax.axis_index(ring.axis_name)
+    state = _flash_init(q, (q, k, v, pos_q, pos_k))
+    state = _flash_steps(q, k, v, pos_q, pos_k, *ring.diagonal.at(rank), ring.unroll, state)
+
+    def body(step, carry):
+        k, v, state = carry
+        k, v = ring.ppermute((k, v))
+        pos_k, tiles, row, count = ring.step(rank, step)
+        state = _flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, ring.unroll, state)
+        return k, v, state
+
+    _, _, state = ring.ring_loop(body, (k, v, state))
+    return _flash_finish(state)
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(ring: _Ring, q, k, v, pos_q, pos_k):
+    """Causal attention of the local queries to the whole sequence's keys, passed around
+    the ring: `out`, `(nq, block, heads, dim)` in the accumulation dtype (arguments in
+    blocks as for `_flash`; `k`, `v` and their positions `pos_k` this rank's own).
+
+    At step 0 the queries attend to the local keys (the causal diagonal); at each step
+    `i = 1 .. cp - 1` of a loop the keys and values move one rank on (rank `r` then holds
+    rank `r - i`'s) and the step's tiles run into the same online softmax. One piece of
+    keys and values is held (and one in flight) at a time, so memory is `O(S / cp)`.
+
+    The backward saves only `q, k, v, out` and the log-sum-exp, and runs the ring again:
+    the keys and values go around with accumulators of their gradients, to which each rank
+    adds its tiles' contributions (recomputed from the log-sum-exp, as `_flash` does); one
+    last step brings the accumulators home, where each holds its rank's `dk`, `dv`.
+    """
+    return _ring_forward(ring, q, k, v, pos_q, pos_k)[0]
+
+
+def _ring_fwd(ring: _Ring, q, k, v, pos_q, pos_k):
+    out, lse = _ring_forward(ring, q, k, v, pos_q, pos_k)
+    return out, (q, k, v, pos_q, pos_k, out, lse)
+
+
+def _ring_bwd(ring: _Ring, res, d_out):
+    q, k, v, pos_q, pos_k, out, lse = res
+    rank = jax.lax.axis_index(ring.axis_name)
+    d_out, lse, delta = _flash_grad_prep(out, lse, d_out, None)
+    acc = _acc_dtype(q.dtype)
+    grads = (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
+    grads = _varying(grads, (q, k, v, pos_q, pos_k, d_out, delta))
+    tiles, row, count = ring.diagonal.at(rank)
+    dq, dk, dv = _flash_grad_steps(
+        q, k, v, pos_q, pos_k, tiles, row, count, ring.unroll, lse, delta, d_out, grads
+    )
+
+    def body(step, carry):
+        k, v, dq, dk, dv = carry
+        k, v, dk, dv = ring.ppermute((k, v, dk, dv))
+        pos_k, tiles, row, count = ring.step(rank, step)
+        dq, dk, dv = _flash_grad_steps(
+            q, k, v, pos_q, pos_k, tiles, row, count, ring.unroll, lse, delta, d_out, (dq, dk, dv)
+        )
+        return k, v, dq, dk, dv
+
+    _, _, dq, dk, dv = ring.ring_loop(body, (k, v, dq, dk, dv))
+    if ring.cp > 1:
+        dk, dv = ring.ppermute((dk, dv))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _group_queries(x: Array, group: int) -> Array:
+    """`(seq, kv_heads * group, ...)` -> `(seq * group, kv_heads, ...)`: the queries that
+    share a key head become rows of the same head (query head `h` reads key head
+    `h // group`), so a tile of `block` tokens holds `block * group` query rows."""
+    t, h = x.shape[:2]
+    x = x.reshape(t, h // group, group, *x.shape[2:])
+    return jnp.swapaxes(x, 1, 2).reshape(t * group, h // group, *x.shape[3:])
+
+
+def _ungroup_queries(x: Array, group: int) -> Array:
+    """The inverse of `_group_queries`."""
+    tg, kvh = x.shape[:2]
+    x = x.reshape(tg // group, group, kvh, *x.shape[2:])
+    return jnp.swapaxes(x, 1, 2).reshape(tg // group, kvh * group, *x.shape[3:])
+
+
+def _blockwise_attention(
+    q: Float[Array, "seq heads dim"],
+    k: Float[Array, "seq kv_heads dim"],
+    v: Float[Array, "seq kv_heads dim"],
+    pos_q: Int[Array, " seq"],
+    *,
+    axis_name: str | None,
+    layout: Layout,
+    kv_exchange: str,
+    block_size: int,
+    unroll: bool | int = False,
+    return_lse: bool = False,
+) -> tuple[Array, Array | None]:
+    """Causal softmax attention of this rank's queries (global positions `pos_q`, RoPE
+    already applied, not yet scaled) against every earlier key of the sequence.
+
+    Query head `h` reads key/value head `h // (heads // kv_heads)` (grouped-query
+    attention); the keys and values travel with `kv_heads` heads.
+
+    **Returns:**
+
+    `(out, None)`: the output `(seq, heads, dim)` in `v`'s dtype; with `return_lse`,
+    `(out, lse)`: the output and the log-sum-exp of each query's scores `(seq, heads)`, both
+    in the accumulation dtype (for merging with attention to other keys; the ring then runs
+    without its memory-saving backward).
+    """
+    t, h, d = q.shape
+    group = h // k.shape[1]
+    q = _group_queries(q * (d**-0.5), group)
+    pos_q_rows = jnp.repeat(pos_q, group)
+
+    def finish(out, lse):
+        out = _ungroup_queries(out.reshape(t * group, *out.shape[-2:]), group)
+        if not return_lse:
+            return out.astype(v.dtype), None
+        return out, _ungroup_queries(lse.reshape(t * group, -1), group)
+
+    if axis_name is None:
+        b = _block(block_size, t, "the sequence length")
+        ((schedule,),) = loops = _tiles(Contiguous(), 1, t // b, "allgather")
+        _check_unroll(loops, unroll)
+        return finish(*_attend(q, k, v, pos_q_rows, pos_q, schedule.at(0), b, group, unroll))
+    check_layout(layout, "CausalSelfAttention")
+    _check_kv_exchange(kv_exchange)
+    cp = jax.lax.axis_size(axis_name)
+    rank = jax.lax.axis_index(axis_name)
+    b, m = _tiling(layout, t, block_size)
+    table = _position_table(layout, t, cp)
+    loops = _tiles(layout, cp, m, kv_exchange)
+    _check_unroll(loops, unroll)
+    if kv_exchange == "allgather":
+        k = jax.lax.all_gather(k, axis_name, axis=0, tiled=True)
+        v = jax.lax.all_gather(v, axis_name, axis=0, tiled=True)
+        pos_k = jnp.asarray(table.reshape(-1))
+        return finish(*_attend(q, k, v, pos_q_rows, pos_k, loops[0][0].at(rank), b, group, unroll))
+    (diagonal,), steps = loops
+    ring = _Ring(axis_name, cp, unroll, diagonal, steps, table.reshape(cp, -1, b))
+    qb, pos_qb = _to_blocks(q, b * group), _to_blocks(pos_q_rows, b * group)
+    kb, vb, pos_kb = _to_blocks(k, b), _to_blocks(v, b), _to_blocks(pos_q, b)
+    if return_lse:
+        out, lse = _ring_forward(ring, qb, kb, vb, pos_qb, pos_kb)
+        return finish(out, lse.transpose(0, 2, 1))
+    return finish(cast(Array, _ring(ring, qb, kb, vb, pos_qb, pos_kb)), None)
