@@ -1081,7 +1081,20 @@ def test_blocks_match_loop(family, block_size):
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f.gate is not None], ids=_name)
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param(
+            f,
+            id=f.name,
+            marks=()
+            if f.name in ("gated_delta_rule", "kimi_delta_attention")
+            else pytest.mark.slow,
+        )
+        for f in FAMILIES
+        if f.gate is not None
+    ],
+)
 def test_infinite_decays_match_loop(family):
     # g = -inf is a decay of exp(-inf) = 0: the state is forgotten, everything stays finite,
     # chunked, token by token and under context parallelism, and so do the gradients.
