@@ -1,6 +1,6 @@
 """Context parallelism for matrix-valued linear RNNs (Gated DeltaNet and friends) in JAX."""
 
-import importlib.metadata
+from importlib import metadata as _metadata
 
 from ._affine import (
     AbstractAffineMap as AbstractAffineMap,
@@ -85,4 +85,4 @@ from .recurrences._kda import (
 )
 
 
-__version__ = importlib.metadata.version("deltanet_cp")
+__version__ = _metadata.version("deltanet_cp")

@@ -290,3 +290,15 @@ def test_runnable_examples(page, runnable_results):
         pytest.fail(f"docs/{page} was not run: an earlier page stopped the process.")
     if "fail" in result:
         pytest.fail(f"docs/{page}:\n{result['error']}", pytrace=False)
+
+
+def test_readme_quickstart_runs_as_written():
+    # The README's first Python block, exactly as a new user would paste it, in a fresh
+    # process (it sets its own XLA flags for 4 simulated devices before importing jax).
+    readme = (ROOT / "README.md").read_text()
+    code = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
