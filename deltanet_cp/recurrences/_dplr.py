@@ -36,7 +36,7 @@ from ._helpers import (
     check_arrays,
     compute_dtype,
     cumulative_decays,
-    decayed_gram,
+    decayed_grams,
     einsum,
     lift,
     unit_lower_inverse,
@@ -142,12 +142,12 @@ class DPLRDeltaRule(AbstractRecurrence[DPLRInputs, DPLRFactors, AffineMap]):
         g = chunk_major(chunks.gk.astype(dt).reshape(b, n, c, h, r, dk))  # (N, B, H, r, C, K)
         decay_in, decay_out = cumulative_decays(g, per_channel=True)  # e^{G_i}, e^{G_C - G_i}
         decay_before = _down(decay_in, fill=1.0)  # e^{G_{i-1}}
-        a_qk = decayed_gram(q, k, g, strict=False)
-        a_qb = decayed_gram(q, bb, g, strict=False)
         # A_a.[i, j] pairs a_i with the decays up to token i - 1: the inclusive product of
         # the next row's a, shifted down a row (exact for any gates, nothing overflows).
         a_next = jnp.concatenate([a[..., 1:, :], jnp.zeros_like(a[..., :1, :])], -2)
-        a_ak, a_ab = (_down(decayed_gram(a_next, y, g, strict=False)) for y in (k, bb))
+        grams = decayed_grams(jnp.stack([q, a_next], -3), jnp.stack([k, bb], -3), g, False)
+        a_qk, a_qb = grams[..., 0, 0, :, :], grams[..., 0, 1, :, :]
+        a_ak, a_ab = _down(grams[..., 1, 0, :, :]), _down(grams[..., 1, 1, :, :])
         t = unit_lower_inverse(-a_ab)
         rhs = jnp.concatenate([a * decay_before, einsum("...ij,...jv->...iv", a_ak, v)], -1)
         wu = einsum("...ij,...jd->...id", t, rhs)  # [w | u]

@@ -3,6 +3,7 @@ numerically careful pieces of chunk algebra (decay sums, decayed Gram matrices, 
 unit-lower-triangular inverse). No recurrence module imports another; they all import this.
 """
 
+import functools as ft
 from typing import Any
 
 import jax
@@ -149,11 +150,6 @@ def segment_sums(g: Float[Array, "... c"]) -> Float[Array, "... c c"]:
     return jnp.cumsum(x, axis=-2)
 
 
-def _block_size(c: int) -> int:
-    """The divisor `s` of `c` that minimises `s + c / s` (memory of `decayed_gram`)."""
-    return min((s for s in range(1, c + 1) if c % s == 0), key=lambda s: (s + c // s, -s))
-
-
 def decayed_gram(
     x: Float[Array, "*batch c k"],
     y: Float[Array, "*batch c k"],
@@ -164,22 +160,8 @@ def decayed_gram(
     r"""$P_{ij} = \sum_c x_{ic} y_{jc} \exp(\sum_{t=j+1}^{i} g_{tc})$ below the diagonal.
 
     Zero above the diagonal, and on it too if `strict`. `g` holds log decays (`<= 0`),
-    either per channel `(..., C, K)`, per token `(..., C)`, or `None` (no decay).
-
-    Per channel, $\exp(G_i - G_j)$ cannot be split into $e^{G_i} e^{-G_j}$ (overflows for
-    very negative gates) nor formed from a difference of cumulative sums (a large decay
-    early in the chunk leaves $G_i - G_j$ with an absolute error $\epsilon |G_j|$: a
-    relative error in every later term). The exact per-pair segment sum is a
-    $(C, C, K)$ tensor. We split the chunk into blocks of $s \approx \sqrt{C}$ tokens
-    instead: inside a block, a direct $(s, s, K)$ segment sum; across blocks $I > J$ the
-    exponent is the sum of three runs that each sum gates of one sign directly, so each is
-    exact to a relative $\epsilon$ and every factor is $\le 1$ (no overflow):
-
-    $$\sum_{t=j+1}^{i} g_t = \underbrace{\sum_{t=j+1}^{\mathrm{end}(J)} g_t}_{\text{suffix of } j}
-    + \underbrace{\sum_{\text{blocks } J < B < I} \textstyle\sum_B g}_{\text{between}}
-    + \underbrace{\sum_{t=\mathrm{start}(I)}^{i} g_t}_{\text{prefix of } i}.$$
-
-    Memory is $O(C K (s + C / s))$ per chunk instead of $O(C^2 K)$.
+    either per channel `(..., C, K)` (see [`decayed_grams`]), per token `(..., C)`, or
+    `None` (no decay).
     """
     c = x.shape[-2]
     dt = x.dtype
@@ -189,35 +171,135 @@ def decayed_gram(
         if g is not None:
             gram = gram * jnp.exp(segment_sums(g))
         return jnp.where(lift(mask, gram.ndim), gram, jnp.zeros((), dt))
+    return decayed_grams(x[..., None, :, :], y[..., None, :, :], g, strict=strict)[..., 0, 0, :, :]
 
-    s = _block_size(c)
-    nb = c // s
-    lead = x.shape[:-2]
 
-    def blocks(a):  # (..., C, K) -> (..., nb, s, K)
-        return a.reshape(*lead, nb, s, a.shape[-1])
+@ft.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def decayed_grams(
+    x: Float[Array, "*batch p c k"],
+    y: Float[Array, "*batch q c k"],
+    g: Float[Array, "*batch c k"],
+    strict: bool,
+) -> Float[Array, "*batch p q c c"]:
+    r"""Every decayed Gram of `P` left and `Q` right factors under one per-channel decay.
 
-    xb, yb, gb = blocks(x), blocks(y), blocks(g)
-    # Inside each block: seg[..., n, c, i, j] = sum_{t=j+1}^{i} g_tc, summed directly.
-    seg = segment_sums(jnp.swapaxes(gb, -1, -2))
-    inner_mask = jnp.tril(jnp.ones((s, s), dtype=bool), k=-1 if strict else 0)
-    inner_decay = jnp.where(lift(inner_mask, seg.ndim), jnp.exp(seg), jnp.zeros((), dt))
-    inner = einsum("...nic,...ncij,...njc->...nij", xb, inner_decay, yb)
+    $P^{(p, q)}_{ij} = \sum_c x^{(p)}_{ic} y^{(q)}_{jc} \exp(\sum_{t=j+1}^{i} g_{tc})$ for
+    $i \ge j$ ($i > j$ if `strict`), zero above.
 
-    # Across blocks: prefix of i (inclusive), suffix of j (exclusive), blocks in between.
-    prefix = jnp.cumsum(gb, axis=-2)
-    from_j = jnp.flip(jnp.cumsum(jnp.flip(gb, -2), axis=-2), -2)  # sum_{t >= j} in the block
-    suffix = jnp.concatenate([from_j[..., 1:, :], jnp.zeros_like(from_j[..., :1, :])], axis=-2)
-    totals = jnp.swapaxes(from_j[..., 0, :], -1, -2)  # (..., K, nb): each block's sum
-    upto = segment_sums(totals)  # [I, J] = blocks J+1..I
-    between = jnp.concatenate([jnp.zeros_like(upto[..., :1, :]), upto[..., :-1, :]], axis=-2)
-    outer_mask = jnp.tril(jnp.ones((nb, nb), dtype=bool), k=-1)
-    outer_decay = jnp.where(lift(outer_mask, between.ndim), jnp.exp(between), jnp.zeros((), dt))
-    outer = einsum(
-        "...Iic,...cIJ,...Jjc->...IiJj", xb * jnp.exp(prefix), outer_decay, yb * jnp.exp(suffix)
+    $\exp(G_i - G_j)$ cannot be split into $e^{G_i} e^{-G_j}$ (overflows for very negative
+    gates) nor formed from a difference of cumulative sums (a large decay early in the chunk
+    leaves $G_i - G_j$ with an absolute error $\epsilon |G_j|$: a relative error in every
+    later term), and the exact per-pair segment sum is a $(C, C, K)$ tensor. Instead, the
+    chunk is halved recursively: a pair $i > j$ on either side of a midpoint $m$ factors
+    exactly as $\exp(\sum_{t=m+1}^{i} g_t) \exp(\sum_{t=j+1}^{m} g_t)$, two sums of gates
+    of one sign inside one half (exact to a relative $\epsilon$), each factor $\le 1$ (no
+    overflow). Each of the $\log_2 C$ levels is one batched product of the decayed rows of
+    the lower halves with those of the upper halves: the flops of one plain $C \times C$
+    Gram, and $O(C K)$ memory per level. Differentiated by hand, recomputing each level:
+    nothing but the arguments is kept for the backward.
+    """
+    return _grams(x, y, g, strict)
+
+
+def _halves(x: Array, groups: int) -> tuple[Array, Array]:
+    """`(..., C, K)` -> its `groups` groups' lower and upper halves, `(..., groups, C/2g, K)`."""
+    x = x.reshape(*x.shape[:-2], groups, 2, x.shape[-2] // (2 * groups), x.shape[-1])
+    return x[..., 0, :, :], x[..., 1, :, :]
+
+
+def _level_decays(g: Array, groups: int) -> tuple[Array, Array]:
+    """At one level: `exp(sum_{t=m+1}^{i} g_t)` for the upper halves' rows `i` and
+    `exp(sum_{t=j+1}^{m} g_t)` for the lower halves' rows `j` (`m` the group's midpoint)."""
+    lower, upper = _halves(g, groups)
+    after = jnp.cumsum(jnp.flip(lower, -2), axis=-2)  # reversed: sums of the last 1, 2, ...
+    after = jnp.flip(
+        jnp.concatenate([jnp.zeros_like(after[..., :1, :]), after[..., :-1, :]], -2), -2
     )
-    diagonal = einsum("...nij,nm->...nimj", inner, jnp.eye(nb, dtype=dt))
-    return (outer + diagonal).reshape(*lead, c, c)
+    return jnp.exp(jnp.cumsum(upper, axis=-2)), jnp.exp(after)
+
+
+def _pad_pow2(x: Array, axis: int) -> Array:
+    n = x.shape[axis]
+    p = 1 << (n - 1).bit_length()
+    if p == n:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, p - n)
+    return jnp.pad(x, pad)
+
+
+def _grams(x, y, g, strict):
+    c = x.shape[-2]
+    x, y, g = _pad_pow2(x, -2), _pad_pow2(y, -2), _pad_pow2(g, -2)
+    n = x.shape[-2]
+    if strict:
+        m = jnp.zeros((*x.shape[:-2], y.shape[-3], n, 1, 1), x.dtype)
+    else:
+        m = einsum("...pik,...qik->...pqi", x, y)[..., None, None]
+    half = 1
+    while half < n:
+        groups = n // (2 * half)
+        up_decay, low_decay = _level_decays(g, groups)
+        xs = _halves(x, groups)[1] * up_decay[..., None, :, :, :]
+        ys = _halves(y, groups)[0] * low_decay[..., None, :, :, :]
+        cross = einsum("...pgik,...qgjk->...pqgij", xs, ys)  # (..., P, Q, groups, h, h)
+        m = m.reshape(*m.shape[:-3], groups, 2, half, half)
+        top = jnp.concatenate([m[..., 0, :, :], jnp.zeros_like(cross)], -1)
+        bottom = jnp.concatenate([cross, m[..., 1, :, :]], -1)
+        m = jnp.concatenate([top, bottom], -2)
+        half *= 2
+    return m[..., 0, :c, :c]
+
+
+def _grams_fwd(x, y, g, strict):
+    return _grams(x, y, g, strict), (x, y, g)
+
+
+def _grams_bwd(strict, res, ct):
+    x, y, g = res
+    c = x.shape[-2]
+    x, y, g = _pad_pow2(x, -2), _pad_pow2(y, -2), _pad_pow2(g, -2)
+    ct = _pad_pow2(_pad_pow2(ct, -1), -2)
+    n = x.shape[-2]
+    batch = ct.shape[:-2]
+    if strict:
+        dx, dy = jnp.zeros_like(x), jnp.zeros_like(y)
+    else:
+        diag = jnp.diagonal(ct, axis1=-2, axis2=-1)  # (..., P, Q, n)
+        dx = einsum("...pqi,...qik->...pik", diag, y)
+        dy = einsum("...pqi,...pik->...qik", diag, x)
+    dg = jnp.zeros_like(g)
+    half = 1
+    while half < n:
+        groups = n // (2 * half)
+        up_decay, low_decay = _level_decays(g, groups)
+        x_up, y_low = _halves(x, groups)[1], _halves(y, groups)[0]
+        xs, ys = x_up * up_decay[..., None, :, :, :], y_low * low_decay[..., None, :, :, :]
+        # The cross blocks' cotangents: rows of the upper half, columns of the lower half.
+        blocks = ct.reshape(*batch, groups, 2 * half, groups, 2 * half)
+        blocks = jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)
+        d_cross = blocks[..., half:, :half]  # (..., P, Q, groups, h, h)
+        d_xs = einsum("...pqgij,...qgjk->...pgik", d_cross, ys)
+        d_ys = einsum("...pqgij,...pgik->...qgjk", d_cross, xs)
+        d_up = jnp.sum(d_xs * x_up, axis=-4) * up_decay  # d(sum_{m<t<=i} g_t)
+        d_low = jnp.sum(d_ys * y_low, axis=-4) * low_decay  # d(sum_{j<t<=m} g_t)
+        dg_up = jnp.flip(jnp.cumsum(jnp.flip(d_up, -2), axis=-2), -2)  # sum over i >= t
+        dg_low = jnp.cumsum(d_low, axis=-2)
+        dg_low = jnp.concatenate([jnp.zeros_like(dg_low[..., :1, :]), dg_low[..., :-1, :]], -2)
+        dx = dx + _unhalves(jnp.zeros_like(d_xs), d_xs * up_decay[..., None, :, :, :])
+        dy = dy + _unhalves(d_ys * low_decay[..., None, :, :, :], jnp.zeros_like(d_ys))
+        dg = dg + _unhalves(dg_low, dg_up)
+        half *= 2
+    return dx[..., :c, :], dy[..., :c, :], dg[..., :c, :]
+
+
+def _unhalves(lower: Array, upper: Array) -> Array:
+    """Inverse of `_halves`: `(..., groups, h, K)` twice -> `(..., 2 groups h, K)`."""
+    x = jnp.stack([lower, upper], axis=-3)
+    return x.reshape(*x.shape[:-4], -1, x.shape[-1])
+
+
+decayed_grams.defvjp(_grams_fwd, _grams_bwd)
 
 
 def cumulative_decays(
