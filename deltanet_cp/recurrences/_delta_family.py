@@ -238,9 +238,9 @@ def _factors(q, k, v, g, beta, write, *, rows: slice) -> DeltaFactors:
     kr, qr = k[:, :, :, None], q[:, :, :, None]  # (N, B, H, 1, ., K)
     if g is not None and g.ndim == k.ndim + 1:  # one decay per key channel: exact blocked Gram
         kb, qb = jnp.broadcast_to(kr, (*lead, s, dk)), jnp.broadcast_to(qr, (*lead, s, dk))
-        grams = decayed_grams(jnp.stack([_gated(kb, beta), qb], -3), kb[..., None, :, :], g, False)
-        a = jnp.where(strict, grams[..., 0, 0, :, :], zero)
-        attn = grams[..., 1, 0, rows, :]
+        grams = decayed_grams(jnp.stack([_gated(kb, beta), qb], -2), kb[..., None, :], g, False)
+        a = jnp.where(strict, grams[..., :, 0, :, 0], zero)
+        attn = grams[..., rows, 1, :, 0]
         decay_in, decay_out = cumulative_decays(g, per_channel=True)
         q_decayed, k_decayed = qb * decay_in[..., rows, :], kb * decay_out
         bk = _gated(decay_in * kb, beta)

@@ -71,25 +71,24 @@ class DPLRFactors(eqx.Module):
 
     - `wq`: $w$ (rows `:C`) stacked over $q e^{G} + A_{qb} w$ (rows `C:`), so one product
         with the state gives both the reads' share $w h$ and the outputs' share.
-    - `u`: $u$, so that the reads are $r = u + w h$.
-    - `o_intra`: $A_{qk} v + A_{qb} u$, the outputs' share that does not depend on the
-        state, in the outputs' layout `(n_chunks, batch, C, value_heads, V)`.
+    - `o_intra`: $(A_{qk} + A_{qb} T A_{ak}) v$, the outputs' share that does not depend on
+        the state, in the outputs' layout `(n_chunks, batch, C, value_heads, V)`.
     - `b_decayed_t`: $\tilde b^\top = (b e^{G_C - G})^\top$, shape `(..., K, C)`.
-    - `kv`: $\tilde k^\top v$, the chunk's writes to the state, `(..., K, V)`.
+    - `U`: $(\tilde k + (T A_{ak})^\top \tilde b)^\top v$, the chunk's writes to the
+        state when it enters at zero, `(..., K, V)`.
     - `gamma`: $e^{G_C}$, the decay over the whole chunk per key channel.
     """
 
     wq: Float[Array, "n b h cc k"]
-    u: Float[Array, "n b h c v"]
     o_intra: Float[Array, "n b c h v"]
     b_decayed_t: Float[Array, "n b h k c"]
-    kv: Float[Array, "n b h k v"]
+    U: Float[Array, "n b h k v"]
     gamma: Float[Array, "n b h k"]
 
     @property
     def w(self) -> Float[Array, "*chunks b h c k"]:
         """The WY factor $w$ (the first `C` rows of `wq`)."""
-        return self.wq[..., : self.u.shape[-2], :]
+        return self.wq[..., : self.b_decayed_t.shape[-1], :]
 
 
 class DPLRDeltaRule(AbstractRecurrence[DPLRInputs, DPLRFactors, AffineMap]):
@@ -130,69 +129,67 @@ class DPLRDeltaRule(AbstractRecurrence[DPLRInputs, DPLRFactors, AffineMap]):
         b, n, c, h, dk = chunks.q.shape
         hv, dv = chunks.v.shape[-2:]
         r = hv // h
-        lead = (n, b, h, r)
         scale = jnp.asarray(dk**-0.5 if self.scale is None else self.scale, dt)
 
-        def keys(x):  # (B, N, C, H, K) -> (N, B, H, r, C, K), broadcast over the r value heads
-            return jnp.broadcast_to(chunk_major(x.astype(dt))[:, :, :, None], (*lead, c, dk))
+        def keys(x):  # (B, N, C, H, K) -> (N, B, H, 1, C, K): broadcasts over the r value heads
+            return chunk_major(x.astype(dt))[:, :, :, None]
 
         q, k, a, bb = keys(chunks.q), keys(chunks.k), keys(chunks.a), keys(chunks.b)
         q = q * scale
         v = chunk_major(chunks.v.astype(dt).reshape(b, n, c, h, r, dv))  # (N, B, H, r, C, V)
         g = chunk_major(chunks.gk.astype(dt).reshape(b, n, c, h, r, dk))  # (N, B, H, r, C, K)
         decay_in, decay_out = cumulative_decays(g, per_channel=True)  # e^{G_i}, e^{G_C - G_i}
-        decay_before = _down(decay_in, fill=1.0)  # e^{G_{i-1}}
         # A_a.[i, j] pairs a_i with the decays up to token i - 1: the inclusive product of
         # the next row's a, shifted down a row (exact for any gates, nothing overflows).
         a_next = jnp.concatenate([a[..., 1:, :], jnp.zeros_like(a[..., :1, :])], -2)
-        grams = decayed_grams(jnp.stack([q, a_next], -3), jnp.stack([k, bb], -3), g, False)
-        a_qk, a_qb = grams[..., 0, 0, :, :], grams[..., 0, 1, :, :]
-        a_ak, a_ab = _down(grams[..., 1, 0, :, :]), _down(grams[..., 1, 1, :, :])
+        grams = decayed_grams(jnp.stack([q, a_next], -2), jnp.stack([k, bb], -2), g, False)
+        a_qk, a_qb = grams[..., :, 0, :, 0], grams[..., :, 0, :, 1]
+        a_ak, a_ab = _down(grams[..., :, 1, :, 0]), _down(grams[..., :, 1, :, 1])
         t = unit_lower_inverse(-a_ab)
-        rhs = jnp.concatenate([a * decay_before, einsum("...ij,...jv->...iv", a_ak, v)], -1)
-        wu = einsum("...ij,...jd->...id", t, rhs)  # [w | u]
-        qb_wu = einsum("...ij,...jd->...id", a_qb, wu)  # [A_qb w | A_qb u]
-        o_intra = einsum("...ij,...jv->...iv", a_qk, v) + qb_wu[..., dk:]
-        k_decayed = k * decay_out
+        w = einsum("...ij,...jk->...ik", t, a * _down(decay_in, fill=1.0))  # T (a e^{G_{i-1}})
+        t_ak = einsum("...ij,...jl->...il", t, a_ak)  # the reads are T A_ak v + w h
+        a_qb_w = einsum("...ij,...jk->...ik", a_qb, w)
+        # o_intra = A_qk v + A_qb T A_ak v, and the writes k~^T v + b~^T T A_ak v: C x C
+        # products first (C < K, V), then one product with v each.
+        a_out = a_qk + einsum("...ij,...jl->...il", a_qb, t_ak)
+        b_decayed = bb * decay_out
+        k_out = k * decay_out + einsum("...ji,...jk->...ik", t_ak, b_decayed)
 
         def heads(x):  # (N, B, H, r, ...) -> (N, B, HV, ...); value head j reads key head j // r
             return x.reshape(x.shape[:2] + (h * r,) + x.shape[4:])
 
         return DPLRFactors(
-            wq=heads(jnp.concatenate([wu[..., :dk], q * decay_in + qb_wu[..., :dk]], -2)),
-            u=heads(wu[..., dk:]),
-            o_intra=jnp.swapaxes(heads(o_intra), 2, 3),
-            b_decayed_t=heads(jnp.swapaxes(bb * decay_out, -1, -2)),
-            kv=heads(einsum("...ck,...cv->...kv", k_decayed, v)),
+            wq=heads(jnp.concatenate([w, q * decay_in + a_qb_w], -2)),
+            o_intra=jnp.swapaxes(heads(einsum("...ij,...jv->...iv", a_out, v)), 2, 3),
+            b_decayed_t=heads(jnp.swapaxes(b_decayed, -1, -2)),
+            U=heads(einsum("...ck,...cv->...kv", k_out, v)),
             gamma=heads(decay_in[..., -1, :]),
         )
 
     def step(self, factors: DPLRFactors, h: Float[Array, "b h k v"]) -> tuple[Array, Array]:
         f = factors
-        c = f.u.shape[-2]
+        c = f.b_decayed_t.shape[-1]
         y = einsum("bhck,bhkv->bhcv", f.wq, h)  # [w h; (q_g + A_qb w) h]
-        reads = f.u + y[..., :c, :]
         o = jnp.swapaxes(y[..., c:, :], 1, 2) + f.o_intra  # (B, C, HV, V)
-        h_next = f.gamma[..., None] * h + einsum("bhkc,bhcv->bhkv", f.b_decayed_t, reads) + f.kv
-        return h_next, o
+        h_next = f.gamma[..., None] * h + einsum("bhkc,bhcv->bhkv", f.b_decayed_t, y[..., :c, :])
+        return h_next + f.U, o
 
     def chunk_map(self, factors: DPLRFactors) -> AffineMap:
         f = factors
         dk = f.wq.shape[-1]
         eye = lift(jnp.eye(dk, dtype=f.wq.dtype), f.gamma.ndim + 1)
         m = f.gamma[..., None] * eye + einsum("bhkc,bhcj->bhkj", f.b_decayed_t, f.w)
-        return AffineMap(m, einsum("bhkc,bhcv->bhkv", f.b_decayed_t, f.u) + f.kv)
+        return AffineMap(m, f.U)
 
     def compose(self, factors: DPLRFactors, running: AffineMap) -> AffineMap:
-        # [M | U] <- diag(gamma) [M | U] + b~^T (w [M | U] + [0 | u]) + [0 | kv]: two
-        # products of 2 K (K + V) C multiply-adds per chunk instead of a dense K^3 one.
+        # [M | U] <- diag(gamma) [M | U] + b~^T (w [M | U]) + [0 | U_c]: two products of
+        # 2 K (K + V) C multiply-adds per chunk instead of a dense K^3 one.
         f = factors
         dk = running.M.shape[-1]
         mu = jnp.concatenate([running.M, running.U], axis=-1)
         reads = einsum("bhck,bhkd->bhcd", f.w, mu)
-        reads = reads + jnp.concatenate([jnp.zeros_like(f.w), f.u], axis=-1)
         mu = f.gamma[..., None] * mu + einsum("bhkc,bhcd->bhkd", f.b_decayed_t, reads)
-        return AffineMap(mu[..., :dk], mu[..., dk:] + f.kv)
+        return AffineMap(mu[..., :dk], mu[..., dk:] + f.U)
 
     def finalize(self, outputs: Float[Array, "b t h v"], inputs: DPLRInputs) -> Array:
         return outputs.astype(inputs.v.dtype)

@@ -171,20 +171,23 @@ def decayed_gram(
         if g is not None:
             gram = gram * jnp.exp(segment_sums(g))
         return jnp.where(lift(mask, gram.ndim), gram, jnp.zeros((), dt))
-    return decayed_grams(x[..., None, :, :], y[..., None, :, :], g, strict=strict)[..., 0, 0, :, :]
+    return decayed_grams(x[..., None, :], y[..., None, :], g, strict)[..., :, 0, :, 0]
 
 
 @ft.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def decayed_grams(
-    x: Float[Array, "*batch p c k"],
-    y: Float[Array, "*batch q c k"],
+    x: Float[Array, "*xbatch c p k"],
+    y: Float[Array, "*ybatch c q k"],
     g: Float[Array, "*batch c k"],
     strict: bool,
-) -> Float[Array, "*batch p q c c"]:
+) -> Float[Array, "*batch c p c q"]:
     r"""Every decayed Gram of `P` left and `Q` right factors under one per-channel decay.
 
-    $P^{(p, q)}_{ij} = \sum_c x^{(p)}_{ic} y^{(q)}_{jc} \exp(\sum_{t=j+1}^{i} g_{tc})$ for
-    $i \ge j$ ($i > j$ if `strict`), zero above.
+    `out[..., i, p, j, q]` $= \sum_c x_{ipc} y_{jqc} \exp(\sum_{t=j+1}^{i} g_{tc})$ for
+    $i \ge j$ ($i > j$ if `strict`), zero above. The factors are interleaved with the rows
+    (`x[..., i, p, :]`), so every product below is a plain batched matmul. The batch axes of
+    `x` and `y` broadcast against those of `g` (a key head's rows for all the value heads
+    that read it).
 
     $\exp(G_i - G_j)$ cannot be split into $e^{G_i} e^{-G_j}$ (overflows for very negative
     gates) nor formed from a difference of cumulative sums (a large decay early in the chunk
@@ -194,61 +197,84 @@ def decayed_grams(
     exactly as $\exp(\sum_{t=m+1}^{i} g_t) \exp(\sum_{t=j+1}^{m} g_t)$, two sums of gates
     of one sign inside one half (exact to a relative $\epsilon$), each factor $\le 1$ (no
     overflow). Each of the $\log_2 C$ levels is one batched product of the decayed rows of
-    the lower halves with those of the upper halves: the flops of one plain $C \times C$
+    the upper halves with those of the lower halves: the flops of one plain $C \times C$
     Gram, and $O(C K)$ memory per level. Differentiated by hand, recomputing each level:
     nothing but the arguments is kept for the backward.
     """
     return _grams(x, y, g, strict)
 
 
-def _halves(x: Array, groups: int) -> tuple[Array, Array]:
-    """`(..., C, K)` -> its `groups` groups' lower and upper halves, `(..., groups, C/2g, K)`."""
-    x = x.reshape(*x.shape[:-2], groups, 2, x.shape[-2] // (2 * groups), x.shape[-1])
-    return x[..., 0, :, :], x[..., 1, :, :]
+def _halves(x: Array, groups: int, trailing: int) -> tuple[Array, Array]:
+    """`(..., n, *rest)` with `trailing` axes after the rows -> the lower and upper halves of
+    its `groups` groups of rows, `(..., groups, n / 2 groups, *rest)` each."""
+    lead, n, rest = x.shape[: -trailing - 1], x.shape[-trailing - 1], x.shape[x.ndim - trailing :]
+    x = x.reshape(*lead, groups, 2, n // (2 * groups), *rest)
+    axis = len(lead) + 1
+    return jnp.take(x, 0, axis=axis), jnp.take(x, 1, axis=axis)
+
+
+def _unhalves(lower: Array, upper: Array, trailing: int) -> Array:
+    """Inverse of `_halves`."""
+    x = jnp.stack([lower, upper], axis=lower.ndim - trailing - 1)
+    lead = x.shape[: x.ndim - trailing - 3]
+    return x.reshape(*lead, -1, *x.shape[x.ndim - trailing :])
 
 
 def _level_decays(g: Array, groups: int) -> tuple[Array, Array]:
     """At one level: `exp(sum_{t=m+1}^{i} g_t)` for the upper halves' rows `i` and
-    `exp(sum_{t=j+1}^{m} g_t)` for the lower halves' rows `j` (`m` the group's midpoint)."""
-    lower, upper = _halves(g, groups)
+    `exp(sum_{t=j+1}^{m} g_t)` for the lower halves' rows `j` (`m` the group's midpoint),
+    each `(..., groups, h, 1, K)` (to broadcast over the factors)."""
+    lower, upper = _halves(g, groups, 1)
     after = jnp.cumsum(jnp.flip(lower, -2), axis=-2)  # reversed: sums of the last 1, 2, ...
-    after = jnp.flip(
-        jnp.concatenate([jnp.zeros_like(after[..., :1, :]), after[..., :-1, :]], -2), -2
-    )
-    return jnp.exp(jnp.cumsum(upper, axis=-2)), jnp.exp(after)
+    after = jnp.concatenate([jnp.zeros_like(after[..., :1, :]), after[..., :-1, :]], -2)
+    up, low = jnp.exp(jnp.cumsum(upper, axis=-2)), jnp.exp(jnp.flip(after, -2))
+    return up[..., None, :], low[..., None, :]
 
 
-def _pad_pow2(x: Array, axis: int) -> Array:
-    n = x.shape[axis]
-    p = 1 << (n - 1).bit_length()
-    if p == n:
-        return x
+def _pad_rows(x: Array, n: int, *axes: int) -> Array:
     pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, p - n)
-    return jnp.pad(x, pad)
+    for axis in axes:
+        pad[axis] = (0, n - x.shape[axis])
+    return jnp.pad(x, pad) if any(p != (0, 0) for p in pad) else x
+
+
+def _level(x, y, g, half, n):
+    """The decayed upper rows `(..., G, h, P, K)`, lower rows `(..., G, h, Q, K)` and their
+    decays at the level whose groups are `2 half` rows."""
+    groups = n // (2 * half)
+    up, low = _level_decays(g, groups)
+    x_up, y_low = _halves(x, groups, 2)[1], _halves(y, groups, 2)[0]
+    return x_up, y_low, up, low, x_up * up, y_low * low
 
 
 def _grams(x, y, g, strict):
-    c = x.shape[-2]
-    x, y, g = _pad_pow2(x, -2), _pad_pow2(y, -2), _pad_pow2(g, -2)
-    n = x.shape[-2]
+    c = x.shape[-3]
+    n = 1 << (c - 1).bit_length()
+    x, y, g = _pad_rows(x, n, -3), _pad_rows(y, n, -3), _pad_rows(g, n, -2)
+    p, q = x.shape[-2], y.shape[-2]
+    shape = (*_batch(x, y, g), n, 1, p, 1, q)
     if strict:
-        m = jnp.zeros((*x.shape[:-2], y.shape[-3], n, 1, 1), x.dtype)
+        m = jnp.zeros(shape, x.dtype)
     else:
-        m = einsum("...pik,...qik->...pqi", x, y)[..., None, None]
+        diag = einsum("...ipk,...iqk->...ipq", x, y)[..., :, None, :, None, :]
+        m = jnp.broadcast_to(diag, shape)
     half = 1
     while half < n:
-        groups = n // (2 * half)
-        up_decay, low_decay = _level_decays(g, groups)
-        xs = _halves(x, groups)[1] * up_decay[..., None, :, :, :]
-        ys = _halves(y, groups)[0] * low_decay[..., None, :, :, :]
-        cross = einsum("...pgik,...qgjk->...pqgij", xs, ys)  # (..., P, Q, groups, h, h)
-        m = m.reshape(*m.shape[:-3], groups, 2, half, half)
-        top = jnp.concatenate([m[..., 0, :, :], jnp.zeros_like(cross)], -1)
-        bottom = jnp.concatenate([cross, m[..., 1, :, :]], -1)
-        m = jnp.concatenate([top, bottom], -2)
+        *_, xs, ys = _level(x, y, g, half, n)
+        lead = xs.shape[:-3]
+        cross = einsum(
+            "...ak,...bk->...ab",
+            xs.reshape(*lead, -1, xs.shape[-1]),
+            ys.reshape(*lead, -1, ys.shape[-1]),
+        )
+        cross = cross.reshape(*lead, half, p, half, q)
+        m = m.reshape(*lead, 2, *m.shape[-4:])  # the previous level's blocks, in pairs
+        m0, m1 = m[..., 0, :, :, :, :], m[..., 1, :, :, :, :]  # (..., G, h, P, h, Q) each
+        top = jnp.concatenate([m0, jnp.zeros_like(cross)], -2)
+        bottom = jnp.concatenate([cross, m1], -2)
+        m = jnp.concatenate([top, bottom], -4)
         half *= 2
-    return m[..., 0, :c, :c]
+    return m[..., 0, :c, :, :c, :]
 
 
 def _grams_fwd(x, y, g, strict):
@@ -257,46 +283,57 @@ def _grams_fwd(x, y, g, strict):
 
 def _grams_bwd(strict, res, ct):
     x, y, g = res
-    c = x.shape[-2]
-    x, y, g = _pad_pow2(x, -2), _pad_pow2(y, -2), _pad_pow2(g, -2)
-    ct = _pad_pow2(_pad_pow2(ct, -1), -2)
-    n = x.shape[-2]
-    batch = ct.shape[:-2]
+    c = x.shape[-3]
+    n = 1 << (c - 1).bit_length()
+    x, y, g = _pad_rows(x, n, -3), _pad_rows(y, n, -3), _pad_rows(g, n, -2)
+    ct = _pad_rows(ct, n, -4, -2)
+    p, q = x.shape[-2], y.shape[-2]
+    full = _batch(x, y, g)
     if strict:
-        dx, dy = jnp.zeros_like(x), jnp.zeros_like(y)
+        dx = jnp.zeros((*full, *x.shape[-3:]), x.dtype)
+        dy = jnp.zeros((*full, *y.shape[-3:]), y.dtype)
     else:
-        diag = jnp.diagonal(ct, axis1=-2, axis2=-1)  # (..., P, Q, n)
-        dx = einsum("...pqi,...qik->...pik", diag, y)
-        dy = einsum("...pqi,...pik->...qik", diag, x)
-    dg = jnp.zeros_like(g)
+        diag = jnp.diagonal(ct, axis1=-4, axis2=-2)  # (..., P, Q, n)
+        dx = einsum("...pqi,...iqk->...ipk", diag, y)
+        dy = einsum("...pqi,...ipk->...iqk", diag, x)
+    dg = jnp.zeros((*full, *g.shape[-2:]), g.dtype)
     half = 1
     while half < n:
+        x_up, y_low, up, low, xs, ys = _level(x, y, g, half, n)
         groups = n // (2 * half)
-        up_decay, low_decay = _level_decays(g, groups)
-        x_up, y_low = _halves(x, groups)[1], _halves(y, groups)[0]
-        xs, ys = x_up * up_decay[..., None, :, :, :], y_low * low_decay[..., None, :, :, :]
         # The cross blocks' cotangents: rows of the upper half, columns of the lower half.
-        blocks = ct.reshape(*batch, groups, 2 * half, groups, 2 * half)
-        blocks = jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)
-        d_cross = blocks[..., half:, :half]  # (..., P, Q, groups, h, h)
-        d_xs = einsum("...pqgij,...qgjk->...pgik", d_cross, ys)
-        d_ys = einsum("...pqgij,...pgik->...qgjk", d_cross, xs)
-        d_up = jnp.sum(d_xs * x_up, axis=-4) * up_decay  # d(sum_{m<t<=i} g_t)
-        d_low = jnp.sum(d_ys * y_low, axis=-4) * low_decay  # d(sum_{j<t<=m} g_t)
+        blocks = ct.reshape(*ct.shape[:-4], groups, 2 * half, p, groups, 2 * half, q)
+        blocks = jnp.moveaxis(jnp.diagonal(blocks, axis1=-6, axis2=-3), -1, -5)
+        d_cross = blocks[..., half:, :, :half, :].reshape(*blocks.shape[:-4], half * p, half * q)
+        lead = d_cross.shape[:-2]
+        d_xs = einsum("...ab,...bk->...ak", d_cross, ys.reshape(*lead, -1, ys.shape[-1]))
+        d_ys = einsum("...ab,...ak->...bk", d_cross, xs.reshape(*lead, -1, xs.shape[-1]))
+        d_xs, d_ys = d_xs.reshape(xs.shape), d_ys.reshape(ys.shape)
+        d_up = jnp.sum(d_xs * x_up, axis=-2) * up[..., 0, :]  # d(sum_{m<t<=i} g_t)
+        d_low = jnp.sum(d_ys * y_low, axis=-2) * low[..., 0, :]  # d(sum_{j<t<=m} g_t)
         dg_up = jnp.flip(jnp.cumsum(jnp.flip(d_up, -2), axis=-2), -2)  # sum over i >= t
         dg_low = jnp.cumsum(d_low, axis=-2)
         dg_low = jnp.concatenate([jnp.zeros_like(dg_low[..., :1, :]), dg_low[..., :-1, :]], -2)
-        dx = dx + _unhalves(jnp.zeros_like(d_xs), d_xs * up_decay[..., None, :, :, :])
-        dy = dy + _unhalves(d_ys * low_decay[..., None, :, :, :], jnp.zeros_like(d_ys))
-        dg = dg + _unhalves(dg_low, dg_up)
+        dx = dx + _unhalves(jnp.zeros_like(d_xs), d_xs * up, 2)
+        dy = dy + _unhalves(d_ys * low, jnp.zeros_like(d_ys), 2)
+        dg = dg + _unhalves(dg_low, dg_up, 1)
         half *= 2
-    return dx[..., :c, :], dy[..., :c, :], dg[..., :c, :]
+    return (
+        _sum_to(dx[..., :c, :, :], res[0].shape),
+        _sum_to(dy[..., :c, :, :], res[1].shape),
+        _sum_to(dg[..., :c, :], res[2].shape),
+    )
 
 
-def _unhalves(lower: Array, upper: Array) -> Array:
-    """Inverse of `_halves`: `(..., groups, h, K)` twice -> `(..., 2 groups h, K)`."""
-    x = jnp.stack([lower, upper], axis=-3)
-    return x.reshape(*x.shape[:-4], -1, x.shape[-1])
+def _batch(x: Array, y: Array, g: Array) -> tuple[int, ...]:
+    """The batch shape of `decayed_grams`: its arguments' batch axes broadcast together."""
+    return jnp.broadcast_shapes(x.shape[:-3], y.shape[:-3], g.shape[:-2])
+
+
+def _sum_to(x: Array, shape: tuple[int, ...]) -> Array:
+    """`x` summed over the axes that `shape` broadcasts (size 1 there, not in `x`)."""
+    axes = tuple(i for i, (a, b) in enumerate(zip(x.shape, shape)) if b == 1 and a != 1)
+    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
 decayed_grams.defvjp(_grams_fwd, _grams_bwd)
