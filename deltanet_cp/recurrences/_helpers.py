@@ -260,6 +260,7 @@ def _grams(x, y, g, strict):
         m = jnp.broadcast_to(diag, shape)
     half = 1
     while half < n:
+        m, x, y, g = jax.lax.optimization_barrier((m, x, y, g))  # one level at a time
         *_, xs, ys = _level(x, y, g, half, n)
         lead = xs.shape[:-3]
         cross = einsum(
@@ -290,21 +291,23 @@ def _grams_bwd(strict, res, ct):
     p, q = x.shape[-2], y.shape[-2]
     full = _batch(x, y, g)
     if strict:
-        dx = jnp.zeros((*full, *x.shape[-3:]), x.dtype)
-        dy = jnp.zeros((*full, *y.shape[-3:]), y.dtype)
+        dx, dy = jnp.zeros_like(x), jnp.zeros_like(y)
     else:
-        diag = jnp.diagonal(ct, axis1=-4, axis2=-2)  # (..., P, Q, n)
-        dx = einsum("...pqi,...iqk->...ipk", diag, y)
-        dy = einsum("...pqi,...ipk->...iqk", diag, x)
+        eye = jnp.eye(n, dtype=bool)[:, None, :, None]
+        diag = jnp.sum(jnp.where(eye, ct, jnp.zeros((), ct.dtype)), axis=-2)  # (..., n, P, Q)
+        dx = _sum_to(einsum("...ipq,...iqk->...ipk", diag, y), x.shape)
+        dy = _sum_to(einsum("...ipq,...ipk->...iqk", diag, x), y.shape)
     dg = jnp.zeros((*full, *g.shape[-2:]), g.dtype)
-    half = 1
-    while half < n:
+
+    def level(half, carry):
+        dx, dy, dg = carry
         x_up, y_low, up, low, xs, ys = _level(x, y, g, half, n)
         groups = n // (2 * half)
         # The cross blocks' cotangents: rows of the upper half, columns of the lower half.
-        blocks = ct.reshape(*ct.shape[:-4], groups, 2 * half, p, groups, 2 * half, q)
-        blocks = jnp.moveaxis(jnp.diagonal(blocks, axis1=-6, axis2=-3), -1, -5)
-        d_cross = blocks[..., half:, :, :half, :].reshape(*blocks.shape[:-4], half * p, half * q)
+        rows = [slice((2 * i + 1) * half, (2 * i + 2) * half) for i in range(groups)]
+        cols = [slice(2 * i * half, (2 * i + 1) * half) for i in range(groups)]
+        d_cross = jnp.stack([ct[..., r, :, c, :] for r, c in zip(rows, cols)], axis=-5)
+        d_cross = d_cross.reshape(*d_cross.shape[:-4], half * p, half * q)
         lead = d_cross.shape[:-2]
         d_xs = einsum("...ab,...bk->...ak", d_cross, ys.reshape(*lead, -1, ys.shape[-1]))
         d_ys = einsum("...ab,...ak->...bk", d_cross, xs.reshape(*lead, -1, xs.shape[-1]))
@@ -314,15 +317,21 @@ def _grams_bwd(strict, res, ct):
         dg_up = jnp.flip(jnp.cumsum(jnp.flip(d_up, -2), axis=-2), -2)  # sum over i >= t
         dg_low = jnp.cumsum(d_low, axis=-2)
         dg_low = jnp.concatenate([jnp.zeros_like(dg_low[..., :1, :]), dg_low[..., :-1, :]], -2)
-        dx = dx + _unhalves(jnp.zeros_like(d_xs), d_xs * up, 2)
-        dy = dy + _unhalves(d_ys * low, jnp.zeros_like(d_ys), 2)
-        dg = dg + _unhalves(dg_low, dg_up, 1)
-        half *= 2
-    return (
-        _sum_to(dx[..., :c, :, :], res[0].shape),
-        _sum_to(dy[..., :c, :, :], res[1].shape),
-        _sum_to(dg[..., :c, :], res[2].shape),
-    )
+        dx = dx + _sum_to(_unhalves(jnp.zeros_like(d_xs), d_xs * up, 2), x.shape)
+        dy = dy + _sum_to(_unhalves(d_ys * low, jnp.zeros_like(d_ys), 2), y.shape)
+        return dx, dy, dg + _unhalves(dg_low, dg_up, 1)
+
+    # The levels one after another in a loop (each a branch of a switch): unrolled, XLA
+    # schedules every level's decays and products before their sums and holds them all.
+    # The first level outside it, so the carry has the types (and, under `shard_map`, the
+    # varying axes) of everything that flows into it.
+    levels = [ft.partial(level, 1 << i) for i in range(n.bit_length() - 1)]
+    if levels:
+        carry = levels[0]((dx, dy, dg))
+        dx, dy, dg = jax.lax.fori_loop(
+            1, len(levels), lambda i, carry: jax.lax.switch(i - 1, levels[1:], carry), carry
+        )
+    return dx[..., :c, :, :], dy[..., :c, :, :], _sum_to(dg[..., :c, :], res[2].shape)
 
 
 def _batch(x: Array, y: Array, g: Array) -> tuple[int, ...]:
