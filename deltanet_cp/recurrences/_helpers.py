@@ -210,7 +210,7 @@ def _halves(x: Array, groups: int, trailing: int) -> tuple[Array, Array]:
     lead, n, rest = x.shape[: -trailing - 1], x.shape[-trailing - 1], x.shape[x.ndim - trailing :]
     x = x.reshape(*lead, groups, 2, n // (2 * groups), *rest)
     axis = len(lead) + 1
-    return jnp.take(x, 0, axis=axis), jnp.take(x, 1, axis=axis)
+    return tuple(jax.lax.index_in_dim(x, i, axis, keepdims=False) for i in (0, 1))
 
 
 def _unhalves(lower: Array, upper: Array, trailing: int) -> Array:
@@ -225,10 +225,42 @@ def _level_decays(g: Array, groups: int) -> tuple[Array, Array]:
     `exp(sum_{t=j+1}^{m} g_t)` for the lower halves' rows `j` (`m` the group's midpoint),
     each `(..., groups, h, 1, K)` (to broadcast over the factors)."""
     lower, upper = _halves(g, groups, 1)
-    after = jnp.cumsum(jnp.flip(lower, -2), axis=-2)  # reversed: sums of the last 1, 2, ...
-    after = jnp.concatenate([jnp.zeros_like(after[..., :1, :]), after[..., :-1, :]], -2)
-    up, low = jnp.exp(jnp.cumsum(upper, axis=-2)), jnp.exp(jnp.flip(after, -2))
-    return up[..., None, :], low[..., None, :]
+    after = _up(cumsum(lower, -2, reverse=True))  # sum_{t > j} inside the lower half
+    return jnp.exp(cumsum(upper, -2))[..., None, :], jnp.exp(after)[..., None, :]
+
+
+def _up(x: Array) -> Array:
+    """Rows of `x` `(..., n, K)` moved up by one, a zero row at the bottom."""
+    return jnp.concatenate([x[..., 1:, :], jnp.zeros_like(x[..., :1, :])], -2)
+
+
+def _down(x: Array) -> Array:
+    """Rows of `x` `(..., n, K)` moved down by one, a zero row on top."""
+    return jnp.concatenate([jnp.zeros_like(x[..., :1, :]), x[..., :-1, :]], -2)
+
+
+def cumsum(x: Array, axis: int, reverse: bool = False) -> Array:
+    """Inclusive cumulative sums along `axis` (from the end if `reverse`).
+
+    XLA's `cumsum` is a reduction window as long as the axis for every element ($n^2$ adds);
+    here an axis longer than 8 is cut into blocks of 8, summed inside each block and then
+    across the blocks' totals ($\approx 2 \cdot 8$ adds per element). Every sum still adds
+    terms directly (no differences), so sums of gates of one sign stay accurate to a
+    relative $\epsilon$ whatever their size.
+    """
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    if n <= 8 or n % 8:
+        return jax.lax.cumsum(x, axis, reverse=reverse)
+    blocks = x.reshape(*x.shape[:axis], n // 8, 8, *x.shape[axis + 1 :])
+    inner = jax.lax.cumsum(blocks, axis + 1, reverse=reverse)
+    totals = jax.lax.index_in_dim(inner, 0 if reverse else 7, axis + 1)  # (..., n/8, 1, ...)
+    zero = jnp.zeros_like(jax.lax.index_in_dim(totals, 0, axis))
+    if reverse:  # the blocks after each one, then before it: exclusive, summed directly
+        before = jnp.concatenate([jax.lax.slice_in_dim(totals, 1, None, axis=axis), zero], axis)
+    else:
+        before = jnp.concatenate([zero, jax.lax.slice_in_dim(totals, 0, -1, axis=axis)], axis)
+    return (inner + cumsum(before, axis, reverse=reverse)).reshape(x.shape)
 
 
 def _pad_rows(x: Array, n: int, *axes: int) -> Array:
@@ -256,18 +288,13 @@ def _grams(x, y, g, strict):
     if strict:
         m = jnp.zeros(shape, x.dtype)
     else:
-        diag = einsum("...ipk,...iqk->...ipq", x, y)[..., :, None, :, None, :]
+        diag = _products(x, y)[..., :, None, :, None, :]
         m = jnp.broadcast_to(diag, shape)
     half = 1
     while half < n:
-        m, x, y, g = jax.lax.optimization_barrier((m, x, y, g))  # one level at a time
         *_, xs, ys = _level(x, y, g, half, n)
         lead = xs.shape[:-3]
-        cross = einsum(
-            "...ak,...bk->...ab",
-            xs.reshape(*lead, -1, xs.shape[-1]),
-            ys.reshape(*lead, -1, ys.shape[-1]),
-        )
+        cross = _products(xs.reshape(*lead, -1, xs.shape[-1]), ys.reshape(*lead, -1, ys.shape[-1]))
         cross = cross.reshape(*lead, half, p, half, q)
         m = m.reshape(*lead, 2, *m.shape[-4:])  # the previous level's blocks, in pairs
         m0, m1 = m[..., 0, :, :, :, :], m[..., 1, :, :, :, :]  # (..., G, h, P, h, Q) each
@@ -276,6 +303,21 @@ def _grams(x, y, g, strict):
         m = jnp.concatenate([top, bottom], -4)
         half *= 2
     return m[..., 0, :c, :, :c, :]
+
+
+def _products(a: Array, b: Array) -> Array:
+    """`a @ b^T` for rows `(..., A, K)` and `(..., B, K)`; tiny ones (`A B <= 16`, where a
+    batched matmul is mostly overhead) as a fused multiply and sum."""
+    if a.shape[-2] * b.shape[-2] <= 16:
+        return jnp.sum(a[..., :, None, :] * b[..., None, :, :], axis=-1)
+    return einsum("...ak,...bk->...ab", a, b)
+
+
+def _combine(w: Array, b: Array) -> Array:
+    """`w @ b` for `(..., A, B)` and rows `(..., B, K)`, tiny ones as in `_products`."""
+    if w.shape[-2] * w.shape[-1] <= 16:
+        return jnp.sum(w[..., :, :, None] * b[..., None, :, :], axis=-2)
+    return einsum("...ab,...bk->...ak", w, b)
 
 
 def _grams_fwd(x, y, g, strict):
@@ -295,8 +337,8 @@ def _grams_bwd(strict, res, ct):
     else:
         eye = jnp.eye(n, dtype=bool)[:, None, :, None]
         diag = jnp.sum(jnp.where(eye, ct, jnp.zeros((), ct.dtype)), axis=-2)  # (..., n, P, Q)
-        dx = _sum_to(einsum("...ipq,...iqk->...ipk", diag, y), x.shape)
-        dy = _sum_to(einsum("...ipq,...ipk->...iqk", diag, x), y.shape)
+        dx = _sum_to(_combine(diag, y), x.shape)
+        dy = _sum_to(_combine(jnp.swapaxes(diag, -1, -2), x), y.shape)
     dg = jnp.zeros((*full, *g.shape[-2:]), g.dtype)
 
     def level(half, carry):
@@ -309,14 +351,13 @@ def _grams_bwd(strict, res, ct):
         d_cross = jnp.stack([ct[..., r, :, c, :] for r, c in zip(rows, cols)], axis=-5)
         d_cross = d_cross.reshape(*d_cross.shape[:-4], half * p, half * q)
         lead = d_cross.shape[:-2]
-        d_xs = einsum("...ab,...bk->...ak", d_cross, ys.reshape(*lead, -1, ys.shape[-1]))
-        d_ys = einsum("...ab,...ak->...bk", d_cross, xs.reshape(*lead, -1, xs.shape[-1]))
+        d_xs = _combine(d_cross, ys.reshape(*lead, -1, ys.shape[-1]))
+        d_ys = _combine(jnp.swapaxes(d_cross, -1, -2), xs.reshape(*lead, -1, xs.shape[-1]))
         d_xs, d_ys = d_xs.reshape(xs.shape), d_ys.reshape(ys.shape)
         d_up = jnp.sum(d_xs * x_up, axis=-2) * up[..., 0, :]  # d(sum_{m<t<=i} g_t)
         d_low = jnp.sum(d_ys * y_low, axis=-2) * low[..., 0, :]  # d(sum_{j<t<=m} g_t)
-        dg_up = jnp.flip(jnp.cumsum(jnp.flip(d_up, -2), axis=-2), -2)  # sum over i >= t
-        dg_low = jnp.cumsum(d_low, axis=-2)
-        dg_low = jnp.concatenate([jnp.zeros_like(dg_low[..., :1, :]), dg_low[..., :-1, :]], -2)
+        dg_up = cumsum(d_up, -2, reverse=True)  # sum over i >= t
+        dg_low = _down(cumsum(d_low, -2))  # sum over j < t
         dx = dx + _sum_to(_unhalves(jnp.zeros_like(d_xs), d_xs * up, 2), x.shape)
         dy = dy + _sum_to(_unhalves(d_ys * low, jnp.zeros_like(d_ys), 2), y.shape)
         return dx, dy, dg + _unhalves(dg_low, dg_up, 1)
@@ -357,12 +398,8 @@ def cumulative_decays(
     sum), so neither loses accuracy to cancellation. Per-token gates get a trailing unit
     axis so the results broadcast against `(..., C, K)` features.
     """
-    axis = -2 if per_channel else -1
-    cum = jnp.cumsum(g, axis=axis)
-    after = jnp.cumsum(jnp.flip(g, axis), axis=axis)  # reversed: sums of the last 1, 2, ...
-    zero = jnp.zeros_like(jax.lax.slice_in_dim(after, 0, 1, axis=axis % g.ndim))
-    after = jnp.flip(jnp.concatenate([zero, after], axis=axis), axis)  # sums of t > i, t >= i
-    after = jax.lax.slice_in_dim(after, 1, None, axis=axis % g.ndim)  # sum_{t > i}
     if not per_channel:
-        cum, after = cum[..., None], after[..., None]
+        g = g[..., None]
+    cum = cumsum(g, -2)
+    after = _up(cumsum(g, -2, reverse=True))  # sum_{t > i}
     return jnp.exp(cum), jnp.exp(after)
