@@ -240,7 +240,7 @@ def _down(x: Array) -> Array:
 
 
 def cumsum(x: Array, axis: int, reverse: bool = False) -> Array:
-    """Inclusive cumulative sums along `axis` (from the end if `reverse`).
+    r"""Inclusive cumulative sums along `axis` (from the end if `reverse`).
 
     XLA's `cumsum` is a reduction window as long as the axis for every element ($n^2$ adds);
     here an axis longer than 8 is cut into blocks of 8, summed inside each block and then
