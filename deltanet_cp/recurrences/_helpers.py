@@ -174,7 +174,6 @@ def decayed_gram(
     return decayed_grams(x[..., None, :], y[..., None, :], g, strict)[..., :, 0, :, 0]
 
 
-@ft.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def decayed_grams(
     x: Float[Array, "*xbatch c p k"],
     y: Float[Array, "*ybatch c q k"],
@@ -201,7 +200,7 @@ def decayed_grams(
     Gram, and $O(C K)$ memory per level. Differentiated by hand, recomputing each level:
     nothing but the arguments is kept for the backward.
     """
-    return _grams(x, y, g, strict)
+    return _grams_vjp(x, y, g, strict)
 
 
 def _halves(x: Array, groups: int, trailing: int) -> tuple[Array, Array]:
@@ -210,7 +209,8 @@ def _halves(x: Array, groups: int, trailing: int) -> tuple[Array, Array]:
     lead, n, rest = x.shape[: -trailing - 1], x.shape[-trailing - 1], x.shape[x.ndim - trailing :]
     x = x.reshape(*lead, groups, 2, n // (2 * groups), *rest)
     axis = len(lead) + 1
-    return tuple(jax.lax.index_in_dim(x, i, axis, keepdims=False) for i in (0, 1))
+    lower = jax.lax.index_in_dim(x, 0, axis, keepdims=False)
+    return lower, jax.lax.index_in_dim(x, 1, axis, keepdims=False)
 
 
 def _unhalves(lower: Array, upper: Array, trailing: int) -> Array:
@@ -386,7 +386,8 @@ def _sum_to(x: Array, shape: tuple[int, ...]) -> Array:
     return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
-decayed_grams.defvjp(_grams_fwd, _grams_bwd)
+_grams_vjp = jax.custom_vjp(_grams, nondiff_argnums=(3,))
+_grams_vjp.defvjp(_grams_fwd, _grams_bwd)
 
 
 def cumulative_decays(
