@@ -14,14 +14,17 @@ $r_i = a_i^\top h_{i-1}$ solve a unit lower-triangular system,
 
     A_ab[i, j] = sum_c a_ic b_jc exp(G_{i-1,c} - G_jc),  A_ak likewise with k  (i > j)
     T  = (I - A_ab)^-1
-    r  = u + w h_0,   w = T (a * exp(G_{i-1})),   u = T (A_ak v)
+    r  = T A_ak v + w h_0,   w = T (a * exp(G_{i-1}))
 
 and then, with $A_{qk}$, $A_{qb}$ the inclusive decayed products of the queries with `k`, `b`:
 
-    o      = (q * exp(G) + A_qb w) h_0 + A_qk v + A_qb u
+    o      = (q * exp(G) + A_qb w) h_0 + (A_qk + A_qb T A_ak) v
     h_next = diag(gamma) h_0 + b~^T r + k~^T v,   gamma = exp(G_C),   x~ = x * exp(G_C - G)
+           = (diag(gamma) + b~^T w) h_0 + (k~ + (T A_ak)^T b~)^T v
 
-so the chunk is the affine map `h -> (diag(gamma) + b~^T w) h + b~^T u + k~^T v`.
+so the chunk is an affine map `h -> M h + U`, `M` a rank-C update of a diagonal. Every
+product with the C x C matrices comes before the one with `v` (C < K, V), and the step keeps
+the delta rule's two products with the state.
 """
 
 import equinox as eqx
