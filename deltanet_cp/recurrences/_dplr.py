@@ -35,6 +35,7 @@ from jaxtyping import Array, Float
 from .._affine import AffineMap
 from .._chunking import chunk_major
 from .._engine import AbstractRecurrence
+from .._validate import as_chunk_size, as_scale
 from ._helpers import (
     check_arrays,
     compute_dtype,
@@ -107,8 +108,8 @@ class DPLRDeltaRule(AbstractRecurrence[DPLRInputs, DPLRFactors, AffineMap]):
     - `scale`: query scale; `K ** -0.5` if `None`.
     """
 
-    chunk_size: int = eqx.field(default=64, static=True)
-    scale: float | None = eqx.field(default=None, static=True)
+    chunk_size: int = eqx.field(default=64, static=True, converter=as_chunk_size)
+    scale: float | None = eqx.field(default=None, static=True, converter=as_scale)
 
     def check(self, inputs: DPLRInputs) -> None:
         check_arrays(

@@ -23,6 +23,7 @@ from .._custom_types import CuSeqlens, KeyGateTensor, QKTensor, States, ValueTen
 from .._engine import run, run_sharded
 from .._exchange import AbstractExchange, ExchangeName
 from .._layout import Contiguous, Layout
+from .._validate import as_chunk_size, as_scale
 from ._delta_family import AbstractDeltaRule, DeltaInputs, GateKind
 
 
@@ -42,8 +43,8 @@ class GatedDeltaNet2(AbstractDeltaRule):
     - `use_qk_l2norm`: L2-normalise `q` and `k` over `K` (eps `1e-6`) first.
     """
 
-    chunk_size: int = eqx.field(default=64, static=True)
-    scale: float | None = eqx.field(default=None, static=True)
+    chunk_size: int = eqx.field(default=64, static=True, converter=as_chunk_size)
+    scale: float | None = eqx.field(default=None, static=True, converter=as_scale)
     use_qk_l2norm: bool = eqx.field(default=False, static=True)
     gate: ClassVar[GateKind] = "key"
     householder: ClassVar[bool] = False
