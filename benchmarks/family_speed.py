@@ -165,6 +165,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes, a smoke test")
     parser.add_argument("--rounds", type=int, default=None, help="paired rounds per shape")
+    parser.add_argument("--calls", type=int, default=1, help="calls per pass per round")
     parser.add_argument("--only", default=None, help="comma-separated implementations")
     parser.add_argument("--budget", type=float, default=1200, help="seconds for the whole run")
     parser.add_argument("--hang-after", type=float, default=30, help="seconds without CPU time")
@@ -188,7 +189,7 @@ def main() -> int:
         for label, b, t, h, hv, d, rounds in QUICK if args.quick else SHAPES:
             print(f"{label}:", flush=True)
             session.prepare(b=b, t=t, h=h, hv=hv, d=d)
-            res = session.time(PASSES, rounds=args.rounds or rounds)
+            res = session.time(PASSES, rounds=args.rounds or rounds, calls=args.calls)
             loads = [x for n in names for x in res.outcomes[n].loads if x is not None]
             during = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "-"
             print(f"  load average during the rounds {during}; {machine_line()}", flush=True)
@@ -207,6 +208,12 @@ def main() -> int:
                     for p in PASSES
                 ]
                 mem_rows.append([label, n, *kib])
+            if "GDN-2" in names and "jla GDN-2" in names:
+                ratios = [res.ratio("jla GDN-2", "GDN-2", p) for p in PASSES]
+                print(
+                    "  jla GDN-2 / our GDN-2, median of per-round time ratios: "
+                    + ", ".join(f"{p} {r:.2f}x" for p, r in zip(PASSES, ratios) if r is not None)
+                )
             if "GDN-2" in res.outputs and "jla GDN-2" in res.outputs:
                 ours_out, theirs = res.outputs["GDN-2"], res.outputs["jla GDN-2"]
                 diffs = ", ".join(
