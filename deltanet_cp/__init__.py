@@ -60,12 +60,30 @@ from .recurrences._delta_product import (
     GatedDeltaProduct as GatedDeltaProduct,
     recurrent_gated_delta_product as recurrent_gated_delta_product,
 )
+from .recurrences._dplr import (
+    DPLRDeltaRule as DPLRDeltaRule,
+    DPLRFactors as DPLRFactors,
+    DPLRInputs as DPLRInputs,
+)
+from .recurrences._dplr_functions import (
+    chunk_dplr_delta_rule as chunk_dplr_delta_rule,
+    chunk_dplr_delta_rule_cp as chunk_dplr_delta_rule_cp,
+    chunk_dplr_delta_rule_sharded as chunk_dplr_delta_rule_sharded,
+    recurrent_dplr_delta_rule as recurrent_dplr_delta_rule,
+)
 from .recurrences._gated_delta import (
     chunk_gated_delta_rule as chunk_gated_delta_rule,
     chunk_gated_delta_rule_cp as chunk_gated_delta_rule_cp,
     chunk_gated_delta_rule_sharded as chunk_gated_delta_rule_sharded,
     GatedDeltaRule as GatedDeltaRule,
     recurrent_gated_delta_rule as recurrent_gated_delta_rule,
+)
+from .recurrences._gdn2 import (
+    chunk_gdn2 as chunk_gdn2,
+    chunk_gdn2_cp as chunk_gdn2_cp,
+    chunk_gdn2_sharded as chunk_gdn2_sharded,
+    GatedDeltaNet2 as GatedDeltaNet2,
+    recurrent_gdn2 as recurrent_gdn2,
 )
 from .recurrences._gla import (
     chunk_gla as chunk_gla,

@@ -201,6 +201,55 @@ def delta_product_reference(q, k, v, g, beta, *, scale=None, initial_state=None,
     return o, state
 
 
+@_per_document
+def gdn2_reference(q, k, v, g, b, w, *, scale=None, initial_state=None, l2norm=False):
+    """Gated DeltaNet-2: per token, `S = diag(exp(g)) S`, then `S += k (w * v - S^T (b * k))^T`,
+    `o = (scale q)^T S`; g and the erase gate b `(B, T, HV, K)`, the write gate w
+    `(B, T, HV, V)`."""
+    q, k, v, g, b, w = _f64(q, k, v, g, b, w)
+    bs, t, h, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    scale = dk**-0.5 if scale is None else scale
+    if l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    kh = np.repeat(k, hv // h, axis=2)
+    qh = np.repeat(q, hv // h, axis=2) * scale
+    state = _start(initial_state, (bs, hv, dk, dv))
+    o = np.zeros((bs, t, hv, dv))
+    for ti in range(t):
+        kt = kh[:, ti]
+        state = np.exp(g[:, ti])[..., :, None] * state
+        erased = np.einsum("bhkv,bhk->bhv", state, b[:, ti] * kt)
+        state = state + np.einsum("bhk,bhv->bhkv", kt, w[:, ti] * v[:, ti] - erased)
+        o[:, ti] = np.einsum("bhkv,bhk->bhv", state, qh[:, ti])
+    return o, state
+
+
+@_per_document
+def dplr_reference(q, k, v, a, b, gk, *, scale=None, initial_state=None, l2norm=False):
+    """The generalized (diagonal plus low rank) delta rule: per token,
+    `S = diag(exp(gk)) S + b (a^T S) + k v^T` (`a^T S` read from the state before the
+    token), `o = (scale q)^T S`; q, k, a, b `(B, T, H, K)`, gk `(B, T, HV, K)`."""
+    assert not l2norm
+    q, k, v, a, b, gk = _f64(q, k, v, a, b, gk)
+    bs, t, h, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    scale = dk**-0.5 if scale is None else scale
+    kh, ah, bh = (np.repeat(x, hv // h, axis=2) for x in (k, a, b))
+    qh = np.repeat(q, hv // h, axis=2) * scale
+    state = _start(initial_state, (bs, hv, dk, dv))
+    o = np.zeros((bs, t, hv, dv))
+    for ti in range(t):
+        read = np.einsum("bhkv,bhk->bhv", state, ah[:, ti])
+        state = (
+            np.exp(gk[:, ti])[..., :, None] * state
+            + np.einsum("bhk,bhv->bhkv", bh[:, ti], read)
+            + np.einsum("bhk,bhv->bhkv", kh[:, ti], v[:, ti])
+        )
+        o[:, ti] = np.einsum("bhkv,bhk->bhv", state, qh[:, ti])
+    return o, state
+
+
 # ---------------------------------------------------------------------------------------
 # Input generators: numpy-generated (no compilation), returned as jax arrays of `dtype`;
 # `(args in the public argument order, initial state (B, HV, K, V) float32)`.
@@ -264,6 +313,32 @@ def make_delta_product_inputs(
     beta = rng.uniform(0.0, 2.0, size=(b, t, n, hv))  # up to 2: negative eigenvalues
     q, k, v, g, beta = _cast(dtype, q, k, v, g, beta)
     return (q, k, v, g if gated else None, beta), _state(rng, b, hv, dk, dv)
+
+
+def make_gdn2_inputs(seed, *, b=1, t=40, h=1, hv=2, dk=8, dv=6, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(b, t, h, dk))
+    k = 0.7 * rng.normal(size=(b, t, h, dk)) / np.sqrt(dk)
+    v = rng.normal(size=(b, t, hv, dv))
+    g = -np.exp(rng.uniform(-5.0, 1.0, size=(b, t, hv, dk)))
+    erase = rng.uniform(0.0, 2.0, size=(b, t, hv, dk))  # up to 2: negative eigenvalues
+    write = rng.uniform(size=(b, t, hv, dv))
+    return _cast(dtype, q, k, v, g, erase, write), _state(rng, b, hv, dk, dv)
+
+
+def make_dplr_inputs(seed, *, b=1, t=40, h=1, hv=2, dk=8, dv=6, dtype=jnp.float32):
+    """RWKV-7-like: `a = -kk`, `b = kk * c` with `kk` a unit vector and `c` in (0, 1) per
+    channel, plus a little noise so `a` and `b` are not tied to each other."""
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(b, t, h, dk))
+    k = rng.normal(size=(b, t, h, dk)) / np.sqrt(dk)
+    v = rng.normal(size=(b, t, hv, dv))
+    kk = rng.normal(size=(b, t, h, dk))
+    kk = kk / np.linalg.norm(kk, axis=-1, keepdims=True)
+    a = -kk + 0.1 * rng.normal(size=kk.shape) / np.sqrt(dk)
+    bb = kk * rng.uniform(size=kk.shape)
+    gk = -np.exp(rng.uniform(-5.0, 1.0, size=(b, t, hv, dk)))
+    return _cast(dtype, q, k, v, a, bb, gk), _state(rng, b, hv, dk, dv)
 
 
 def make_gdn_inputs(key, b=2, t=37, h=2, hv=4, dk=16, dv=8, dtype=jnp.float32, state=True):

@@ -18,12 +18,16 @@ import deltanet_cp as dcp
 from .helpers import (
     delta_product_reference,
     delta_reference,
+    dplr_reference,
     gated_delta_reference,
+    gdn2_reference,
     gla_reference,
     kda_reference,
     make_delta_inputs,
     make_delta_product_inputs,
+    make_dplr_inputs,
     make_gated_delta_inputs,
+    make_gdn2_inputs,
     make_gla_inputs,
     make_kda_inputs,
     Reference,
@@ -39,7 +43,8 @@ class Family:
     - `name`: the test id.
     - `chunk`, `recurrent`, `chunk_cp`, `chunk_sharded`: the public functions
         `chunk_X`, `recurrent_X`, `chunk_X_cp`, `chunk_X_sharded`.
-    - `recurrence`: the configuration class, `recurrence(chunk_size=, scale=, use_qk_l2norm=)`.
+    - `recurrence`: the configuration class, `recurrence(chunk_size=, scale=, use_qk_l2norm=)`
+        (without `use_qk_l2norm` where `l2norm` is false); see `configuration`.
     - `inputs`: the public positional arguments -> the engine's inputs PyTree.
     - `make`: `make(seed, *, b, t, h, hv, dk, dv, dtype) -> (args, initial_state)`, the
         arguments in public order with sensible ranges, the state `(b, hv, dk, dv)` float32.
@@ -48,7 +53,9 @@ class Family:
     - `arg_names`: the public positional argument names, in order.
     - `gate`: the name of the log-decay argument, `None` if there is none.
     - `gate_per_channel`: whether that gate has one value per key channel (its last axis K).
-    - `l2norm`: whether `use_qk_l2norm` applies.
+    - `l2norm`: whether the recurrence has the `use_qk_l2norm` option.
+    - `unit_gates`: the arguments that are gates in `[0, 1]` (set to 0 and 1 by the
+        extreme-gate test).
     """
 
     name: str
@@ -64,9 +71,16 @@ class Family:
     gate: str | None
     gate_per_channel: bool = False
     l2norm: bool = True
+    unit_gates: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return self.name
+
+    def configuration(self, chunk_size: int) -> Any:
+        """The configuration with q/k L2 normalisation where the recurrence has it."""
+        if self.l2norm:
+            return self.recurrence(chunk_size=chunk_size, use_qk_l2norm=True)
+        return self.recurrence(chunk_size=chunk_size)
 
     def gate_index(self) -> int | None:
         return None if self.gate is None else self.arg_names.index(self.gate)
@@ -84,6 +98,14 @@ def _gla_inputs(q, k, v, g):
     return dcp.GLAInputs(q, k, v, g)
 
 
+def _gdn2_inputs(q, k, v, g, b, w):
+    return dcp.DeltaInputs(q, k, v, g, b, w)
+
+
+def _dplr_inputs(q, k, v, a, b, gk):
+    return dcp.DPLRInputs(q, k, v, a, b, gk)
+
+
 GATED_DELTA_RULE = Family(
     name="gated_delta_rule",
     chunk=dcp.chunk_gated_delta_rule,
@@ -96,6 +118,7 @@ GATED_DELTA_RULE = Family(
     reference=gated_delta_reference,
     arg_names=("q", "k", "v", "g", "beta"),
     gate="g",
+    unit_gates=("beta",),
 )
 
 DELTA_RULE = Family(
@@ -110,6 +133,7 @@ DELTA_RULE = Family(
     reference=delta_reference,
     arg_names=("q", "k", "v", "beta"),
     gate=None,
+    unit_gates=("beta",),
 )
 
 KIMI_DELTA_ATTENTION = Family(
@@ -125,6 +149,7 @@ KIMI_DELTA_ATTENTION = Family(
     arg_names=("q", "k", "v", "g", "beta"),
     gate="g",
     gate_per_channel=True,
+    unit_gates=("beta",),
 )
 
 GLA = Family(
@@ -161,6 +186,39 @@ GATED_DELTA_PRODUCT = Family(
     reference=delta_product_reference,
     arg_names=("q", "k", "v", "g", "beta"),
     gate="g",
+    unit_gates=("beta",),
+)
+
+GDN2 = Family(
+    name="gdn2",
+    chunk=dcp.chunk_gdn2,
+    recurrent=dcp.recurrent_gdn2,
+    chunk_cp=dcp.chunk_gdn2_cp,
+    chunk_sharded=dcp.chunk_gdn2_sharded,
+    recurrence=dcp.GatedDeltaNet2,
+    inputs=_gdn2_inputs,
+    make=make_gdn2_inputs,  # erase gates up to 2, write gates in [0, 1]
+    reference=gdn2_reference,
+    arg_names=("q", "k", "v", "g", "b", "w"),
+    gate="g",
+    gate_per_channel=True,
+    unit_gates=("b", "w"),
+)
+
+DPLR = Family(
+    name="dplr",
+    chunk=dcp.chunk_dplr_delta_rule,
+    recurrent=dcp.recurrent_dplr_delta_rule,
+    chunk_cp=dcp.chunk_dplr_delta_rule_cp,
+    chunk_sharded=dcp.chunk_dplr_delta_rule_sharded,
+    recurrence=dcp.DPLRDeltaRule,
+    inputs=_dplr_inputs,
+    make=make_dplr_inputs,  # RWKV-7-like: a = -kk, b = kk * c, plus noise
+    reference=dplr_reference,
+    arg_names=("q", "k", "v", "a", "b", "gk"),
+    gate="gk",
+    gate_per_channel=True,
+    l2norm=False,
 )
 
 FAMILIES = [
@@ -170,8 +228,10 @@ FAMILIES = [
     GLA,
     GLA_PER_HEAD,
     GATED_DELTA_PRODUCT,
+    GDN2,
+    DPLR,
 ]
-DELTA_FAMILIES = [GATED_DELTA_RULE, DELTA_RULE, KIMI_DELTA_ATTENTION, GATED_DELTA_PRODUCT]
+DELTA_FAMILIES = [GATED_DELTA_RULE, DELTA_RULE, KIMI_DELTA_ATTENTION, GATED_DELTA_PRODUCT, GDN2]
 
 EXCHANGES = [dcp.AllGather(), dcp.PPermute(), dcp.Ring(), dcp.Auto()]
 EXCHANGE_NAMES = ["allgather", "ppermute", "ring", "auto"]

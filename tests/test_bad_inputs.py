@@ -210,7 +210,7 @@ def test_check_inputs(without_runtime_typecheck):
     check_inputs(dcp.GatedLinearAttention(), dcp.GLAInputs(q, k, v, g))
     with pytest.raises(TypeError, match="GatedDeltaRule takes `inputs` of type DeltaInputs"):
         check_inputs(rule, (q, k, v, g, beta))
-    with pytest.raises(TypeError, match=r"deltanet_cp.DeltaInputs\(q, k, v, g, beta\)"):
+    with pytest.raises(TypeError, match=r"deltanet_cp.DeltaInputs\(q, k, v, g, beta, write\)"):
         check_inputs(rule, dcp.GLAInputs(q, k, v, g))
     with pytest.raises(TypeError, match=r"deltanet_cp.GLAInputs\(q, k, v, g\)"):
         check_inputs(dcp.GatedLinearAttention(), dcp.DeltaInputs(q, k, v, g, beta))
@@ -232,8 +232,9 @@ def test_check_inputs(without_runtime_typecheck):
 
 def test_inputs_type_of_every_recurrence():
     for family in FAMILIES:
-        expected = dcp.GLAInputs if _is_gla(family) else dcp.DeltaInputs
-        assert inputs_type(type(family.recurrence())) is expected
+        recurrence = family.recurrence()
+        expected = type(family.inputs(*family.make(0, **SHAPE)[0]))
+        assert inputs_type(type(recurrence)) is expected
 
 
 @pytest.mark.parametrize("family", _families_with_converters())

@@ -35,7 +35,9 @@ from deltanet_cp.nn import GatedDeltaNet
 from .helpers import (
     make_delta_inputs,
     make_delta_product_inputs,
+    make_dplr_inputs,
     make_gated_delta_inputs,
+    make_gdn2_inputs,
     make_gla_inputs,
     make_kda_inputs,
     rel_err,
@@ -665,6 +667,133 @@ def _case_torch_recurrent_gated_delta_rule(cu):
     return actual, expected
 
 
+def _case_chunk_dplr_delta_rule(cu):
+    (q, k, v, a, b, gk), h0 = make_dplr_inputs(31)
+    h0 = _per_document(h0) if cu else h0
+    actual = fla.chunk_dplr_delta_rule(
+        q, k, v, a, b, gk, SCALE, h0, True, CU if cu else None, chunk_size=16
+    )
+    expected = dcp.chunk_dplr_delta_rule(
+        q,
+        k,
+        v,
+        a,
+        b,
+        gk,
+        scale=SCALE,
+        initial_state=h0,
+        output_final_state=True,
+        cu_seqlens=jnp.array(CU) if cu else None,
+        chunk_size=16,
+    )
+    return actual, expected
+
+
+def _case_fused_recurrent_dplr_delta_rule(cu):
+    (q, k, v, a, b, gk), h0 = make_dplr_inputs(32)
+    h0 = _per_document(h0) if cu else h0
+    actual = fla.fused_recurrent_dplr_delta_rule(
+        q, k, v, a, b, gk, SCALE, h0, True, False, CU if cu else None
+    )
+    expected = dcp.recurrent_dplr_delta_rule(
+        q,
+        k,
+        v,
+        a,
+        b,
+        gk,
+        scale=SCALE,
+        initial_state=h0,
+        output_final_state=True,
+        cu_seqlens=jnp.array(CU) if cu else None,
+    )
+    return actual, expected
+
+
+def _case_chunk_rwkv7(cu):
+    # RWKV-7's order (r, w, k, v, a, b): the queries first, the log decays second.
+    (r, k, v, a, b, w), h0 = make_dplr_inputs(33)
+    h0 = _per_document(h0) if cu else h0
+    actual = fla.chunk_rwkv7(r, w, k, v, a, b, SCALE, h0, True, CU if cu else None, chunk_size=16)
+    expected = dcp.chunk_dplr_delta_rule(
+        r,
+        k,
+        v,
+        a,
+        b,
+        w,
+        scale=SCALE,
+        initial_state=h0,
+        output_final_state=True,
+        cu_seqlens=jnp.array(CU) if cu else None,
+        chunk_size=16,
+    )
+    return actual, expected
+
+
+def _case_fused_recurrent_rwkv7(cu):
+    (r, k, v, a, b, w), h0 = make_dplr_inputs(34)
+    h0 = _per_document(h0) if cu else h0
+    actual = fla.fused_recurrent_rwkv7(r, w, k, v, a, b, None, h0, True, CU if cu else None)
+    expected = dcp.recurrent_dplr_delta_rule(
+        r,
+        k,
+        v,
+        a,
+        b,
+        w,
+        initial_state=h0,
+        output_final_state=True,
+        cu_seqlens=jnp.array(CU) if cu else None,
+    )
+    return actual, expected
+
+
+def _case_chunk_gdn2(cu):
+    (q, k, v, g, b, w), h0 = make_gdn2_inputs(35)
+    h0 = _per_document(h0) if cu else h0
+    actual = fla.chunk_gdn2(
+        q, k, v, g, b, w, SCALE, h0, True, True, cu_seqlens=CU if cu else None, chunk_size=16
+    )
+    expected = dcp.chunk_gdn2(
+        q,
+        k,
+        v,
+        g,
+        b,
+        w,
+        scale=SCALE,
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm=True,
+        cu_seqlens=jnp.array(CU) if cu else None,
+        chunk_size=16,
+    )
+    return actual, expected
+
+
+def _case_fused_recurrent_gdn2(cu):
+    (q, k, v, g, b, w), h0 = make_gdn2_inputs(36)
+    h0 = _per_document(h0) if cu else h0
+    actual = fla.fused_recurrent_gdn2(
+        q, k, v, g, b, w, None, None, SCALE, h0, True, True, cu_seqlens=CU if cu else None
+    )
+    expected = dcp.recurrent_gdn2(
+        q,
+        k,
+        v,
+        g,
+        b,
+        w,
+        scale=SCALE,
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm=True,
+        cu_seqlens=jnp.array(CU) if cu else None,
+    )
+    return actual, expected
+
+
 CASES = [
     _case_chunk_gated_delta_rule,
     _case_fused_recurrent_gated_delta_rule,
@@ -684,6 +813,12 @@ CASES = [
     _case_recurrent_kimi_delta_attention,
     _case_torch_chunk_gated_delta_rule,
     _case_torch_recurrent_gated_delta_rule,
+    _case_chunk_dplr_delta_rule,
+    _case_fused_recurrent_dplr_delta_rule,
+    _case_chunk_rwkv7,
+    _case_fused_recurrent_rwkv7,
+    _case_chunk_gdn2,
+    _case_fused_recurrent_gdn2,
 ]
 PACKED = [
     case
@@ -712,6 +847,8 @@ PACKED_FAST = (
     _case_chunk_gated_delta_rule,
     _case_chunk_gated_delta_product,
     _case_kimi_delta_attention,
+    _case_chunk_rwkv7,
+    _case_chunk_gdn2,
 )
 
 
@@ -750,6 +887,14 @@ FLA_POSITIONAL = {
     "reverse state_v_first cu_seqlens",
     "chunk_gated_delta_product": "q k v g beta num_householder scale initial_state "
     "output_final_state use_qk_l2norm_in_kernel cu_seqlens",
+    "chunk_dplr_delta_rule": "q k v a b gk scale initial_state output_final_state cu_seqlens",
+    "fused_recurrent_dplr_delta_rule": "q k v a b gk scale initial_state output_final_state "
+    "reverse cu_seqlens",
+    "chunk_rwkv7": "r w k v a b scale initial_state output_final_state cu_seqlens",
+    "fused_recurrent_rwkv7": "r w k v a b scale initial_state output_final_state cu_seqlens",
+    "chunk_gdn2": "q k v g b w scale initial_state output_final_state use_qk_l2norm_in_kernel",
+    "fused_recurrent_gdn2": "q k v g b w A_log dt_bias scale initial_state output_final_state "
+    "use_qk_l2norm_in_kernel",
 }
 HF_POSITIONAL = {
     "chunk_kimi_delta_attention": "query key value g beta chunk_size initial_state "
@@ -853,7 +998,16 @@ def _fla_args(name):
     (q, k, v, g, beta), _ = make_gated_delta_inputs(23, t=8)
     gk = make_kda_inputs(23, t=8)[0][3]
     (_, kf, vf, gp, bp), _ = make_delta_product_inputs(23, t=8)
+    dplr, _ = make_dplr_inputs(23, t=8)
+    gdn2, _ = make_gdn2_inputs(23, t=8)
+    r, kr, vr, ar, br, wr = dplr
     return {
+        "chunk_dplr_delta_rule": dplr,
+        "fused_recurrent_dplr_delta_rule": dplr,
+        "chunk_rwkv7": (r, wr, kr, vr, ar, br),
+        "fused_recurrent_rwkv7": (r, wr, kr, vr, ar, br),
+        "chunk_gdn2": gdn2,
+        "fused_recurrent_gdn2": gdn2,
         "chunk_gated_delta_rule": (q, k, v, g, beta),
         "fused_recurrent_gated_delta_rule": (q, k, v, g),
         "chunk_delta_rule": (q, k, v, beta),
@@ -890,6 +1044,14 @@ UNSUPPORTED = [
     ("fused_recurrent_gla", "reverse", True, "flip the time axis"),
     ("fused_recurrent_simple_gla", "reverse", True, "flip the time axis"),
     ("chunk_simple_gla", "head_first", True, "head_first"),
+    ("chunk_dplr_delta_rule", "safe_gate", True, "pass it as `g`"),
+    ("chunk_dplr_delta_rule", "cp_context", object(), "jax.shard_map"),
+    ("fused_recurrent_dplr_delta_rule", "reverse", True, "flip the time axis"),
+    ("chunk_rwkv7", "lower_bound", -5.0, "got -5.0"),
+    ("fused_recurrent_rwkv7", "head_first", True, "head_first"),
+    ("chunk_gdn2", "use_gate_in_kernel", True, "pass it as `g`"),
+    ("chunk_gdn2", "return_intermediate_states", True, "not returned"),
+    ("fused_recurrent_gdn2", "A_log", jnp.zeros(2), "A_log"),
 ]
 
 

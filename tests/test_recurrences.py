@@ -76,7 +76,9 @@ def _mesh(cp: int):
 
 def _options(family: Family, *, l2norm=True, scale=None, chunk_size: int | None = CHUNK):
     """Keyword arguments shared by every entry point (`chunk_size` only for the chunked ones)."""
-    kw = dict(scale=scale, use_qk_l2norm=l2norm and family.l2norm)
+    kw: dict = dict(scale=scale)
+    if family.l2norm:
+        kw["use_qk_l2norm"] = l2norm
     return kw if chunk_size is None else {**kw, "chunk_size": chunk_size}
 
 
@@ -207,7 +209,7 @@ def test_chunked_matches_loop(family, case):
     kw = _options(family, l2norm=l2norm, scale=scale, chunk_size=chunk_size)
     o, final = _jit(family.chunk, output_final_state=True, **kw)(args, h0)
     expected_o, expected_h = family.reference(
-        *args, initial_state=h0, scale=scale, l2norm=kw["use_qk_l2norm"]
+        *args, initial_state=h0, scale=scale, l2norm=kw.get("use_qk_l2norm", False)
     )
     assert o.shape == (b, t, hv, dv) and o.dtype == args[2].dtype
     assert final.shape == (b, hv, dk, dv) and final.dtype == jnp.float32
@@ -230,7 +232,7 @@ def test_recurrent_matches_loop(family, t, b, h, hv, use_state, l2norm, scale):
     kw = _options(family, l2norm=l2norm, scale=scale, chunk_size=None)
     o, final = _jit(family.recurrent, output_final_state=True, **kw)(args, h0)
     expected_o, expected_h = family.reference(
-        *args, initial_state=h0, scale=scale, l2norm=kw["use_qk_l2norm"]
+        *args, initial_state=h0, scale=scale, l2norm=kw.get("use_qk_l2norm", False)
     )
     assert o.shape == expected_o.shape and o.dtype == args[2].dtype
     assert final.shape == (b, hv, 8, 6) and final.dtype == jnp.float32
@@ -247,7 +249,7 @@ def test_engine_run_matches_loop(family):
     # The generic entry point with the configuration and the inputs PyTree, as a user's
     # own recurrence would be run.
     args, h0 = family.make(12, **SHAPE)
-    recurrence = family.recurrence(chunk_size=CHUNK, use_qk_l2norm=family.l2norm)
+    recurrence = family.configuration(CHUNK)
     run = eqx.filter_jit(dcp.run)
     o, final = run(recurrence, family.inputs(*args), initial_state=h0, output_final_state=True)
     expected_o, expected_h = _reference(family, args, h0)
@@ -338,8 +340,8 @@ def test_extreme_gates(family):
             g[:, 12:30] = 0.0  # a run of no decay
             g[:, 31] = -1e4
         args[gi] = jnp.asarray(g)
-    if "beta" in family.arg_names:
-        bi = family.arg_names.index("beta")
+    for name in family.unit_gates:
+        bi = family.arg_names.index(name)
         beta = np.array(args[bi])
         beta[:, 30:35] = 0.0
         beta[:, 35:40] = 1.0
@@ -354,7 +356,7 @@ def test_extreme_gates(family):
     # direction can cancel to a small number, leaving float32 rounding of the other
     # elements as a large relative error of the sum (seen for beta of the gated delta
     # product: 3e-4 along the direction, 1.4e-7 element by element).
-    _check_gradients(family, args, h0, grads, elementwise=(family.gate, "beta"))
+    _check_gradients(family, args, h0, grads, elementwise=(family.gate, *family.unit_gates))
 
 
 # ---------------------------------------------------------------------------------------
@@ -449,13 +451,15 @@ def _zigzag_grad_fn(family: Family, cp: int, exchange, chunk_size: int = CHUNK):
     return value_and_grad_fn(fn, len(family.arg_names) + 1, cp=cp, zigzag=True)
 
 
-# Every exchange and every cp in the default run, with four of the families; the whole grid
+# Every exchange and every cp in the default run, with six of the families; the whole grid
 # (every family x exchange x cp) is `slow`.
 _ZIGZAG_FAST = {
     ("gated_delta_rule", "AllGather()", 2),
     ("kimi_delta_attention", "Ring()", 8),
     ("gated_delta_product", "PPermute()", 4),
     ("gla", "Auto()", 4),
+    ("gdn2", "AllGather()", 4),
+    ("dplr", "PPermute()", 8),
 }
 
 
@@ -814,7 +818,7 @@ def test_compose_law(family):
     # chunk_map(f_c)(h) == step(f_c, h)[0]; folding the chunks gives the final state.
     c, n = 8, 4
     args, h0 = family.make(29, **{**SHAPE, "b": 2, "t": c * n})
-    recurrence = family.recurrence(chunk_size=c, use_qk_l2norm=family.l2norm)
+    recurrence = family.configuration(c)
     inputs = family.inputs(*args)
     state = recurrence.state(inputs)
     assert state.shape == h0.shape and state.dtype == jnp.float32
@@ -1024,7 +1028,7 @@ BLOCKS = [4096, CHUNK, 3 * CHUNK]
 def test_blocks_match_loop(family, block_size):
     # One device: outputs, final state and every gradient; packed documents with their
     # initial and final states; context parallelism (cp=2) with its gradients.
-    recurrence = family.recurrence(chunk_size=CHUNK, use_qk_l2norm=family.l2norm)
+    recurrence = family.configuration(CHUNK)
     args, h0 = family.make(41, **SHAPE)
 
     def fn(*a):

@@ -11,12 +11,15 @@ Each function has FLA's name, argument names and positional order, takes JAX arr
 `(B, T, H, ...)` layout, and returns what FLA returns: `(o, final_state)`, with `None` for
 the state unless `output_final_state=True`. It converts its arguments and calls the
 deltanet_cp function named in its docstring; `chunk_gdn` and `fused_recurrent_gdn` are
-FLA's aliases of `chunk_gated_delta_rule` and `fused_recurrent_gated_delta_rule`.
+FLA's aliases of `chunk_gated_delta_rule` and `fused_recurrent_gated_delta_rule`, and
+`chunk_rwkv7` / `fused_recurrent_rwkv7` are RWKV-7's call shape `(r, w, k, v, a, b)` of the
+generalized delta rule (`q = r`, `gk = w`).
 
 Differences from FLA, the same for every function:
 
 - `q` and `k` may have fewer heads than `v`: `v` is `(B, T, HV, V)` with `HV` a multiple of
-    `H`, and value head `j` reads key head `j // (HV // H)`.
+    `H`, and value head `j` reads key head `j // (HV // H)` (for the generalized delta rule
+    and RWKV-7, `a` and `b` have `H` heads too, the log decays `HV`).
 - Any sequence length and any `chunk_size` work; `cu_seqlens` may be a list or an int array.
 - `o` is in `v`'s dtype (FLA's kernels take `q`, `k`, `v` in one dtype, so the same there);
     the final state is float32 (float64 for float64 inputs).
@@ -38,6 +41,14 @@ from ._fla import (
     fused_recurrent_gla as fused_recurrent_gla,
     fused_recurrent_kda as fused_recurrent_kda,
     fused_recurrent_simple_gla as fused_recurrent_simple_gla,
+)
+from ._fla_dplr import (
+    chunk_dplr_delta_rule as chunk_dplr_delta_rule,
+    chunk_gdn2 as chunk_gdn2,
+    chunk_rwkv7 as chunk_rwkv7,
+    fused_recurrent_dplr_delta_rule as fused_recurrent_dplr_delta_rule,
+    fused_recurrent_gdn2 as fused_recurrent_gdn2,
+    fused_recurrent_rwkv7 as fused_recurrent_rwkv7,
 )
 
 

@@ -1,14 +1,17 @@
-r"""What Gated DeltaNet, DeltaNet, KDA and Gated DeltaProduct share: their inputs, their
-chunk factors, one chunk step, and the abstract class the four final classes derive from.
+r"""What Gated DeltaNet, DeltaNet, KDA, Gated DeltaNet-2 and Gated DeltaProduct share: their
+inputs, their chunk factors, one chunk step, and the abstract class the final classes derive
+from.
 
-The four differ only in their decays and in how many delta updates a token makes. With
-per-channel log decays $g_t$ (one per head is the same decay on every channel; none is
-$g = 0$), $G_i = \sum_{t \le i} g_t$ from the chunk start, and $s$ updates emitting $c$
+They differ only in their decays, in their gates and in how many delta updates a token
+makes. With per-channel log decays $g_t$ (one per head is the same decay on every channel;
+none is $g = 0$), $G_i = \sum_{t \le i} g_t$ from the chunk start, an erase gate $b_i$ and a
+write gate $w_i$ (both the scalar $\beta_i$, except for Gated DeltaNet-2 where $b_i$ has one
+value per key channel and $w_i$ one per value channel), and $s$ updates emitting $c$
 outputs, one chunk is an affine map of the incoming state:
 
-    A_ij   = beta_i sum_c k_ic k_jc exp(G_ic - G_jc)   (i > j)
-    T      = (I + A)^-1                                 (unit lower triangular)
-    w      = T (beta * exp(G) * k),   u = T (beta * v)
+    A_ij   = sum_c (b_i k_i)_c k_jc exp(G_ic - G_jc)     (i > j)
+    T      = (I + A)^-1                                   (unit lower triangular)
+    w      = T (b * exp(G) * k),   u = T (w_gate * v)
     attn   = tril_inclusive(sum_c q_ic k_jc exp(G_ic - G_jc)),   q_g = q * exp(G)
     v_new  = u - w h
     o      = q_g h + attn v_new = (q_g - attn w) h + attn u
@@ -32,7 +35,7 @@ from ._helpers import (
     check_arrays,
     compute_dtype,
     cumulative_decays,
-    decayed_gram,
+    decayed_grams,
     einsum,
     l2norm,
     lift,
@@ -56,14 +59,18 @@ class DeltaInputs(eqx.Module):
     - `v`: values, `(B, T, HV, V)`; `(B, T, n_h, HV, V)` for Gated DeltaProduct.
     - `g`: log decays `<= 0`: `(B, T, HV)` per head, `(B, T, HV, K)` per key channel
         (KDA), or `None` (DeltaNet).
-    - `beta`: step sizes, `(B, T, HV)`; `(B, T, n_h, HV)` for Gated DeltaProduct.
+    - `beta`: step sizes, `(B, T, HV)`; `(B, T, n_h, HV)` for Gated DeltaProduct. For
+        Gated DeltaNet-2, the erase gate `b`, one per key channel: `(B, T, HV, K)`.
+    - `write`: Gated DeltaNet-2's write gate `w`, one per value channel, `(B, T, HV, V)`;
+        `None` for the others (the write gate is `beta`).
     """
 
     q: Float[Array, "batch seq heads k"]
     k: Float[Array, "batch seq *nh heads k"]
     v: Float[Array, "batch seq *nh vheads v"]
     g: Float[Array, "batch seq vheads *k"] | None = eqx.field(metadata={"log_decay": True})
-    beta: Float[Array, "batch seq *nh vheads"]
+    beta: Float[Array, "batch seq *nh vheads"] | Float[Array, "batch seq vheads k"]
+    write: Float[Array, "batch seq vheads v"] | None = None
 
 
 class DeltaFactors(eqx.Module):
@@ -98,14 +105,17 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
 
     Final subclasses hold the fields `chunk_size`, `scale` and `use_qk_l2norm`, and say
     with `gate` whether decays are per head (`"head"`), per key channel (`"key"`), optional
-    per head (`"optional"`) or absent (`"none"`), and with `householder` whether a token
-    makes several updates (the `n_h` axis of Gated DeltaProduct).
+    per head (`"optional"`) or absent (`"none"`), with `householder` whether a token makes
+    several updates (the `n_h` axis of Gated DeltaProduct), and with `channel_gates`
+    whether the erase gate is per key channel and the write gate per value channel (Gated
+    DeltaNet-2; the default: one `beta` per token for both).
     """
 
     scale: eqx.AbstractVar[float | None]
     use_qk_l2norm: eqx.AbstractVar[bool]
     gate: ClassVar[GateKind]
     householder: ClassVar[bool]
+    channel_gates: ClassVar[bool] = False
 
     def check(self, inputs: DeltaInputs) -> None:
         name = type(self).__name__
@@ -115,13 +125,22 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
         if self.gate in ("head", "key") and inputs.g is None:
             raise ValueError(f"{name} needs the log decays `g`; got None.")
         per_key = ("K",) if self.gate == "key" else ()
+        erase, write = ("b", "w") if self.channel_gates else ("beta", "write")
+        if self.channel_gates and inputs.write is None:
+            raise ValueError(f"{name} needs the write gate `w` (`DeltaInputs.write`); got None.")
+        if not self.channel_gates and inputs.write is not None:
+            raise ValueError(f"{name} writes with `beta`: pass `write=None`.")
         check_arrays(
             {
                 "q": (inputs.q, ("batch", "seq", "heads", "K")),
                 "k": (inputs.k, ("batch", "seq", *nh, "heads", "K")),
                 "v": (inputs.v, ("batch", "seq", *nh, "value_heads", "V")),
                 "g": (inputs.g, ("batch", "seq", "value_heads", *per_key)),
-                "beta": (inputs.beta, ("batch", "seq", *nh, "value_heads")),
+                erase: (
+                    inputs.beta,
+                    ("batch", "seq", *nh, "value_heads", *(("K",) if self.channel_gates else ())),
+                ),
+                write: (inputs.write, ("batch", "seq", "value_heads", "V")),
             }
         )
 
@@ -146,7 +165,13 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
         s = c * nh
         k = chunk_major(k.reshape(b, n, s, h, dk))  # (N, B, H, S, K)
         v = chunk_major(chunks.v.astype(dt).reshape(b, n, s, h, r, dv))  # (N, B, H, r, S, V)
-        beta = chunk_major(chunks.beta.astype(dt).reshape(b, n, s, h, r), features=0)
+        channels = int(self.channel_gates)  # erase per key channel, write per value channel
+        beta = chunks.beta.astype(dt).reshape(b, n, s, h, r, *((dk,) if channels else ()))
+        beta = chunk_major(beta, features=channels)
+        write = beta
+        if chunks.write is not None:
+            write = chunks.write.astype(dt).reshape(b, n, s, h, r, dv)
+            write = chunk_major(write)
         g = chunks.g
         if g is not None:
             g = g.astype(dt)
@@ -155,7 +180,7 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
             per_key = self.gate == "key"
             g = g.reshape(b, n, s, h, r, *((dk,) if per_key else ()))
             g = chunk_major(g, features=int(per_key))
-        return _factors(chunk_major(q), k, v, g, beta, rows=slice(nh - 1, None, nh))
+        return _factors(chunk_major(q), k, v, g, beta, write, rows=slice(nh - 1, None, nh))
 
     def step(self, factors: DeltaFactors, h: Float[Array, "b h k v"]) -> tuple[Array, Array]:
         f = factors
@@ -192,10 +217,13 @@ def _dtype(inputs: DeltaInputs) -> jnp.dtype:
     return compute_dtype(*jax.tree.leaves(inputs))
 
 
-def _factors(q, k, v, g, beta, *, rows: slice) -> DeltaFactors:
+def _factors(q, k, v, g, beta, write, *, rows: slice) -> DeltaFactors:
     """The factors from chunk-major inputs: `q: (N, B, H, C, K)`, `k: (N, B, H, S, K)`,
-    `v: (N, B, H, r, S, V)`, `beta: (N, B, H, r, S)`, `g: None`, `(N, B, H, r, S)` or
-    `(N, B, H, r, S, K)`; `rows` picks the `C` output positions among the `S` updates.
+    `v: (N, B, H, r, S, V)`, `g: None`, `(N, B, H, r, S)` or `(N, B, H, r, S, K)`; the
+    erase gate `beta: (N, B, H, r, S)` or, per key channel, `(N, B, H, r, S, K)` (per
+    channel decays only) and the write gate `write: (N, B, H, r, S)` or, per value
+    channel, `(N, B, H, r, S, V)`; `rows` picks the `C` output positions among the `S`
+    updates.
 
     Products of keys with keys or queries are formed once per key head and broadcast over
     its `r` value heads, unless the decay is per channel (it then differs per value head).
@@ -210,13 +238,16 @@ def _factors(q, k, v, g, beta, *, rows: slice) -> DeltaFactors:
     kr, qr = k[:, :, :, None], q[:, :, :, None]  # (N, B, H, 1, ., K)
     if g is not None and g.ndim == k.ndim + 1:  # one decay per key channel: exact blocked Gram
         kb, qb = jnp.broadcast_to(kr, (*lead, s, dk)), jnp.broadcast_to(qr, (*lead, s, dk))
-        a = decayed_gram(kb, kb, g, strict=True) * beta[..., :, None]
-        attn = decayed_gram(qb, kb, g, strict=False)[..., rows, :]
+        grams = decayed_grams(jnp.stack([_gated(kb, beta), qb], -2), kb[..., None, :], g, False)
+        a = jnp.where(strict, grams[..., :, 0, :, 0], zero)
+        attn = grams[..., rows, 1, :, 0]
         decay_in, decay_out = cumulative_decays(g, per_channel=True)
         q_decayed, k_decayed = qb * decay_in[..., rows, :], kb * decay_out
-        bk = (beta[..., None] * decay_in) * kb
+        bk = _gated(decay_in * kb, beta)
         gamma = decay_in[..., -1, :]
     else:
+        if beta.ndim != v.ndim - 1:
+            raise ValueError("An erase gate per key channel needs a decay per key channel.")
         qk = einsum("...ik,...jk->...ij", qr, kr)  # (N, B, H, 1, C, S)
         kk = einsum("...ik,...jk->...ij", kr, kr)
         if g is None:
@@ -235,7 +266,7 @@ def _factors(q, k, v, g, beta, *, rows: slice) -> DeltaFactors:
             k_decayed = kr * decay[..., -1, :, None]  # k e^{G_C - G_i}
             bk = (beta * decay_in)[..., None] * kr
             gamma = jnp.broadcast_to(decay_in[..., -1:], (*lead, dk))
-    rhs = jnp.concatenate([bk, beta[..., None] * v], axis=-1)  # (N, B, H, r, S, K + V)
+    rhs = jnp.concatenate([bk, _gated(v, write)], axis=-1)  # (N, B, H, r, S, K + V)
     wu = einsum("...ij,...jd->...id", unit_lower_inverse(a), rhs)
     a_wu = einsum("...ij,...jd->...id", attn, wu)  # [attn w | attn u]
     q_out = jnp.broadcast_to(q_decayed, (*lead, *q_decayed.shape[-2:])) - a_wu[..., :dk]
@@ -251,3 +282,8 @@ def _factors(q, k, v, g, beta, *, rows: slice) -> DeltaFactors:
         k_decayed_t=heads(jnp.swapaxes(k_decayed, -1, -2)),
         gamma=heads(gamma),
     )
+
+
+def _gated(x: Array, gate: Array) -> Array:
+    """Rows of `x` `(..., S, D)` times a gate per row `(..., S)` or per entry `(..., S, D)`."""
+    return x * (gate if gate.ndim == x.ndim else gate[..., None])

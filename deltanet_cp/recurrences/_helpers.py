@@ -3,6 +3,7 @@ numerically careful pieces of chunk algebra (decay sums, decayed Gram matrices, 
 unit-lower-triangular inverse). No recurrence module imports another; they all import this.
 """
 
+import functools as ft
 from typing import Any
 
 import jax
@@ -158,11 +159,6 @@ def segment_sums(g: Float[Array, "... c"]) -> Float[Array, "... c c"]:
     return einsum("...t,tij->...ij", jnp.maximum(g, jnp.asarray(_LOG_ZERO, g.dtype)), inside)
 
 
-def _block_size(c: int) -> int:
-    """The divisor `s` of `c` that minimises `s + c / s` (memory of `decayed_gram`)."""
-    return min((s for s in range(1, c + 1) if c % s == 0), key=lambda s: (s + c // s, -s))
-
-
 def decayed_gram(
     x: Float[Array, "*batch c k"],
     y: Float[Array, "*batch c k"],
@@ -173,22 +169,8 @@ def decayed_gram(
     r"""$P_{ij} = \sum_c x_{ic} y_{jc} \exp(\sum_{t=j+1}^{i} g_{tc})$ below the diagonal.
 
     Zero above the diagonal, and on it too if `strict`. `g` holds log decays (`<= 0`),
-    either per channel `(..., C, K)`, per token `(..., C)`, or `None` (no decay).
-
-    Per channel, $\exp(G_i - G_j)$ cannot be split into $e^{G_i} e^{-G_j}$ (overflows for
-    very negative gates) nor formed from a difference of cumulative sums (a large decay
-    early in the chunk leaves $G_i - G_j$ with an absolute error $\epsilon |G_j|$: a
-    relative error in every later term). The exact per-pair segment sum is a
-    $(C, C, K)$ tensor. We split the chunk into blocks of $s \approx \sqrt{C}$ tokens
-    instead: inside a block, a direct $(s, s, K)$ segment sum; across blocks $I > J$ the
-    exponent is the sum of three runs that each sum gates of one sign directly, so each is
-    exact to a relative $\epsilon$ and every factor is $\le 1$ (no overflow):
-
-    $$\sum_{t=j+1}^{i} g_t = \underbrace{\sum_{t=j+1}^{\mathrm{end}(J)} g_t}_{\text{suffix of } j}
-    + \underbrace{\sum_{\text{blocks } J < B < I} \textstyle\sum_B g}_{\text{between}}
-    + \underbrace{\sum_{t=\mathrm{start}(I)}^{i} g_t}_{\text{prefix of } i}.$$
-
-    Memory is $O(C K (s + C / s))$ per chunk instead of $O(C^2 K)$.
+    either per channel `(..., C, K)` (see [`decayed_grams`]), per token `(..., C)`, or
+    `None` (no decay).
     """
     c = x.shape[-2]
     dt = x.dtype
@@ -198,35 +180,223 @@ def decayed_gram(
         if g is not None:
             gram = gram * jnp.exp(segment_sums(g))
         return jnp.where(lift(mask, gram.ndim), gram, jnp.zeros((), dt))
+    return decayed_grams(x[..., None, :], y[..., None, :], g, strict)[..., :, 0, :, 0]
 
-    s = _block_size(c)
-    nb = c // s
-    lead = x.shape[:-2]
 
-    def blocks(a):  # (..., C, K) -> (..., nb, s, K)
-        return a.reshape(*lead, nb, s, a.shape[-1])
+def decayed_grams(
+    x: Float[Array, "*xbatch c p k"],
+    y: Float[Array, "*ybatch c q k"],
+    g: Float[Array, "*batch c k"],
+    strict: bool,
+) -> Float[Array, "*batch c p c q"]:
+    r"""Every decayed Gram of `P` left and `Q` right factors under one per-channel decay.
 
-    xb, yb, gb = blocks(x), blocks(y), blocks(g)
-    # Inside each block: seg[..., n, c, i, j] = sum_{t=j+1}^{i} g_tc, summed directly.
-    seg = segment_sums(jnp.swapaxes(gb, -1, -2))
-    inner_mask = jnp.tril(jnp.ones((s, s), dtype=bool), k=-1 if strict else 0)
-    inner_decay = jnp.where(lift(inner_mask, seg.ndim), jnp.exp(seg), jnp.zeros((), dt))
-    inner = einsum("...nic,...ncij,...njc->...nij", xb, inner_decay, yb)
+    `out[..., i, p, j, q]` $= \sum_c x_{ipc} y_{jqc} \exp(\sum_{t=j+1}^{i} g_{tc})$ for
+    $i \ge j$ ($i > j$ if `strict`), zero above. The factors are interleaved with the rows
+    (`x[..., i, p, :]`), so every product below is a plain batched matmul. The batch axes of
+    `x` and `y` broadcast against those of `g` (a key head's rows for all the value heads
+    that read it).
 
-    # Across blocks: prefix of i (inclusive), suffix of j (exclusive), blocks in between.
-    prefix = jnp.cumsum(gb, axis=-2)
-    from_j = jnp.flip(jnp.cumsum(jnp.flip(gb, -2), axis=-2), -2)  # sum_{t >= j} in the block
-    suffix = jnp.concatenate([from_j[..., 1:, :], jnp.zeros_like(from_j[..., :1, :])], axis=-2)
-    totals = jnp.swapaxes(from_j[..., 0, :], -1, -2)  # (..., K, nb): each block's sum
-    upto = segment_sums(totals)  # [I, J] = blocks J+1..I
-    between = jnp.concatenate([jnp.zeros_like(upto[..., :1, :]), upto[..., :-1, :]], axis=-2)
-    outer_mask = jnp.tril(jnp.ones((nb, nb), dtype=bool), k=-1)
-    outer_decay = jnp.where(lift(outer_mask, between.ndim), jnp.exp(between), jnp.zeros((), dt))
-    outer = einsum(
-        "...Iic,...cIJ,...Jjc->...IiJj", xb * jnp.exp(prefix), outer_decay, yb * jnp.exp(suffix)
-    )
-    diagonal = einsum("...nij,nm->...nimj", inner, jnp.eye(nb, dtype=dt))
-    return (outer + diagonal).reshape(*lead, c, c)
+    $\exp(G_i - G_j)$ cannot be split into $e^{G_i} e^{-G_j}$ (overflows for very negative
+    gates) nor formed from a difference of cumulative sums (a large decay early in the chunk
+    leaves $G_i - G_j$ with an absolute error $\epsilon |G_j|$: a relative error in every
+    later term), and the exact per-pair segment sum is a $(C, C, K)$ tensor. Instead, the
+    chunk is halved recursively: a pair $i > j$ on either side of a midpoint $m$ factors
+    exactly as $\exp(\sum_{t=m+1}^{i} g_t) \exp(\sum_{t=j+1}^{m} g_t)$, two sums of gates
+    of one sign inside one half (exact to a relative $\epsilon$), each factor $\le 1$ (no
+    overflow). Each of the $\log_2 C$ levels is one batched product of the decayed rows of
+    the upper halves with those of the lower halves: the flops of one plain $C \times C$
+    Gram, and $O(C K)$ memory per level. Differentiated by hand, recomputing each level:
+    nothing but the arguments is kept for the backward.
+    """
+    return _grams_vjp(x, y, g, strict)
+
+
+def _halves(x: Array, groups: int, trailing: int) -> tuple[Array, Array]:
+    """`(..., n, *rest)` with `trailing` axes after the rows -> the lower and upper halves of
+    its `groups` groups of rows, `(..., groups, n / 2 groups, *rest)` each."""
+    lead, n, rest = x.shape[: -trailing - 1], x.shape[-trailing - 1], x.shape[x.ndim - trailing :]
+    x = x.reshape(*lead, groups, 2, n // (2 * groups), *rest)
+    axis = len(lead) + 1
+    lower = jax.lax.index_in_dim(x, 0, axis, keepdims=False)
+    return lower, jax.lax.index_in_dim(x, 1, axis, keepdims=False)
+
+
+def _unhalves(lower: Array, upper: Array, trailing: int) -> Array:
+    """Inverse of `_halves`."""
+    x = jnp.stack([lower, upper], axis=lower.ndim - trailing - 1)
+    lead = x.shape[: x.ndim - trailing - 3]
+    return x.reshape(*lead, -1, *x.shape[x.ndim - trailing :])
+
+
+def _level_decays(g: Array, groups: int) -> tuple[Array, Array]:
+    """At one level: `exp(sum_{t=m+1}^{i} g_t)` for the upper halves' rows `i` and
+    `exp(sum_{t=j+1}^{m} g_t)` for the lower halves' rows `j` (`m` the group's midpoint),
+    each `(..., groups, h, 1, K)` (to broadcast over the factors)."""
+    lower, upper = _halves(g, groups, 1)
+    after = _up(cumsum(lower, -2, reverse=True))  # sum_{t > j} inside the lower half
+    return jnp.exp(cumsum(upper, -2))[..., None, :], jnp.exp(after)[..., None, :]
+
+
+def _up(x: Array) -> Array:
+    """Rows of `x` `(..., n, K)` moved up by one, a zero row at the bottom."""
+    return jnp.concatenate([x[..., 1:, :], jnp.zeros_like(x[..., :1, :])], -2)
+
+
+def _down(x: Array) -> Array:
+    """Rows of `x` `(..., n, K)` moved down by one, a zero row on top."""
+    return jnp.concatenate([jnp.zeros_like(x[..., :1, :]), x[..., :-1, :]], -2)
+
+
+def cumsum(x: Array, axis: int, reverse: bool = False) -> Array:
+    r"""Inclusive cumulative sums along `axis` (from the end if `reverse`).
+
+    XLA's `cumsum` is a reduction window as long as the axis for every element ($n^2$ adds);
+    here an axis longer than 8 is cut into blocks of 8, summed inside each block and then
+    across the blocks' totals ($\approx 2 \cdot 8$ adds per element). Every sum still adds
+    terms directly (no differences), so sums of gates of one sign stay accurate to a
+    relative $\epsilon$ whatever their size.
+    """
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    if n <= 8 or n % 8:
+        return jax.lax.cumsum(x, axis, reverse=reverse)
+    blocks = x.reshape(*x.shape[:axis], n // 8, 8, *x.shape[axis + 1 :])
+    inner = jax.lax.cumsum(blocks, axis + 1, reverse=reverse)
+    totals = jax.lax.index_in_dim(inner, 0 if reverse else 7, axis + 1)  # (..., n/8, 1, ...)
+    zero = jnp.zeros_like(jax.lax.index_in_dim(totals, 0, axis))
+    if reverse:  # the blocks after each one, then before it: exclusive, summed directly
+        before = jnp.concatenate([jax.lax.slice_in_dim(totals, 1, None, axis=axis), zero], axis)
+    else:
+        before = jnp.concatenate([zero, jax.lax.slice_in_dim(totals, 0, -1, axis=axis)], axis)
+    return (inner + cumsum(before, axis, reverse=reverse)).reshape(x.shape)
+
+
+def _pad_rows(x: Array, n: int, *axes: int) -> Array:
+    pad = [(0, 0)] * x.ndim
+    for axis in axes:
+        pad[axis] = (0, n - x.shape[axis])
+    return jnp.pad(x, pad) if any(p != (0, 0) for p in pad) else x
+
+
+def _level(x, y, g, half, n):
+    """The decayed upper rows `(..., G, h, P, K)`, lower rows `(..., G, h, Q, K)` and their
+    decays at the level whose groups are `2 half` rows."""
+    groups = n // (2 * half)
+    up, low = _level_decays(g, groups)
+    x_up, y_low = _halves(x, groups, 2)[1], _halves(y, groups, 2)[0]
+    return x_up, y_low, up, low, x_up * up, y_low * low
+
+
+def _grams(x, y, g, strict):
+    c = x.shape[-3]
+    n = 1 << (c - 1).bit_length()
+    x, y, g = _pad_rows(x, n, -3), _pad_rows(y, n, -3), _pad_rows(g, n, -2)
+    p, q = x.shape[-2], y.shape[-2]
+    shape = (*_batch(x, y, g), n, 1, p, 1, q)
+    if strict:
+        m = jnp.zeros(shape, x.dtype)
+    else:
+        diag = _products(x, y)[..., :, None, :, None, :]
+        m = jnp.broadcast_to(diag, shape)
+    half = 1
+    while half < n:
+        *_, xs, ys = _level(x, y, g, half, n)
+        lead = xs.shape[:-3]
+        cross = _products(xs.reshape(*lead, -1, xs.shape[-1]), ys.reshape(*lead, -1, ys.shape[-1]))
+        cross = cross.reshape(*lead, half, p, half, q)
+        m = m.reshape(*lead, 2, *m.shape[-4:])  # the previous level's blocks, in pairs
+        m0, m1 = m[..., 0, :, :, :, :], m[..., 1, :, :, :, :]  # (..., G, h, P, h, Q) each
+        top = jnp.concatenate([m0, jnp.zeros_like(cross)], -2)
+        bottom = jnp.concatenate([cross, m1], -2)
+        m = jnp.concatenate([top, bottom], -4)
+        half *= 2
+    return m[..., 0, :c, :, :c, :]
+
+
+def _products(a: Array, b: Array) -> Array:
+    """`a @ b^T` for rows `(..., A, K)` and `(..., B, K)`; tiny ones (`A B <= 16`, where a
+    batched matmul is mostly overhead) as a fused multiply and sum."""
+    if a.shape[-2] * b.shape[-2] <= 16:
+        return jnp.sum(a[..., :, None, :] * b[..., None, :, :], axis=-1)
+    return einsum("...ak,...bk->...ab", a, b)
+
+
+def _combine(w: Array, b: Array) -> Array:
+    """`w @ b` for `(..., A, B)` and rows `(..., B, K)`, tiny ones as in `_products`."""
+    if w.shape[-2] * w.shape[-1] <= 16:
+        return jnp.sum(w[..., :, :, None] * b[..., None, :, :], axis=-2)
+    return einsum("...ab,...bk->...ak", w, b)
+
+
+def _grams_fwd(x, y, g, strict):
+    return _grams(x, y, g, strict), (x, y, g)
+
+
+def _grams_bwd(strict, res, ct):
+    x, y, g = res
+    c = x.shape[-3]
+    n = 1 << (c - 1).bit_length()
+    x, y, g = _pad_rows(x, n, -3), _pad_rows(y, n, -3), _pad_rows(g, n, -2)
+    ct = _pad_rows(ct, n, -4, -2)
+    p, q = x.shape[-2], y.shape[-2]
+    full = _batch(x, y, g)
+    if strict:
+        dx, dy = jnp.zeros_like(x), jnp.zeros_like(y)
+    else:
+        eye = jnp.eye(n, dtype=bool)[:, None, :, None]
+        diag = jnp.sum(jnp.where(eye, ct, jnp.zeros((), ct.dtype)), axis=-2)  # (..., n, P, Q)
+        dx = _sum_to(_combine(diag, y), x.shape)
+        dy = _sum_to(_combine(jnp.swapaxes(diag, -1, -2), x), y.shape)
+    dg = jnp.zeros((*full, *g.shape[-2:]), g.dtype)
+
+    def level(half, carry):
+        dx, dy, dg = carry
+        x_up, y_low, up, low, xs, ys = _level(x, y, g, half, n)
+        groups = n // (2 * half)
+        # The cross blocks' cotangents: rows of the upper half, columns of the lower half.
+        rows = [slice((2 * i + 1) * half, (2 * i + 2) * half) for i in range(groups)]
+        cols = [slice(2 * i * half, (2 * i + 1) * half) for i in range(groups)]
+        d_cross = jnp.stack([ct[..., r, :, c, :] for r, c in zip(rows, cols)], axis=-5)
+        d_cross = d_cross.reshape(*d_cross.shape[:-4], half * p, half * q)
+        lead = d_cross.shape[:-2]
+        d_xs = _combine(d_cross, ys.reshape(*lead, -1, ys.shape[-1]))
+        d_ys = _combine(jnp.swapaxes(d_cross, -1, -2), xs.reshape(*lead, -1, xs.shape[-1]))
+        d_xs, d_ys = d_xs.reshape(xs.shape), d_ys.reshape(ys.shape)
+        d_up = jnp.sum(d_xs * x_up, axis=-2) * up[..., 0, :]  # d(sum_{m<t<=i} g_t)
+        d_low = jnp.sum(d_ys * y_low, axis=-2) * low[..., 0, :]  # d(sum_{j<t<=m} g_t)
+        dg_up = cumsum(d_up, -2, reverse=True)  # sum over i >= t
+        dg_low = _down(cumsum(d_low, -2))  # sum over j < t
+        dx = dx + _sum_to(_unhalves(jnp.zeros_like(d_xs), d_xs * up, 2), x.shape)
+        dy = dy + _sum_to(_unhalves(d_ys * low, jnp.zeros_like(d_ys), 2), y.shape)
+        return dx, dy, dg + _unhalves(dg_low, dg_up, 1)
+
+    # The levels one after another in a loop (each a branch of a switch): unrolled, XLA
+    # schedules every level's decays and products before their sums and holds them all.
+    # The first level outside it, so the carry has the types (and, under `shard_map`, the
+    # varying axes) of everything that flows into it.
+    levels = [ft.partial(level, 1 << i) for i in range(n.bit_length() - 1)]
+    if levels:
+        carry = levels[0]((dx, dy, dg))
+        dx, dy, dg = jax.lax.fori_loop(
+            1, len(levels), lambda i, carry: jax.lax.switch(i - 1, levels[1:], carry), carry
+        )
+    return dx[..., :c, :, :], dy[..., :c, :, :], _sum_to(dg[..., :c, :], res[2].shape)
+
+
+def _batch(x: Array, y: Array, g: Array) -> tuple[int, ...]:
+    """The batch shape of `decayed_grams`: its arguments' batch axes broadcast together."""
+    return jnp.broadcast_shapes(x.shape[:-3], y.shape[:-3], g.shape[:-2])
+
+
+def _sum_to(x: Array, shape: tuple[int, ...]) -> Array:
+    """`x` summed over the axes that `shape` broadcasts (size 1 there, not in `x`)."""
+    axes = tuple(i for i, (a, b) in enumerate(zip(x.shape, shape)) if b == 1 and a != 1)
+    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+_grams_vjp = jax.custom_vjp(_grams, nondiff_argnums=(3,))
+_grams_vjp.defvjp(_grams_fwd, _grams_bwd)
 
 
 def cumulative_decays(
@@ -238,12 +408,8 @@ def cumulative_decays(
     sum), so neither loses accuracy to cancellation. Per-token gates get a trailing unit
     axis so the results broadcast against `(..., C, K)` features.
     """
-    axis = -2 if per_channel else -1
-    cum = jnp.cumsum(g, axis=axis)
-    after = jnp.cumsum(jnp.flip(g, axis), axis=axis)  # reversed: sums of the last 1, 2, ...
-    zero = jnp.zeros_like(jax.lax.slice_in_dim(after, 0, 1, axis=axis % g.ndim))
-    after = jnp.flip(jnp.concatenate([zero, after], axis=axis), axis)  # sums of t > i, t >= i
-    after = jax.lax.slice_in_dim(after, 1, None, axis=axis % g.ndim)  # sum_{t > i}
     if not per_channel:
-        cum, after = cum[..., None], after[..., None]
+        g = g[..., None]
+    cum = cumsum(g, -2)
+    after = _up(cumsum(g, -2, reverse=True))  # sum_{t > i}
     return jnp.exp(cum), jnp.exp(after)

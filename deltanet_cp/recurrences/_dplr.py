@@ -1,0 +1,204 @@
+r"""The generalized delta rule: a diagonal-plus-low-rank (DPLR) transition, RWKV-7's core.
+
+One token, per value head, with `gk_t` a log decay per key channel and `a_t`, `b_t` two
+vectors over the key channels (flash-linear-attention's `fla.ops.generalized_delta_rule`):
+
+    h <- diag(exp(gk_t)) h + b_t (a_t^T h) + k_t v_t^T
+    o_t = h^T (scale q_t)
+
+that is `S_t = (diag(exp(gk_t)) + b_t a_t^T) S_{t-1} + k_t v_t^T` (`a_t^T h` reads the state
+before the token's decay). RWKV-7 is `a = -kk`, `b = kk * iclr`.
+
+One chunk, with $G_i = \sum_{t \le i} gk_t$ from the chunk start: the rank-one reads
+$r_i = a_i^\top h_{i-1}$ solve a unit lower-triangular system,
+
+    A_ab[i, j] = sum_c a_ic b_jc exp(G_{i-1,c} - G_jc),  A_ak likewise with k  (i > j)
+    T  = (I - A_ab)^-1
+    r  = T A_ak v + w h_0,   w = T (a * exp(G_{i-1}))
+
+and then, with $A_{qk}$, $A_{qb}$ the inclusive decayed products of the queries with `k`, `b`:
+
+    o      = (q * exp(G) + A_qb w) h_0 + (A_qk + A_qb T A_ak) v
+    h_next = diag(gamma) h_0 + b~^T r + k~^T v,   gamma = exp(G_C),   x~ = x * exp(G_C - G)
+           = (diag(gamma) + b~^T w) h_0 + (k~ + (T A_ak)^T b~)^T v
+
+so the chunk is an affine map `h -> M h + U`, `M` a rank-C update of a diagonal. Every
+product with the C x C matrices comes before the one with `v` (C < K, V), and the step keeps
+the delta rule's two products with the state.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from .._affine import AffineMap
+from .._chunking import chunk_major
+from .._engine import AbstractRecurrence
+from .._validate import as_chunk_size, as_scale
+from ._helpers import (
+    check_arrays,
+    compute_dtype,
+    cumulative_decays,
+    decayed_grams,
+    einsum,
+    lift,
+    unit_lower_inverse,
+)
+
+
+class DPLRInputs(eqx.Module):
+    """The per-token inputs of the generalized delta rule (time on axis 1 of every array).
+
+    **Arguments:**
+
+    - `q`: queries, `(B, T, H, K)`.
+    - `k`: keys, `(B, T, H, K)`.
+    - `v`: values, `(B, T, HV, V)`.
+    - `a`: the vector the state is read along, `(B, T, H, K)`.
+    - `b`: the vector that read is written back along, `(B, T, H, K)`.
+    - `gk`: log decays per key channel, `<= 0`, `(B, T, HV, K)`.
+    """
+
+    q: Float[Array, "batch seq heads k"]
+    k: Float[Array, "batch seq heads k"]
+    v: Float[Array, "batch seq vheads v"]
+    a: Float[Array, "batch seq heads k"]
+    b: Float[Array, "batch seq heads k"]
+    gk: Float[Array, "batch seq vheads k"] = eqx.field(metadata={"log_decay": True})
+
+
+class DPLRFactors(eqx.Module):
+    r"""The per-chunk quantities of the generalized delta rule that do not depend on the state.
+
+    Every field has leading axes `(n_chunks, batch, value_heads)`; `C` is the chunk size.
+
+    - `wq`: $w$ (rows `:C`) stacked over $q e^{G} + A_{qb} w$ (rows `C:`), so one product
+        with the state gives both the reads' share $w h$ and the outputs' share.
+    - `o_intra`: $(A_{qk} + A_{qb} T A_{ak}) v$, the outputs' share that does not depend on
+        the state, in the outputs' layout `(n_chunks, batch, C, value_heads, V)`.
+    - `b_decayed_t`: $\tilde b^\top = (b e^{G_C - G})^\top$, shape `(..., K, C)`.
+    - `U`: $(\tilde k + (T A_{ak})^\top \tilde b)^\top v$, the chunk's writes to the
+        state when it enters at zero, `(..., K, V)`.
+    - `gamma`: $e^{G_C}$, the decay over the whole chunk per key channel.
+    """
+
+    wq: Float[Array, "n b h cc k"]
+    o_intra: Float[Array, "n b c h v"]
+    b_decayed_t: Float[Array, "n b h k c"]
+    U: Float[Array, "n b h k v"]
+    gamma: Float[Array, "n b h k"]
+
+    @property
+    def w(self) -> Float[Array, "*chunks b h c k"]:
+        """The WY factor $w$ (the first `C` rows of `wq`)."""
+        return self.wq[..., : self.b_decayed_t.shape[-1], :]
+
+
+class DPLRDeltaRule(AbstractRecurrence[DPLRInputs, DPLRFactors, AffineMap]):
+    """The generalized delta rule: a diagonal-plus-low-rank transition per token (RWKV-7).
+
+    A static configuration; the inputs are a [`deltanet_cp.DPLRInputs`][], handed to
+    [`deltanet_cp.run`][] beside it. Decays between tokens of a chunk are formed exactly
+    for any gates (a blocked segment sum, as for Kimi Delta Attention).
+
+    **Arguments:**
+
+    - `chunk_size`: tokens per chunk.
+    - `scale`: query scale; `K ** -0.5` if `None`.
+    """
+
+    chunk_size: int = eqx.field(default=64, static=True, converter=as_chunk_size)
+    scale: float | None = eqx.field(default=None, static=True, converter=as_scale)
+
+    def check(self, inputs: DPLRInputs) -> None:
+        check_arrays(
+            {
+                "q": (inputs.q, ("batch", "seq", "heads", "K")),
+                "k": (inputs.k, ("batch", "seq", "heads", "K")),
+                "v": (inputs.v, ("batch", "seq", "value_heads", "V")),
+                "a": (inputs.a, ("batch", "seq", "heads", "K")),
+                "b": (inputs.b, ("batch", "seq", "heads", "K")),
+                "gk": (inputs.gk, ("batch", "seq", "value_heads", "K")),
+            }
+        )
+
+    def state(self, inputs: DPLRInputs) -> jax.ShapeDtypeStruct:
+        b, _, hv, dv = inputs.v.shape
+        dtype = compute_dtype(*jax.tree.leaves(inputs))
+        return jax.ShapeDtypeStruct((b, hv, inputs.q.shape[-1], dv), dtype)
+
+    def prepare(self, chunks: DPLRInputs) -> DPLRFactors:
+        dt = compute_dtype(*jax.tree.leaves(chunks))
+        b, n, c, h, dk = chunks.q.shape
+        hv, dv = chunks.v.shape[-2:]
+        r = hv // h
+        scale = jnp.asarray(dk**-0.5 if self.scale is None else self.scale, dt)
+
+        def keys(x):  # (B, N, C, H, K) -> (N, B, H, 1, C, K): broadcasts over the r value heads
+            return chunk_major(x.astype(dt))[:, :, :, None]
+
+        q, k, a, bb = keys(chunks.q), keys(chunks.k), keys(chunks.a), keys(chunks.b)
+        q = q * scale
+        v = chunk_major(chunks.v.astype(dt).reshape(b, n, c, h, r, dv))  # (N, B, H, r, C, V)
+        g = chunk_major(chunks.gk.astype(dt).reshape(b, n, c, h, r, dk))  # (N, B, H, r, C, K)
+        decay_in, decay_out = cumulative_decays(g, per_channel=True)  # e^{G_i}, e^{G_C - G_i}
+        # A_a.[i, j] pairs a_i with the decays up to token i - 1: the inclusive product of
+        # the next row's a, shifted down a row (exact for any gates, nothing overflows).
+        a_next = jnp.concatenate([a[..., 1:, :], jnp.zeros_like(a[..., :1, :])], -2)
+        grams = decayed_grams(jnp.stack([q, a_next], -2), jnp.stack([k, bb], -2), g, False)
+        a_qk, a_qb = grams[..., :, 0, :, 0], grams[..., :, 0, :, 1]
+        a_ak, a_ab = _down(grams[..., :, 1, :, 0]), _down(grams[..., :, 1, :, 1])
+        t = unit_lower_inverse(-a_ab)
+        w = einsum("...ij,...jk->...ik", t, a * _down(decay_in, fill=1.0))  # T (a e^{G_{i-1}})
+        t_ak = einsum("...ij,...jl->...il", t, a_ak)  # the reads are T A_ak v + w h
+        a_qb_w = einsum("...ij,...jk->...ik", a_qb, w)
+        # o_intra = A_qk v + A_qb T A_ak v, and the writes k~^T v + b~^T T A_ak v: C x C
+        # products first (C < K, V), then one product with v each.
+        a_out = a_qk + einsum("...ij,...jl->...il", a_qb, t_ak)
+        b_decayed = bb * decay_out
+        k_out = k * decay_out + einsum("...ji,...jk->...ik", t_ak, b_decayed)
+
+        def heads(x):  # (N, B, H, r, ...) -> (N, B, HV, ...); value head j reads key head j // r
+            return x.reshape(x.shape[:2] + (h * r,) + x.shape[4:])
+
+        return DPLRFactors(
+            wq=heads(jnp.concatenate([w, q * decay_in + a_qb_w], -2)),
+            o_intra=jnp.swapaxes(heads(einsum("...ij,...jv->...iv", a_out, v)), 2, 3),
+            b_decayed_t=heads(jnp.swapaxes(b_decayed, -1, -2)),
+            U=heads(einsum("...ck,...cv->...kv", k_out, v)),
+            gamma=heads(decay_in[..., -1, :]),
+        )
+
+    def step(self, factors: DPLRFactors, h: Float[Array, "b h k v"]) -> tuple[Array, Array]:
+        f = factors
+        c = f.b_decayed_t.shape[-1]
+        y = einsum("bhck,bhkv->bhcv", f.wq, h)  # [w h; (q_g + A_qb w) h]
+        o = jnp.swapaxes(y[..., c:, :], 1, 2) + f.o_intra  # (B, C, HV, V)
+        h_next = f.gamma[..., None] * h + einsum("bhkc,bhcv->bhkv", f.b_decayed_t, y[..., :c, :])
+        return h_next + f.U, o
+
+    def chunk_map(self, factors: DPLRFactors) -> AffineMap:
+        f = factors
+        dk = f.wq.shape[-1]
+        eye = lift(jnp.eye(dk, dtype=f.wq.dtype), f.gamma.ndim + 1)
+        m = f.gamma[..., None] * eye + einsum("bhkc,bhcj->bhkj", f.b_decayed_t, f.w)
+        return AffineMap(m, f.U)
+
+    def compose(self, factors: DPLRFactors, running: AffineMap) -> AffineMap:
+        # [M | U] <- diag(gamma) [M | U] + b~^T (w [M | U]) + [0 | U_c]: two products of
+        # 2 K (K + V) C multiply-adds per chunk instead of a dense K^3 one.
+        f = factors
+        dk = running.M.shape[-1]
+        mu = jnp.concatenate([running.M, running.U], axis=-1)
+        reads = einsum("bhck,bhkd->bhcd", f.w, mu)
+        mu = f.gamma[..., None] * mu + einsum("bhkc,bhcd->bhkd", f.b_decayed_t, reads)
+        return AffineMap(mu[..., :dk], mu[..., dk:] + f.U)
+
+    def finalize(self, outputs: Float[Array, "b t h v"], inputs: DPLRInputs) -> Array:
+        return outputs.astype(inputs.v.dtype)
+
+
+def _down(x: Array, fill: float = 0.0) -> Array:
+    """Rows of `x` `(..., C, D)` shifted down by one, a row of `fill` on top."""
+    return jnp.concatenate([jnp.full_like(x[..., :1, :], fill), x[..., :-1, :]], -2)
