@@ -9,7 +9,7 @@ rank's whole shard) and the initial state replicated. Payloads are counted as el
 import abc
 import functools as ft
 import math
-from typing import Literal, TypeAlias
+from typing import Literal, TYPE_CHECKING, TypeAlias
 
 import equinox as eqx
 import jax
@@ -17,7 +17,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from ._affine import AbstractAffineMap, prefix_scan
-from ._layout import Contiguous, Layout
+
+
+if TYPE_CHECKING:
+    from ._parallel import AbstractLayout
 
 
 class AbstractExchange(eqx.Module):
@@ -80,7 +83,7 @@ class AbstractExchange(eqx.Module):
         """
 
     @abc.abstractmethod
-    def rounds(self, cp: int, *, layout: Layout = Contiguous()) -> int:
+    def rounds(self, cp: int, *, layout: "AbstractLayout | None" = None) -> int:
         """Sequential communication rounds over `cp` ranks (the latency term), not counting
         the final state's broadcast.
 
@@ -95,7 +98,7 @@ class AbstractExchange(eqx.Module):
         map_elements: int,
         state_elements: int,
         final_state: bool = False,
-        layout: Layout = Contiguous(),
+        layout: "AbstractLayout | None" = None,
     ) -> int:
         """Elements each rank receives (the largest over ranks).
 
@@ -121,11 +124,13 @@ class AbstractExchange(eqx.Module):
         received = ft.partial(
             self.received, cp, map_elements=map_elements, state_elements=state_elements
         )
-        if isinstance(layout, Contiguous):
-            return max(received(final_state=final_state))
-        first = received(final_state=True)
-        second = received(final_state=final_state, reverse=True)
-        return max(a + b for a, b in zip(first, second))
+        walks = _walks(cp, layout)
+        total = [0] * cp
+        for i, reverse in enumerate(walks):
+            # Every walk but the last ends in a state the next one starts from, on every rank.
+            final = final_state if i == len(walks) - 1 else True
+            total = [a + b for a, b in zip(total, received(final_state=final, reverse=reverse))]
+        return max(total)
 
     def estimated_seconds(
         self,
@@ -136,7 +141,7 @@ class AbstractExchange(eqx.Module):
         itemsize: int = 4,
         latency: float = 10e-6,
         bandwidth: float = 50e9,
-        layout: Layout = Contiguous(),
+        layout: "AbstractLayout | None" = None,
     ) -> float:
         r"""The alpha-beta cost model: `rounds * latency + bytes_received / bandwidth`.
 
@@ -173,7 +178,7 @@ class AllGather(AbstractExchange):
         last_map, last_entering = (jax.tree.map(lambda x: x[-1], m) for m in (maps, exclusive))
         return h_in, last_map(last_entering(h0))
 
-    def rounds(self, cp: int, *, layout: Layout = Contiguous()) -> int:
+    def rounds(self, cp: int, *, layout: "AbstractLayout | None" = None) -> int:
         # Both walks' gathers at once; the state between them is formed locally.
         return 0 if cp == 1 else 1
 
@@ -212,11 +217,11 @@ class PPermute(AbstractExchange):
             return h_in, None
         return h_in, _from_last(local(h_in), position, cp, axis_name)
 
-    def rounds(self, cp: int, *, layout: Layout = Contiguous()) -> int:
+    def rounds(self, cp: int, *, layout: "AbstractLayout | None" = None) -> int:
         # Both walks' scans at once, then the state between them is broadcast.
         if cp == 1:
             return 0
-        return _log2(cp) + (0 if isinstance(layout, Contiguous) else 1)
+        return _log2(cp) + len(_walks(cp, layout)) - 1
 
     def received(self, cp, *, map_elements, state_elements, final_state=False, reverse=False):
         # Position p receives in round j iff p >= 2^j.
@@ -246,11 +251,10 @@ class Ring(AbstractExchange):
             return h_in, None
         return h_in, _from_last(local(h_in), position, cp, axis_name)
 
-    def rounds(self, cp: int, *, layout: Layout = Contiguous()) -> int:
+    def rounds(self, cp: int, *, layout: "AbstractLayout | None" = None) -> int:
         # A forward wave, the state between the walks broadcast, a backward wave.
-        if cp == 1 or isinstance(layout, Contiguous):
-            return cp - 1
-        return 2 * (cp - 1) + 1
+        walks = len(_walks(cp, layout))
+        return walks * (cp - 1) + (walks - 1 if cp > 1 else 0)
 
     def received(self, cp, *, map_elements, state_elements, final_state=False, reverse=False):
         final = _all_reduce(cp, state_elements, final_state)
@@ -281,7 +285,7 @@ class Auto(AbstractExchange):
         map_elements: int,
         state_elements: int,
         itemsize: int = 4,
-        layout: Layout = Contiguous(),
+        layout: "AbstractLayout | None" = None,
     ) -> AbstractExchange:
         """The concrete exchange this model picks for these sizes."""
         return min(
@@ -312,7 +316,7 @@ class Auto(AbstractExchange):
             reverse=reverse,
         )
 
-    def rounds(self, cp: int, *, layout: Layout = Contiguous()) -> int:
+    def rounds(self, cp: int, *, layout: "AbstractLayout | None" = None) -> int:
         raise TypeError("Auto() has no fixed number of rounds: ask `Auto().choose(...)`.")
 
     def received(self, cp, *, map_elements, state_elements, final_state=False, reverse=False):
@@ -332,7 +336,7 @@ class Auto(AbstractExchange):
         map_elements,
         state_elements,
         final_state=False,
-        layout: Layout = Contiguous(),
+        layout: "AbstractLayout | None" = None,
     ):
         chosen = self.choose(
             cp, map_elements=map_elements, state_elements=state_elements, layout=layout
@@ -344,6 +348,14 @@ class Auto(AbstractExchange):
             final_state=final_state,
             layout=layout,
         )
+
+
+def _walks(cp: int, layout: "AbstractLayout | None") -> tuple[bool, ...]:
+    """Each walk's direction (`reverse`) of a shard under `layout` (one forward walk for
+    `None`, the contiguous layout)."""
+    if layout is None:
+        return (False,)
+    return tuple(w.reverse for w in layout.walks(2, cp))
 
 
 ExchangeName: TypeAlias = Literal["allgather", "ppermute", "ring", "auto"]

@@ -98,7 +98,7 @@ def inputs_type(recurrence_type: type) -> type | None:
     A recurrence derives from `AbstractRecurrence[Inputs, Factors, Map]`; this reads
     `Inputs` off that base.
     """
-    from ._engine import AbstractRecurrence  # the engine imports this module
+    from ._recurrence import AbstractRecurrence  # the engine imports this module
 
     for klass in recurrence_type.__mro__:
         for base in klass.__dict__.get("__orig_bases__", ()):
@@ -139,7 +139,7 @@ def check_inputs(recurrence: Any, inputs: Any) -> None:
     `TypeError` for a wrong type of `recurrence` or `inputs`, `ValueError` naming the field
     for a missing array or an empty head or feature axis.
     """
-    from ._engine import AbstractRecurrence  # the engine imports this module
+    from ._recurrence import AbstractRecurrence  # the engine imports this module
 
     if not isinstance(recurrence, AbstractRecurrence):
         raise TypeError(

@@ -30,7 +30,7 @@ from jaxtyping import Array, Float
 
 from .._affine import AffineMap
 from .._chunking import chunk_major
-from .._engine import AbstractRecurrence
+from .._recurrence import AbstractRecurrence
 from ._helpers import (
     check_arrays,
     compute_dtype,

@@ -34,7 +34,7 @@ from jaxtyping import Array, Float
 
 from .._affine import AffineMap
 from .._chunking import chunk_major
-from .._engine import AbstractRecurrence
+from .._recurrence import AbstractRecurrence
 from .._validate import as_chunk_size, as_scale
 from ._helpers import (
     check_arrays,
