@@ -17,11 +17,11 @@ from jaxtyping import Array, PyTree
 
 from ._chunking import num_chunks, split_chunks
 from ._exchange import _position
+from ._mesh import mesh_to_run_on
 from ._packing import as_cu_seqlens, pack, segments, unpack
-from ._parallel import contiguous, ContextParallel, ContiguousParallel
+from ._parallel import ContextParallel, contiguous, ContiguousParallel
 from ._passes import Blocks, context_parallel, local
 from ._recurrence import AbstractRecurrence
-from ._mesh import mesh_to_run_on
 from ._validate import check_inputs
 
 

@@ -11,7 +11,6 @@ One chunk is an affine map of the incoming state, `h -> (I - k^T w) h + k^T u`.
 from typing import ClassVar
 
 import equinox as eqx
-import jax
 
 from .._custom_types import CuSeqlens, GateTensor, QKTensor, States, ValueTensor
 from .._parallel import ContextParallel

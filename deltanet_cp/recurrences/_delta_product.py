@@ -14,7 +14,6 @@ first, output after the last): the delta rule's chunk algebra applies unchanged.
 from typing import ClassVar
 
 import equinox as eqx
-import jax
 from jaxtyping import Array, Float
 
 from .._custom_types import CuSeqlens, GateTensor, QKTensor, States, ValueTensor

@@ -22,22 +22,6 @@ def chunk_dplr_delta_rule(
     cu_seqlens: CuSeqlens | None = None,
     chunk_size: int = 64,
     cp: ContextParallel | None = None,
-) -> tuple[ValueTensor, States]: ...
-
-
-def chunk_dplr_delta_rule(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    a: QKTensor,
-    b: QKTensor,
-    gk: KeyGateTensor,
-    *,
-    scale: float | None = None,
-    initial_state: States | None = None,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-    cp: ContextParallel | None = None,
 ) -> tuple[ValueTensor, States]:
     r"""The generalized delta rule in chunked (WY) form: the training path.
 

@@ -12,7 +12,6 @@ One chunk is an affine map of the incoming state, `h -> (gamma I - k~^T w) h + k
 from typing import ClassVar
 
 import equinox as eqx
-import jax
 
 from .._custom_types import CuSeqlens, GateTensor, QKTensor, States, ValueTensor
 from .._parallel import ContextParallel

@@ -14,7 +14,6 @@ flash-linear-attention's call shapes are in `deltanet_cp.interop`.
 from typing import ClassVar
 
 import equinox as eqx
-import jax
 
 from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, States, ValueTensor
 from .._parallel import ContextParallel
