@@ -70,10 +70,11 @@ class AbstractLayout(eqx.Module):
         shard does not cut into whole pieces."""
         per_rank = len(self.held(cp)[0])
         if length % per_rank:
+            multiple = "even" if per_rank == 2 else f"a multiple of {per_rank}"
             raise ValueError(
                 f"Under layout={self!r} each rank holds {per_rank} equal pieces, so the local "
-                f"sequence length must be {'even' if per_rank == 2 else f'a multiple of {per_rank}'}"
-                f"; got {length}. Make the global length a multiple of {per_rank} * cp."
+                f"sequence length must be {multiple}; got {length}. Make the global length a "
+                f"multiple of {per_rank} * cp."
             )
         return length // per_rank
 
@@ -234,6 +235,8 @@ class ContextParallel(eqx.Module, Generic[_L]):
 
 def contiguous(cp: "ContextParallel") -> "ContextParallel[Contiguous]":
     """`cp` itself if its layout is [`deltanet_cp.Contiguous`][], else a `ValueError`."""
+    if not isinstance(cp, ContextParallel):
+        raise TypeError(f"`cp` must be a deltanet_cp.ContextParallel or None; got {cp!r}.")
     if isinstance(cp.layout, Contiguous):
         return cp  # pyright: ignore[reportReturnType]
     raise ValueError(

@@ -371,3 +371,29 @@ def test_mesh_to_run_on():
     # Inside a mesh context the caller uses sharding in types: the mesh is kept.
     with jax.set_mesh(explicit):
         assert mesh_to_run_on(explicit) is explicit
+
+
+def test_context_parallel_arguments(without_runtime_typecheck):
+    # One static value: equal configurations are equal and hash alike (one compilation),
+    # shorthands become exchange modules, and every bad argument names itself.
+    mesh = _mesh(2)
+    cp = dcp.ContextParallel("cp", exchange="ring", mesh=mesh)
+    assert cp == dcp.ContextParallel("cp", exchange=dcp.Ring(), mesh=_mesh(2))
+    assert hash(cp) == hash(dcp.ContextParallel("cp", exchange="ring", mesh=_mesh(2)))
+    assert cp.exchange == dcp.Ring() and cp.layout == dcp.Contiguous()
+    assert jax.tree.leaves(cp) == []  # nothing traced: safe to close over or pass to jit
+    with pytest.raises(TypeError, match="`axis_name` must be a mesh axis name"):
+        dcp.ContextParallel(3)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match="`batch_axis` .* pass a `mesh` that has it"):
+        dcp.ContextParallel("cp", batch_axis="data")
+    with pytest.raises(ValueError, match="`batch_axis` .* pass a `mesh` that has it"):
+        dcp.ContextParallel("cp", mesh=mesh, batch_axis="data")
+    args, _ = GATED_DELTA_RULE.make(0, b=1, t=32, h=1, hv=2, dk=8, dv=6)
+    inputs = GATED_DELTA_RULE.inputs(*args)
+    for bad in ["cp", 2, ("cp", dcp.Zigzag())]:
+        with pytest.raises(TypeError, match="`cp` must be a deltanet_cp.ContextParallel or None"):
+            dcp.chunk_gated_delta_rule(*args, cp=bad)  # pyright: ignore[reportArgumentType]
+        with pytest.raises(TypeError, match="`cp` must be a deltanet_cp.ContextParallel or None"):
+            dcp.run(dcp.GatedDeltaRule(), inputs, cp=bad)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match="run_contiguous runs inside jax.shard_map"):
+        dcp.run_contiguous(dcp.GatedDeltaRule(), inputs, cp=cp)  # pyright: ignore
