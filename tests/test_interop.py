@@ -97,7 +97,7 @@ def test_decode_matches_transformers(name):
     _, _, io = _fixture(name)
     layer = _layer(name)
     x = jnp.asarray(io["x_37"][0])
-    y, state = eqx.filter_jit(lambda m, x: m(x, return_state=True))(layer, x[:20])
+    y, state = eqx.filter_jit(lambda m, x: m.prefill(x)[:2])(layer, x[:20])
     step = eqx.filter_jit(GatedDeltaNet.step)
     outs = [y]
     for t in range(20, 37):
