@@ -228,7 +228,6 @@ def _run(
     reverse: bool,
     block_size: int | None,
 ) -> tuple[PyTree, Array | None, Array | None]:
-    recurrence.check(inputs)
     state = recurrence.state(inputs)
     _, length = _batch_and_length(inputs)
     # A chunk longer than the slice only pads: cap it at the slice rounded up to a power of

@@ -121,10 +121,9 @@ def _field_name(path: tuple[Any, ...]) -> str:
 
 
 def check_inputs(recurrence: Any, inputs: Any) -> None:
-    """Check that `recurrence` is a recurrence and `inputs` the inputs it takes.
-
-    What the engine checks before it asks the recurrence to check the inputs' shapes
-    (`recurrence.check`), which assumes the right inputs class with its arrays present.
+    """Check that `recurrence` is a recurrence and `inputs` the inputs it takes, then ask
+    the recurrence to check the inputs' shapes (`recurrence.check`, which assumes the right
+    inputs class with its arrays present). The entry points call it once, first.
 
     **Arguments:**
 
@@ -175,3 +174,4 @@ def check_inputs(recurrence: Any, inputs: Any) -> None:
                 "axis after (batch, seq) (heads, key or value size, Householder steps) must "
                 "have at least one element."
             )
+    recurrence.check(inputs)
