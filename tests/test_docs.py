@@ -314,19 +314,21 @@ def test_readme_quickstart_runs_as_written():
 
 
 def test_dir_shows_only_the_api():
-    # What `dir(deltanet_cp)` shows a user: the documented names, the public subpackages, and
+    # What `dir(deltanet_cp)` shows a user, in a fresh interpreter (pytest's jaxtyping import
+    # hook adds names of its own here): the documented names, the public subpackages, and
     # nothing imported along the way (`importlib`, `jax`, ...).
-    import deltanet_cp
-
+    code = (
+        "import json, types, deltanet_cp as d; print(json.dumps([(n, isinstance(getattr(d, n), "
+        "types.ModuleType) and getattr(d, n).__name__ == 'deltanet_cp.' + n) for n in dir(d)]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
     documented = {d.name for d in _directives()}
     stray = [
         n
-        for n in dir(deltanet_cp)
-        if not n.startswith("_")
-        and f"deltanet_cp.{n}" not in documented
-        and not (
-            isinstance(getattr(deltanet_cp, n), types.ModuleType)
-            and getattr(deltanet_cp, n).__name__ == f"deltanet_cp.{n}"
-        )
+        for n, submodule in json.loads(result.stdout.splitlines()[-1])
+        if not n.startswith("_") and not submodule and f"deltanet_cp.{n}" not in documented
     ]
     assert not stray, f"names in dir(deltanet_cp) that are not documented API: {stray}"
