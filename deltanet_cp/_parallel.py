@@ -7,7 +7,7 @@ which layout it has.
 """
 
 import abc
-from typing import Generic, overload, TYPE_CHECKING, TypeAlias, TypeVar
+from typing import Any, cast, Generic, overload, TYPE_CHECKING, TypeAlias, TypeVar
 
 import equinox as eqx
 import jax
@@ -70,10 +70,11 @@ class AbstractLayout(eqx.Module):
         shard does not cut into whole pieces."""
         per_rank = len(self.held(cp)[0])
         if length % per_rank:
+            multiple = "even" if per_rank == 2 else f"a multiple of {per_rank}"
             raise ValueError(
                 f"Under layout={self!r} each rank holds {per_rank} equal pieces, so the local "
-                f"sequence length must be a multiple of {per_rank}; got {length}. Make the "
-                f"global length a multiple of {per_rank} * cp."
+                f"sequence length must be {multiple}; got {length}. Make the global length a "
+                f"multiple of {per_rank} * cp."
             )
         return length // per_rank
 
@@ -206,12 +207,12 @@ class ContextParallel(eqx.Module, Generic[_L]):
 
     def __init__(
         self,
-        axis_name,
+        axis_name: str,
         *,
-        layout=Contiguous(),
-        exchange="allgather",
-        mesh=None,
-        batch_axis=None,
+        layout: Any = Contiguous(),
+        exchange: Any = "allgather",
+        mesh: jax.sharding.Mesh | None = None,
+        batch_axis: str | None = None,
     ):
         if not isinstance(axis_name, str):
             raise TypeError(f"`axis_name` must be a mesh axis name (a str); got {axis_name!r}.")
@@ -226,7 +227,7 @@ class ContextParallel(eqx.Module, Generic[_L]):
                 f"`batch_axis` ({batch_axis!r}) shards global arrays: pass a `mesh` that has it."
             )
         self.axis_name = axis_name
-        self.layout = layout
+        self.layout = cast(Any, layout)
         self.exchange = as_exchange(exchange)
         self.mesh = mesh
         self.batch_axis = batch_axis
@@ -234,6 +235,8 @@ class ContextParallel(eqx.Module, Generic[_L]):
 
 def contiguous(cp: "ContextParallel") -> "ContextParallel[Contiguous]":
     """`cp` itself if its layout is [`deltanet_cp.Contiguous`][], else a `ValueError`."""
+    if not isinstance(cp, ContextParallel):
+        raise TypeError(f"`cp` must be a deltanet_cp.ContextParallel or None; got {cp!r}.")
     if isinstance(cp.layout, Contiguous):
         return cp  # pyright: ignore[reportReturnType]
     raise ValueError(

@@ -19,7 +19,7 @@ from ._chunking import num_chunks, split_chunks
 from ._exchange import _position
 from ._mesh import mesh_to_run_on
 from ._packing import as_cu_seqlens, pack, segments, unpack
-from ._parallel import ContextParallel, contiguous, ContiguousParallel
+from ._parallel import ContextParallel, Contiguous, contiguous, ContiguousParallel
 from ._passes import Blocks, context_parallel, local
 from ._recurrence import AbstractRecurrence
 from ._validate import check_inputs
@@ -88,46 +88,54 @@ def run(
     check_inputs(recurrence, inputs)
     if cp is not None and not isinstance(cp, ContextParallel):
         raise TypeError(f"`cp` must be a deltanet_cp.ContextParallel or None; got {cp!r}.")
+    _check_block_size(block_size)
     if cp is not None and cp.mesh is not None:
         return _run_global(recurrence, inputs, initial_state, cu_seqlens, cp, block_size)
-    packed = cu_seqlens is not None
-    if packed:
+    if cu_seqlens is not None:
         batch, length = _batch_and_length(inputs)
         total = length if cp is None else length * jax.lax.axis_size(cp.axis_name)
         cu_seqlens = as_cu_seqlens(cu_seqlens, batch, total)
+    return _per_rank(recurrence, inputs, initial_state, cu_seqlens, cp, block_size)
+
+
+def _per_rank(
+    recurrence: AbstractRecurrence,
+    inputs: PyTree,
+    initial_state: Array | None,
+    cu_seqlens: Array | None,
+    cp: ContextParallel | None,
+    block_size: int | None,
+) -> tuple[PyTree, Array]:
+    """`run` on this rank's shard, its arguments checked: the layout's walks in chain order."""
+    packed = cu_seqlens is not None
     # With packed documents, `initial_state` holds the documents' initial states.
     state, doc_h0 = (None, initial_state) if packed else (initial_state, None)
-    if cp is None:
-        outputs, final, finals = run_contiguous(
-            recurrence,
-            inputs,
-            initial_state=state,
-            cu_seqlens=cu_seqlens,
-            document_states=doc_h0,
-            block_size=block_size,
-        )
-        return outputs, (finals if packed else final)
-    walker = ContextParallel(cp.axis_name, exchange=cp.exchange)
-    _, length = _batch_and_length(inputs)
+    length = _batch_and_length(inputs)[1]
+    cp_size = 1 if cp is None else jax.lax.axis_size(cp.axis_name)
+    walks = Contiguous().walks(length, 1) if cp is None else cp.layout.walks(length, cp_size)
     outputs, finals = [], None
-    for walk in cp.layout.walks(length, jax.lax.axis_size(cp.axis_name)):
-        out, state, f = run_contiguous(
+    for walk in walks:
+        out, state, f = _run(
             recurrence,
             jax.tree.map(lambda x: x[:, walk.local], inputs),
-            cp=walker,
-            initial_state=state,
-            cu_seqlens=cu_seqlens,
-            document_states=doc_h0,
+            state,
+            cu_seqlens,
+            doc_h0,
+            axis_name=None if cp is None else cp.axis_name,
+            exchange=None if cp is None else cp.exchange,
             start=walk.start,
             reverse=walk.reverse,
             block_size=block_size,
         )
         outputs.append(out)
-        finals = f if finals is None else finals + f
-    outputs = jax.tree.map(lambda *parts: jnp.concatenate(parts, axis=1), *outputs)
-    if packed:
-        return outputs, jax.lax.psum(finals, cp.axis_name)
-    return outputs, state
+        finals = f if finals is None or f is None else finals + f
+    if len(outputs) > 1:
+        outputs = [jax.tree.map(lambda *parts: jnp.concatenate(parts, axis=1), *outputs)]
+    if not packed:
+        return outputs[0], cast(Array, state)
+    if cp is not None:
+        finals = jax.lax.psum(finals, cp.axis_name)
+    return outputs[0], cast(Array, finals)
 
 
 def run_contiguous(
@@ -183,10 +191,7 @@ def run_contiguous(
             )
     if not isinstance(start, int) or start < 0:
         raise ValueError(f"`start` must be a non-negative int; got {start!r}.")
-    if block_size is not None and (
-        not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1
-    ):
-        raise ValueError(f"`block_size` must be a positive int or None; got {block_size!r}.")
+    _check_block_size(block_size)
     axis_name = None if cp is None else cp.axis_name
     if cu_seqlens is not None:
         batch, length = _batch_and_length(inputs)
@@ -194,7 +199,7 @@ def run_contiguous(
         cu_seqlens = as_cu_seqlens(cu_seqlens, batch, start + walk, at_least=True)
     elif document_states is not None:
         raise ValueError("`document_states` are per document: pass `cu_seqlens` too.")
-    return _run(
+    outputs, final, finals = _run(
         recurrence,
         inputs,
         initial_state,
@@ -206,6 +211,7 @@ def run_contiguous(
         reverse=reverse,
         block_size=block_size,
     )
+    return outputs, cast(Array, final), finals
 
 
 @eqx.filter_jit
@@ -307,6 +313,13 @@ def default_block_size() -> int:
 _DEFAULT_BLOCK_SIZE = {"cpu": 1024, "gpu": 1024, "tpu": 1024}
 
 
+def _check_block_size(block_size: int | None) -> None:
+    if block_size is not None and (
+        not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1
+    ):
+        raise ValueError(f"`block_size` must be a positive int or None; got {block_size!r}.")
+
+
 def _chunks_per_block(block_size: int | None, chunk_size: int) -> int:
     return max(1, (default_block_size() if block_size is None else block_size) // chunk_size)
 
@@ -386,8 +399,8 @@ def _doc_states(state: jax.ShapeDtypeStruct, num_docs: int, initial_state: Array
 
 def _run_global(recurrence, inputs, initial_state, cu_seqlens, cp: ContextParallel, block_size):
     """`run` on global arrays: place them, then the `shard_map` (compiled once)."""
+    assert cp.mesh is not None
     mesh = mesh_to_run_on(cp.mesh)
-    recurrence.check(inputs)
     batch, length = _batch_and_length(inputs)
     n = mesh.shape[cp.axis_name]
     pieces = cp.layout.pieces(n)
@@ -434,14 +447,7 @@ def _sharded(recurrence, inputs, initial_state, cu_seqlens, *, mesh, specs, cp, 
     n = mesh.shape[cp.axis_name]
 
     def per_rank(inputs, initial_state, cu_seqlens):
-        return run(
-            recurrence,
-            inputs,
-            initial_state=initial_state,
-            cu_seqlens=cu_seqlens,
-            cp=cp,
-            block_size=block_size,
-        )
+        return _per_rank(recurrence, inputs, initial_state, cu_seqlens, cp, block_size)
 
     P = jax.sharding.PartitionSpec
     fn = jax.shard_map(per_rank, mesh=mesh, in_specs=(seq, state, P()), out_specs=(seq, state))

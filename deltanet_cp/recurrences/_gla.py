@@ -153,9 +153,6 @@ def chunk_gla(
     decay per key channel (GLA) or one per head (Mamba-2). For Mamba-2's SSD, pass
     `q = C`, `k = B * dt`, `v = x`, `g = dt * A` (per head) and `scale=1.0`.
 
-    Any sequence length works (the last chunk is padded with identity steps). The state and
-    the chunk algebra run in float32 (float64 for float64 inputs).
-
     **Arguments:**
 
     - `q`, `k`: queries and keys, shape `(B, T, H, K)`.
@@ -163,19 +160,8 @@ def chunk_gla(
         reads key head `j // (HV // H)`.
     - `g`: natural-log decays $\le 0$: shape `(B, T, HV)` for one per head, or
         `(B, T, HV, K)` for one per key channel.
-    - `scale`: query scale, default `K ** -0.5`.
-    - `initial_state`: the state before the first token, `(B, HV, K, V)`; zeros if `None`.
-    - `use_qk_l2norm`: L2-normalise `q` and `k` over `K` (eps `1e-6`) first.
-    - `cu_seqlens`: packed documents (batch size 1): the document offsets
-        `[0, len_0, len_0 + len_1, ..., T]`, a list or an int array of shape `(N + 1,)`
-        (the flash-linear-attention convention). The state resets at each document start,
-        no chunk mixes two documents, and `initial_state` / the final state are per
-        document, `(N, HV, K, V)`.
-    - `chunk_size`: tokens per chunk.
-    - `cp`: context parallelism, a [`deltanet_cp.ContextParallel`][]: the sequence axis
-        (axis 1 of every per-token argument) sharded over `cp.axis_name`, each argument
-        this rank's shard inside `jax.shard_map`, or global arrays when `cp.mesh` is set;
-        `initial_state` is then replicated and the final state global. `None`: one device.
+    - `scale`, `initial_state`, `use_qk_l2norm`, `cu_seqlens`, `chunk_size`, `cp`: as in
+        [`deltanet_cp.chunk_gated_delta_rule`][].
 
     **Returns:**
 

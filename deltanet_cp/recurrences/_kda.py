@@ -65,9 +65,6 @@ def chunk_kimi_delta_attention(
     Per token and value head: $h \leftarrow \mathrm{diag}(e^{g_t}) h$, then
     $h \leftarrow h + k_t (\beta_t (v_t - h^\top k_t))^\top$, $o_t = h^\top (s\, q_t)$.
 
-    Any sequence length works (the last chunk is padded with identity steps). The state and
-    the chunk algebra run in float32 (float64 for float64 inputs).
-
     **Arguments:**
 
     - `q`, `k`: queries and keys, shape `(B, T, H, K)`.
@@ -75,21 +72,8 @@ def chunk_kimi_delta_attention(
         reads key head `j // (HV // H)`.
     - `g`: natural-log decays per key channel, $\le 0$, shape `(B, T, HV, K)`.
     - `beta`: step sizes in $[0, 1]$, shape `(B, T, HV)`.
-    - `scale`: query scale, default `K ** -0.5`: a Python float, part of the static
-        configuration. The outputs are linear in it, so under `jax.jit` a traced scale is
-        `scale=1.0` and `o * scale`.
-    - `initial_state`: the state before the first token, `(B, HV, K, V)`; zeros if `None`.
-    - `use_qk_l2norm`: L2-normalise `q` and `k` over `K` (eps `1e-6`) first.
-    - `cu_seqlens`: packed documents (batch size 1): the document offsets
-        `[0, len_0, len_0 + len_1, ..., T]`, a list or an int array of shape `(N + 1,)`
-        (the flash-linear-attention convention). The state resets at each document start,
-        no chunk mixes two documents, and `initial_state` / the final state are per
-        document, `(N, HV, K, V)`.
-    - `chunk_size`: tokens per chunk.
-    - `cp`: context parallelism, a [`deltanet_cp.ContextParallel`][]: the sequence axis
-        (axis 1 of every per-token argument) sharded over `cp.axis_name`, each argument
-        this rank's shard inside `jax.shard_map`, or global arrays when `cp.mesh` is set;
-        `initial_state` is then replicated and the final state global. `None`: one device.
+    - `scale`, `initial_state`, `use_qk_l2norm`, `cu_seqlens`, `chunk_size`, `cp`: as in
+        [`deltanet_cp.chunk_gated_delta_rule`][].
 
     **Returns:**
 
