@@ -19,6 +19,11 @@ def _normal(rng, *shape, dtype=jnp.float32):
     return jnp.asarray(rng.normal(size=shape), dtype)
 
 
+def _f32(x):
+    """`x` rounded to float32, in float64: what the float32 inputs hold."""
+    return np.asarray(x, np.float32).astype(np.float64)
+
+
 def _gates(rng, *shape, extreme=False):
     """Log decays <= 0; with `extreme`, a strong decay early in the chunk (where differences
     of cumulative sums lose every later decay's accuracy), very negative and -inf ones."""
@@ -27,7 +32,8 @@ def _gates(rng, *shape, extreme=False):
         g[..., 0, :] = -3000.0  # before every pair's segment but the first token's
         g[..., 3, :] = -60.0
         g[..., 4, :] = -np.inf
-    return np.float64(np.float32(g))  # what float32 holds: the references see the same gates
+    # What float32 holds: the references see the same gates.
+    return np.asarray(g, np.float32).astype(np.float64)
 
 
 def _segment(g, j, i):
@@ -96,7 +102,7 @@ def test_chunk_major_rejects_too_few_axes():
 def test_cumsum(n, reverse):
     rng = np.random.default_rng(3)
     # Terms of one sign over many orders of magnitude: every sum to a relative epsilon.
-    x = np.float64(np.float32(-np.exp(rng.uniform(-8, 8, size=(3, n, 2)))))
+    x = np.asarray(-np.exp(rng.uniform(-8, 8, size=(3, n, 2))), np.float32).astype(np.float64)
     out = chunkops.cumsum(jnp.asarray(x, jnp.float32), 1, reverse=reverse)
     expected = np.flip(np.cumsum(np.flip(x, 1), 1), 1) if reverse else np.cumsum(x, 1)
     assert np.all(np.abs(np.asarray(out, np.float64) - expected) <= n * _EPS * np.abs(expected))
@@ -246,7 +252,7 @@ def _grams_direct(x, y, g, strict):
 def test_decayed_grams_vjp(strict, c):
     rng = np.random.default_rng(8)
     k = 4
-    x, y = (np.float64(np.float32(rng.normal(size=s))) for s in [(2, 1, c, 2, k), (1, 3, c, 3, k)])
+    x, y = (_f32(rng.normal(size=s)) for s in [(2, 1, c, 2, k), (1, 3, c, 3, k)])
     g = _gates(rng, 2, 3, c, k, extreme=True)
     w = rng.normal(size=(2, 3, c, 2, c, 3))
     finite = np.maximum(g, -1e4)  # -inf as a decay of exactly zero, differentiable
@@ -272,7 +278,7 @@ def test_decayed_grams_vjp(strict, c):
 
 
 def _strict_lower(rng, *shape, scale=0.3):
-    return np.float64(np.float32(np.tril(rng.normal(size=shape) * scale, -1)))
+    return np.asarray(np.tril(rng.normal(size=shape) * scale, -1), np.float32).astype(np.float64)
 
 
 @pytest.mark.parametrize("c", [1, 2, 5, 8, 33, 64])
@@ -301,7 +307,7 @@ def test_unit_lower_inverse_delta_rule_system():
 @pytest.mark.parametrize("c", [5, 16])
 def test_unit_lower_inverse_vjp(c):
     rng = np.random.default_rng(11)
-    a, w = np.float64(np.float32(_strict_lower(rng, 3, c, c))), rng.normal(size=(3, c, c))
+    a, w = _strict_lower(rng, 3, c, c), rng.normal(size=(3, c, c))
     with jax.enable_x64(True):
         eye = jnp.broadcast_to(jnp.eye(c, dtype=jnp.float64), a.shape)
         expected = jax.grad(
