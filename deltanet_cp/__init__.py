@@ -2,6 +2,7 @@
 
 from importlib import metadata as _metadata
 
+from . import chunkops as chunkops
 from ._affine import (
     AbstractAffineMap as AbstractAffineMap,
     AffineMap as AffineMap,

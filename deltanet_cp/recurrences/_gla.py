@@ -17,13 +17,13 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._affine import DiagonalAffineMap
-from .._chunking import chunk_major
 from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, States, ValueTensor
 from .._parallel import ContextParallel
 from .._recurrence import AbstractRecurrence
 from .._run import run
 from .._validate import as_chunk_size, as_scale
-from ._helpers import check_arrays, compute_dtype, cumulative_decays, decayed_gram, einsum, l2norm
+from ..chunkops import chunk_major, cumulative_decays, decayed_gram, einsum, l2norm
+from ._helpers import check_arrays, compute_dtype
 
 
 class GLAInputs(eqx.Module):
