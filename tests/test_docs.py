@@ -23,7 +23,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-PUBLIC_MODULES = ["deltanet_cp", "deltanet_cp.nn", "deltanet_cp.models", "deltanet_cp.interop"]
+PUBLIC_MODULES = [
+    "deltanet_cp",
+    "deltanet_cp.chunkops",
+    "deltanet_cp.nn",
+    "deltanet_cp.models",
+    "deltanet_cp.interop",
+]
 
 _DIRECTIVE = re.compile(r"^(?P<indent>[ \t]*):::[ \t]+(?P<name>[\w.]+)[ \t]*$")
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
