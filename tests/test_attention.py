@@ -450,7 +450,7 @@ def test_bad_cp(getkey, without_runtime_typecheck):
     cache = attn.init_cache(8)
     for call in (attn, lambda x, cp: attn.prefill(x, cache, 0, cp=cp)):
         with pytest.raises(TypeError, match="must be a deltanet_cp.ContextParallel"):
-            call(x, cp="cp")
+            call(x, cp="cp")  # pyright: ignore[reportArgumentType]
         with pytest.raises(ValueError, match="takes no `mesh`"):
             call(x, cp=dcp.ContextParallel("cp", mesh=mesh))
 

@@ -35,7 +35,7 @@ def conv_reference(weight, x, state):
     return y, xp[xp.shape[0] - (kernel - 1) :]
 
 
-def _sharded(conv: CausalConv1d, cp: int, layout: dcp.Layout, return_state: bool = True):
+def _sharded(conv: CausalConv1d, cp: int, layout, return_state: bool = True):
     """`f(weight, x, state) -> (y, new_state)` over a `cp`-device mesh, on global arrays in
     natural order: the layout's reordering happens around the `shard_map`. Without
     `return_state` the state is left out of the `shard_map` (`new_state` is `None`)."""

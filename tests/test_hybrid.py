@@ -1,6 +1,7 @@
 """The hybrid model: softmax attention against numpy, and a CP-invariant training step."""
 
 import functools as ft
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -92,7 +93,7 @@ def _model() -> HybridLM:
     return eqx.tree_at(lambda m: m.blocks[0].mixer, model, with_slow_decays(gdn, jr.key(3)))
 
 
-def _train_step(cp: int, layout: dcp.Layout = dcp.Contiguous(), kv_exchange="allgather"):
+def _train_step(cp: int, layout: Any = dcp.Contiguous(), kv_exchange="allgather"):
     """The loss and gradients of one training step from a fixed model and batch; under
     zigzag the batch is put in zigzag order once and every layer runs on those shards."""
     model = _model()

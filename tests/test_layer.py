@@ -1,6 +1,7 @@
 """The Gated DeltaNet layer: against a float64 numpy re-implementation, generation, CP."""
 
 import functools as ft
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -249,7 +250,7 @@ def _cp_problem():
     return layer, x, state, w_out, w_state
 
 
-def _cp_apply(cp: int, exchange: str, layout: dcp.Layout = dcp.Contiguous()):
+def _cp_apply(cp: int, exchange, layout: Any = dcp.Contiguous()):
     """`(apply, x, w_out)`: `apply(params, x, state) -> (y, new_state)` at CP degree `cp`
     (`cp == 1`: the single-device path), and the sequence-shaped inputs placed for it (in
     zigzag order under `Zigzag`: `y` comes back in that order too)."""
@@ -275,7 +276,7 @@ def _cp_apply(cp: int, exchange: str, layout: dcp.Layout = dcp.Contiguous()):
     return sharded, place(x), place(w_out)
 
 
-def _cp_loss_and_grads(cp: int, exchange: str = "allgather", layout: dcp.Layout = dcp.Contiguous()):
+def _cp_loss_and_grads(cp: int, exchange="allgather", layout: Any = dcp.Contiguous()):
     """Output, final state, and grads of a loss of both w.r.t. parameters, input and state
     (output and input gradient in sequence order)."""
     layer, _, state, _, w_state = _cp_problem()
@@ -288,12 +289,12 @@ def _cp_loss_and_grads(cp: int, exchange: str = "allgather", layout: dcp.Layout 
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
     grads, (y, new) = grad(eqx.filter(layer, eqx.is_array), x, state)
-    y = layout.from_layout(np.asarray(y), cp)
-    grads = (grads[0], layout.from_layout(np.asarray(grads[1]), cp), grads[2])
+    y = layout.from_layout(y, cp)
+    grads = (grads[0], layout.from_layout(grads[1], cp), grads[2])
     return y, new, grads
 
 
-def _cp_forward(cp: int, exchange: str):
+def _cp_forward(cp: int, exchange):
     layer, _, state, _, _ = _cp_problem()
     apply, x, _ = _cp_apply(cp, exchange)
     return jax.jit(apply)(eqx.filter(layer, eqx.is_array), x, state)
