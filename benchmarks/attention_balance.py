@@ -13,7 +13,8 @@ compiled per-rank module. Nothing is executed.
   rank, so that is the one reported (with the least busy one beside it).
   Beside it, the same ratio counted from the tile schedule alone (`busiest_rank_work` in
   `_attention_schedule.py`: the busiest rank's tiles times `block_size^2` over the causal
-  ideal in (query, key) pairs): the two agree to within the work outside the tiles.
+  ideal in (query, key) pairs); the FLOP ratio is a few percent above it, XLA counting
+  the tiles' elementwise work (the online softmax) too, which the ideal leaves out.
 - The same for forward + backward, against 3.5 times the ideal (the backward's five
   matmuls per tile: the recomputed scores, `dp`, `dq`, `dk`, `dv`).
 - Temporary memory per rank, `memory_analysis().temp_size_in_bytes`, forward and
