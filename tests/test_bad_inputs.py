@@ -374,13 +374,14 @@ import jax.numpy as jnp
 import jax.random as jr
 import equinox as eqx
 from jax.sharding import NamedSharding, PartitionSpec as P
+import deltanet_cp as dcp
 from deltanet_cp.nn import HybridLM
 
 model = HybridLM(11, 16, 2, attention_every=2, chunk_size=4, key=jr.key(0))
 mesh = jax.make_mesh((2,), ("cp",))
 seq = P(None, "cp")
 fn = eqx.filter_jit(jax.shard_map(
-    lambda m, t: jax.vmap(lambda x: m(x, axis_name="cp"))(t),
+    lambda m, t: jax.vmap(lambda x: m(x, cp=dcp.ContextParallel("cp")))(t),
     mesh=mesh, in_specs=(P(), seq), out_specs=seq,
 ))
 tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8) % 11
