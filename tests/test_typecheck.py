@@ -36,6 +36,7 @@ def test_pyright_rejects_zigzag_layout():
     got = {d["range"]["start"]["line"] + 1 for d in errors}
     assert got == expected, [d["message"] for d in errors]
     for error in errors:
-        assert '"ContextParallel[Zigzag]" is not assignable to "ContextParallel[Contiguous]"' in (
-            error["message"]
+        assert (
+            '"ContextParallel[Zigzag]" is not assignable to "ContextParallel[Contiguous]"'
+            in (error["message"])
         ), error["message"]

@@ -44,6 +44,5 @@ def engine_zigzag(inputs: dcp.DeltaInputs):
 
 
 def engine_zigzag_inline(inputs: dcp.DeltaInputs):
-    zigzag = dcp.Zigzag()
-    rule = dcp.GatedDeltaRule()
-    return dcp.run_contiguous(rule, inputs, cp=dcp.ContextParallel("cp", layout=zigzag))  # expect-error
+    z, rule = dcp.Zigzag(), dcp.GatedDeltaRule()
+    return dcp.run_contiguous(rule, inputs, cp=dcp.ContextParallel("cp", layout=z))  # expect-error
