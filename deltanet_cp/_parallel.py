@@ -152,7 +152,7 @@ class Zigzag(AbstractLayout):
 Layout: TypeAlias = Contiguous | Zigzag
 """The layouts the public context-parallel functions accept: `Contiguous | Zigzag`."""
 
-_L = TypeVar("_L", Contiguous, Zigzag)
+_L = TypeVar("_L", bound=AbstractLayout)
 
 
 class ContextParallel(eqx.Module, Generic[_L]):

@@ -215,7 +215,8 @@ def test_engine_refuses_zigzag(family):
     recurrence = family.recurrence(chunk_size=8)
     inputs = family.inputs(*args)
     with pytest.raises(ValueError, match=r"requires layout=Contiguous\(\)") as info:
-        dcp.run_contiguous(recurrence, inputs, cp=dcp.ContextParallel("cp", layout=dcp.Zigzag()))
+        zigzag = dcp.ContextParallel("cp", layout=dcp.Zigzag())
+        dcp.run_contiguous(recurrence, inputs, cp=zigzag)  # pyright: ignore[reportArgumentType]
     assert "contiguous, in-order slice per rank" in str(info.value)
     assert "Pass the ContextParallel to deltanet_cp.run" in str(info.value)
 
@@ -227,7 +228,7 @@ def test_engine_refuses_zigzag_without_runtime_typecheck(without_runtime_typeche
         dcp.run_contiguous(
             dcp.GatedDeltaRule(chunk_size=8),
             inputs,
-            cp=dcp.ContextParallel("cp", layout=dcp.Zigzag()),
+            cp=dcp.ContextParallel("cp", layout=dcp.Zigzag()),  # pyright: ignore
         )
 
 
@@ -278,14 +279,18 @@ def test_unknown_exchange(family, without_runtime_typecheck):
     seq = P(None, "cp")
 
     def per_rank(args):
-        return family.chunk(*args, cp=dcp.ContextParallel("cp", exchange="broadcast"))[0]
+        bad = dcp.ContextParallel("cp", exchange="broadcast")  # pyright: ignore
+        return family.chunk(*args, cp=bad)[0]
 
     fn = jax.shard_map(per_rank, mesh=mesh, in_specs=((seq,) * len(args),), out_specs=seq)
     placed = jax.device_put(args, NamedSharding(mesh, seq))
     with pytest.raises(ValueError, match="Unknown exchange 'broadcast'"):
         jax.eval_shape(fn, placed)
     with pytest.raises(ValueError, match="Unknown exchange 'broadcast'"):
-        family.chunk(*args, cp=dcp.ContextParallel("cp", mesh=mesh, exchange="broadcast"))
+        family.chunk(
+            *args,
+            cp=dcp.ContextParallel("cp", mesh=mesh, exchange="broadcast"),  # pyright: ignore
+        )
 
 
 def test_sharded_argument_checks():

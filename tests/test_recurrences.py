@@ -12,6 +12,7 @@ import functools as ft
 import os
 import subprocess
 import sys
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -124,7 +125,9 @@ def _cp_forward(family: Family, cp: int, exchange, chunk_size: int = CHUNK):
 
 
 @ft.cache
-def _grad_fn(family: Family, kind: str = "chunk", cp: int | None = None, exchange="allgather"):
+def _grad_fn(
+    family: Family, kind: str = "chunk", cp: int | None = None, exchange: Any = "allgather"
+):
     """Value and gradient (w.r.t. every argument and the initial state) of a weighted sum of
     outputs and final state; one compilation per family and kind."""
 
