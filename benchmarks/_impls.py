@@ -4,8 +4,8 @@ Every implementation computes the chunked gated delta rule with q/k L2 normalisa
 final state returned, on the same inputs (`_common.gdn_inputs`, seed 0; `q, k: (B, T, H,
 K)`, `v: (B, T, HV, V)`, `g, beta: (B, T, HV)`):
 
-- `ours`: `deltanet_cp.chunk_gated_delta_rule` (one device) and
-  `deltanet_cp.chunk_gated_delta_rule_sharded` (the sequence over a mesh axis);
+- `ours`: `deltanet_cp.chunk_gated_delta_rule` (one device, and with
+  `cp=ContextParallel("cp", mesh=mesh)` the sequence over a mesh axis);
 - `maxtext`: MaxText's `jax_chunk_gated_delta_rule`, read from its files (`_maxtext.py`),
   `compute_dtype` = the case's dtype; under CP its `cp_axis=` path in `shard_map`;
 - `jla`: jax-linear-attention's plain-JAX `jla.ops.chunked.gated_delta_rule` (`_jla.py`);
@@ -104,7 +104,7 @@ def jax_forward(name: str, *, h: int, hv: int, d: int, chunk: int = 64, dtype="f
 
         def forward(q, k, v, g, beta):
             return peer.chunk_gated_delta_rule(
-                q, k, v, g, beta, use_qk_l2norm=True, output_final_state=True, chunk_size=chunk
+                q, k, v, g, beta, use_qk_l2norm=True, chunk_size=chunk
             )
 
     elif name == "maxtext":
@@ -146,20 +146,12 @@ def jax_forward_cp(
     peer, _ = load_peer(name, kw.get("wheels"))
     rep = hv // h
     if name == "ours":
+        options = {} if exchange is None else {"exchange": exchange}
+        cp = peer.ContextParallel("cp", mesh=mesh, **options)
 
         def forward(q, k, v, g, beta):
-            return peer.chunk_gated_delta_rule_sharded(
-                q,
-                k,
-                v,
-                g,
-                beta,
-                mesh=mesh,
-                axis_name="cp",
-                exchange=exchange,
-                use_qk_l2norm=True,
-                output_final_state=True,
-                chunk_size=chunk,
+            return peer.chunk_gated_delta_rule(
+                q, k, v, g, beta, use_qk_l2norm=True, chunk_size=chunk, cp=cp
             )
 
         return forward

@@ -11,6 +11,10 @@ compiled per-rank module. Nothing is executed.
   `p v` matmuls of the `S (S + 1) / 2` visible (query, key) pairs, shared equally).
   A ratio of 1 is perfect balance with no wasted tile; the step time follows the busiest
   rank, so that is the one reported (with the least busy one beside it).
+  Beside it, the same ratio counted from the tile schedule alone (`busiest_rank_work` in
+  `_attention_schedule.py`: the busiest rank's tiles times `block_size^2` over the causal
+  ideal in (query, key) pairs); the FLOP ratio is a few percent above it, XLA counting
+  the tiles' elementwise work (the online softmax) too, which the ideal leaves out.
 - The same for forward + backward, against 3.5 times the ideal (the backward's five
   matmuls per tile: the recomputed scores, `dp`, `dq`, `dk`, `dv`).
 - Temporary memory per rank, `memory_analysis().temp_size_in_bytes`, forward and
@@ -39,9 +43,9 @@ program, each backward loop having the trips of its forward loop), and
   each run of each loop, per rank): for the ring's nested loop, the tiles of each step
   summed over the `cp - 1` trips of the loop over steps;
 - `body`, measured in place: the same per-rank program compiled with its loops over tiles
-  running two tiles per trip (the kernel's `unroll=2`, which puts a second copy of the
-  body in each; the loop over steps stays rolled; every zigzag tile count per run is even
-  here) counts `n_loops` bodies more than the rolled one, so
+  running two tiles per trip (`unrolled(2)` of `_attention_schedule.py`, which puts a
+  second copy of the body in each; the loop over steps stays rolled; every zigzag tile
+  count per run is even here) counts `n_loops` bodies more than the rolled one, so
   `body = (raw(unroll=2) - raw) / n_loops`. Contiguous programs have rank-dependent
   trip counts (no unrolling) but the same loop body: they take the zigzag program's body
   at the same `S`, `cp` and exchange.
@@ -74,13 +78,17 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from _attention_schedule import (  # noqa: E402
+    busiest_rank_work,
+    check_unroll,
+    schedules as tile_schedules,
+    unrolled,
+)
 from _common import print_table  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import deltanet_cp as dcp  # noqa: E402
-from deltanet_cp._layout import positions  # noqa: E402
 from deltanet_cp.nn._flash import _blockwise_attention  # noqa: E402
-from deltanet_cp.nn._schedule import _tiles  # noqa: E402
 
 
 HEADS, HEAD_DIM, BLOCK = 4, 64, 128
@@ -106,19 +114,13 @@ def compile_rank(
     """The per-rank program of one attention over `s` tokens, compiled (not run)."""
     mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
     seq = P("cp")
+    check_unroll(schedules(s, cp, layout, exchange), unroll)
+    context = dcp.ContextParallel("cp", layout=layout)
 
     def attend(q, k, v):
-        pos = positions(layout, q.shape[0], "cp")
+        pos = layout.positions(q.shape[0], "cp")
         return _blockwise_attention(
-            q,
-            k,
-            v,
-            pos,
-            axis_name="cp",
-            layout=layout,
-            kv_exchange=exchange,
-            block_size=BLOCK,
-            unroll=unroll,
+            q, k, v, pos, cp=context, kv_exchange=exchange, block_size=BLOCK
         )[0]
 
     if grad:
@@ -131,7 +133,8 @@ def compile_rank(
         per_rank, out_specs = attend, seq
     fn = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(seq,) * 3, out_specs=out_specs))
     arg = jax.ShapeDtypeStruct((s, HEADS, HEAD_DIM), jnp.float32, sharding=NamedSharding(mesh, seq))
-    lowered = fn.lower(arg, arg, arg)
+    with unrolled(unroll):
+        lowered = fn.lower(arg, arg, arg)
     if no_cse:
         return lowered.compile(compiler_options={"xla_disable_hlo_passes": "cse"})
     return lowered.compile()
@@ -139,14 +142,7 @@ def compile_rank(
 
 def schedules(s: int, cp: int, layout, exchange: str):
     """The forward's loops over tiles, each as the schedules of its runs (`_tiles`)."""
-    t = s // cp
-    if isinstance(layout, dcp.Zigzag):
-        b = min(BLOCK, t // 2)
-        m = t // 2 // b
-    else:
-        b = min(BLOCK, t)
-        m = t // b
-    return _tiles(layout, cp, m, exchange)
+    return tile_schedules(s, cp, layout, exchange, BLOCK)[1]
 
 
 def trips(s: int, cp: int, layout, exchange: str) -> list[list[int]]:
@@ -277,6 +273,7 @@ def main():
                             name,
                             exchange,
                             f"{max(f_ranks) / ideal(s, cp):.3f}",
+                            f"{busiest_rank_work(BLOCK, s, cp, layout, exchange):.3f}",
                             f"{min(f_ranks) / ideal(s, cp):.3f}",
                             f"{max(fb_ranks) / (3.5 * ideal(s, cp)):.3f}",
                             f"{mem_f / 1024:,.0f}",
@@ -292,6 +289,7 @@ def main():
             "layout",
             "kv_exchange",
             "fwd FLOPs / ideal (busiest rank)",
+            "(its tiles / ideal)",
             "(least busy rank)",
             "fwd+bwd FLOPs / 3.5 ideal (busiest)",
             "fwd temp KiB",

@@ -37,7 +37,7 @@ def ours_block(*, block_size: int, b: int, t: int, h: int, hv: int, d: int, pass
 
     def forward(q, k, v, g, beta):
         inputs = dcp.DeltaInputs(q, k, v, g, beta)
-        return dcp.run(rule, inputs, output_final_state=True, block_size=block_size)
+        return dcp.run(rule, inputs, block_size=block_size)
 
     inputs, cot = problem(b, t, h, hv, d)
     args = tuple(jnp.asarray(x) for x in inputs)

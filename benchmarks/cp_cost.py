@@ -1,8 +1,8 @@
 """What context parallelism costs per rank: flops, bytes received, temporary memory.
 
-Compiles the CP kernel (`chunk_gated_delta_rule_cp` inside `shard_map`, simulated CPU
-devices) and the single-device kernel on one rank's share of the tokens, and reads XLA's
-own accounting from the compiled modules:
+Compiles the CP kernel (`chunk_gated_delta_rule(..., cp=ContextParallel(...))` inside
+`shard_map`, simulated CPU devices) and the single-device kernel on one rank's share of the
+tokens, and reads XLA's own accounting from the compiled modules:
 
 - flops: `cost_analysis()`, corrected for loops (XLA counts a while body once); the extra
   flops of CP are those of phase 1 (composing the rank's chunks into its map `(M, U)`).
@@ -41,27 +41,17 @@ def inputs(t):
 
 
 def single(q, k, v, g, beta):
-    return dcp.chunk_gated_delta_rule(
-        q, k, v, g, beta, use_qk_l2norm=True, output_final_state=True, chunk_size=C
-    )
+    return dcp.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=C)
 
 
 def sharded(cp, exchange):
     mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
     seq = P(None, "cp")
+    parallel = dcp.ContextParallel("cp", exchange=exchange)
 
     def per_rank(q, k, v, g, beta):
-        return dcp.chunk_gated_delta_rule_cp(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            axis_name="cp",
-            exchange=exchange,
-            use_qk_l2norm=True,
-            output_final_state=True,
-            chunk_size=C,
+        return dcp.chunk_gated_delta_rule(
+            q, k, v, g, beta, use_qk_l2norm=True, chunk_size=C, cp=parallel
         )
 
     fn = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(seq,) * 5, out_specs=(seq, P())))

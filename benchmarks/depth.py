@@ -11,10 +11,10 @@ Nothing is executed: every program is compiled (`jax.jit(f).lower(...).compile()
 - **Compiled temporaries**: `memory_analysis().temp_size_in_bytes` per token, one device
   and, under CP, per device per local token, beside one device at the same local length.
 
-Implementations (`_impls.py`): ours (`deltanet_cp.chunk_gated_delta_rule`; under CP
-`chunk_gated_delta_rule_sharded` with each exchange), MaxText's JAX kernel (under CP its
-`cp_axis=` path) and jax-linear-attention's plain-JAX chunked path (under CP its
-`context_parallel_linear_attention`). Forward, and forward+backward (the pullback of `o`
+Implementations (`_impls.py`): ours (`deltanet_cp.chunk_gated_delta_rule`; under CP with
+`cp=ContextParallel("cp", exchange=..., mesh=mesh)`, each exchange), MaxText's JAX kernel
+(under CP its `cp_axis=` path) and jax-linear-attention's plain-JAX chunked path (under CP
+its `context_parallel_linear_attention`). Forward, and forward+backward (the pullback of `o`
 and the final state to all five inputs). Qwen3-Next heads (B=1, H=16, HV=32, K=V=128),
 float32, chunk 64, q/k L2 norm, T=4096; CP on 4 simulated CPU devices (a mesh with Auto
 axes). On a GPU machine the same script compiles for the GPU (the CP rows need 4 devices

@@ -105,12 +105,12 @@ def _forward(kind: str, h: int, hv: int):
     if fn is None:
 
         def forward(*args):
-            return dcp.chunk_dplr_delta_rule(*args, output_final_state=True, chunk_size=CHUNK)
+            return dcp.chunk_dplr_delta_rule(*args, chunk_size=CHUNK)
 
     else:
 
         def forward(*args):
-            return fn(*args, use_qk_l2norm=True, output_final_state=True, chunk_size=CHUNK)
+            return fn(*args, use_qk_l2norm=True, chunk_size=CHUNK)
 
     return forward, dcp.__version__
 

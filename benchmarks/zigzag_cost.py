@@ -3,8 +3,8 @@
 A hybrid model runs its Gated DeltaNet layers on the zigzag shards its attention layers want.
 A recurrence gains nothing from the balance (its work per rank is the same under either
 layout), and a zigzag shard is two walks over the ranks instead of one. This prints, for
-`chunk_gated_delta_rule_cp` inside `shard_map` over `cp` simulated CPU devices, each exchange
-and both layouts:
+`chunk_gated_delta_rule(..., cp=ContextParallel(...))` inside `shard_map` over `cp` simulated
+CPU devices, each exchange and both layouts:
 
 - bytes received by the busiest rank, forward and forward + backward, read from the compiled
   HLO (`deltanet_cp.received_bytes_per_rank`), beside the forward formula
@@ -48,20 +48,11 @@ def programs(cp: int, exchange, layout):
     the layout's order (as a training loop keeps them)."""
     mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
     seq = P(None, "cp")
+    parallel = dcp.ContextParallel("cp", layout=layout, exchange=exchange)
 
     def per_rank(q, k, v, g, beta):
-        return dcp.chunk_gated_delta_rule_cp(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            axis_name="cp",
-            exchange=exchange,
-            layout=layout,
-            use_qk_l2norm=True,
-            output_final_state=True,
-            chunk_size=C,
+        return dcp.chunk_gated_delta_rule(
+            q, k, v, g, beta, use_qk_l2norm=True, chunk_size=C, cp=parallel
         )
 
     forward = jax.shard_map(per_rank, mesh=mesh, in_specs=(seq,) * 5, out_specs=(seq, P()))

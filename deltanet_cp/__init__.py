@@ -2,18 +2,12 @@
 
 from importlib import metadata as _metadata
 
+from . import chunkops as chunkops
 from ._affine import (
     AbstractAffineMap as AbstractAffineMap,
     AffineMap as AffineMap,
     DiagonalAffineMap as DiagonalAffineMap,
     prefix_scan as prefix_scan,
-)
-from ._engine import (
-    AbstractRecurrence as AbstractRecurrence,
-    default_block_size as default_block_size,
-    run as run,
-    run_contiguous as run_contiguous,
-    run_sharded as run_sharded,
 )
 from ._exchange import (
     AbstractExchange as AbstractExchange,
@@ -27,24 +21,30 @@ from ._hlo import (
     collectives as collectives,
     received_bytes_per_rank as received_bytes_per_rank,
 )
-from ._layout import (
-    AbstractLayout as AbstractLayout,
-    Contiguous as Contiguous,
-    from_zigzag as from_zigzag,
-    Layout as Layout,
-    to_zigzag as to_zigzag,
-    Zigzag as Zigzag,
-)
 from ._packing import (
     pack as pack,
     Segments as Segments,
     segments as segments,
     unpack as unpack,
 )
+from ._parallel import (
+    AbstractLayout as AbstractLayout,
+    ContextParallel as ContextParallel,
+    Contiguous as Contiguous,
+    from_zigzag as from_zigzag,
+    Layout as Layout,
+    to_zigzag as to_zigzag,
+    Walk as Walk,
+    Zigzag as Zigzag,
+)
+from ._recurrence import AbstractRecurrence as AbstractRecurrence
+from ._run import (
+    default_block_size as default_block_size,
+    run as run,
+    run_contiguous as run_contiguous,
+)
 from .recurrences._delta import (
     chunk_delta_rule as chunk_delta_rule,
-    chunk_delta_rule_cp as chunk_delta_rule_cp,
-    chunk_delta_rule_sharded as chunk_delta_rule_sharded,
     DeltaRule as DeltaRule,
     recurrent_delta_rule as recurrent_delta_rule,
 )
@@ -55,8 +55,6 @@ from .recurrences._delta_family import (
 )
 from .recurrences._delta_product import (
     chunk_gated_delta_product as chunk_gated_delta_product,
-    chunk_gated_delta_product_cp as chunk_gated_delta_product_cp,
-    chunk_gated_delta_product_sharded as chunk_gated_delta_product_sharded,
     GatedDeltaProduct as GatedDeltaProduct,
     recurrent_gated_delta_product as recurrent_gated_delta_product,
 )
@@ -67,28 +65,20 @@ from .recurrences._dplr import (
 )
 from .recurrences._dplr_functions import (
     chunk_dplr_delta_rule as chunk_dplr_delta_rule,
-    chunk_dplr_delta_rule_cp as chunk_dplr_delta_rule_cp,
-    chunk_dplr_delta_rule_sharded as chunk_dplr_delta_rule_sharded,
     recurrent_dplr_delta_rule as recurrent_dplr_delta_rule,
 )
 from .recurrences._gated_delta import (
     chunk_gated_delta_rule as chunk_gated_delta_rule,
-    chunk_gated_delta_rule_cp as chunk_gated_delta_rule_cp,
-    chunk_gated_delta_rule_sharded as chunk_gated_delta_rule_sharded,
     GatedDeltaRule as GatedDeltaRule,
     recurrent_gated_delta_rule as recurrent_gated_delta_rule,
 )
 from .recurrences._gdn2 import (
     chunk_gdn2 as chunk_gdn2,
-    chunk_gdn2_cp as chunk_gdn2_cp,
-    chunk_gdn2_sharded as chunk_gdn2_sharded,
     GatedDeltaNet2 as GatedDeltaNet2,
     recurrent_gdn2 as recurrent_gdn2,
 )
 from .recurrences._gla import (
     chunk_gla as chunk_gla,
-    chunk_gla_cp as chunk_gla_cp,
-    chunk_gla_sharded as chunk_gla_sharded,
     GatedLinearAttention as GatedLinearAttention,
     GatedLinearAttentionFactors as GatedLinearAttentionFactors,
     GLAInputs as GLAInputs,
@@ -96,8 +86,6 @@ from .recurrences._gla import (
 )
 from .recurrences._kda import (
     chunk_kimi_delta_attention as chunk_kimi_delta_attention,
-    chunk_kimi_delta_attention_cp as chunk_kimi_delta_attention_cp,
-    chunk_kimi_delta_attention_sharded as chunk_kimi_delta_attention_sharded,
     KimiDeltaAttention as KimiDeltaAttention,
     recurrent_kimi_delta_attention as recurrent_kimi_delta_attention,
 )

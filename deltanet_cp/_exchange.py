@@ -1,32 +1,33 @@
 """Phase 2 of context parallelism: from each rank's map to the state entering each rank.
 
-An exchange is a module that owns its collective, its payload formula and its number of
+An exchange is a module that owns its collective and states its payload and its number of
 rounds. Every exchange is called inside `jax.shard_map`, with one affine map per rank (the
 rank's whole shard) and the initial state replicated. Payloads are counted as elements
 *received* per rank.
 """
 
 import abc
-import functools as ft
-import math
-from typing import Literal, TypeAlias
+from typing import Literal, TYPE_CHECKING, TypeAlias
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from ._affine import AbstractAffineMap, prefix_scan
-from ._layout import Contiguous, Layout
+from ._cost import AbstractExchangeCost, all_reduce, log2, walks
 
 
-class AbstractExchange(eqx.Module):
+if TYPE_CHECKING:
+    from ._parallel import AbstractLayout
+
+
+class AbstractExchange(AbstractExchangeCost):
     """How the ranks of a context-parallel axis turn their maps into incoming states.
 
     A concrete exchange implements the collective (`__call__`: one walk over the ranks,
-    forwards or backwards), says how many elements each rank receives in one walk
-    (`received`, from which `payload_elements` follows for either layout) and in how many
-    sequential rounds (`rounds`).
+    forwards or backwards) and states its cost: how many elements each rank receives in
+    one walk (`received`, from which `payload_elements` follows for either layout) and in
+    how many sequential rounds (`rounds`); the rest of the cost model is inherited.
     """
 
     @abc.abstractmethod
@@ -56,102 +57,6 @@ class AbstractExchange(eqx.Module):
         `(h_in, h_final)`, `h_final` being `None` unless `need_final_state`.
         """
 
-    @abc.abstractmethod
-    def received(
-        self,
-        cp: int,
-        *,
-        map_elements: int,
-        state_elements: int,
-        final_state: bool = False,
-        reverse: bool = False,
-    ) -> tuple[int, ...]:
-        """Elements each rank receives in one walk over the ranks, indexed by rank.
-
-        **Arguments:**
-
-        - `cp`, `map_elements`, `state_elements`, `final_state`: as in
-            `payload_elements`.
-        - `reverse`: the walk goes from the last rank to the first.
-
-        **Returns:**
-
-        A tuple of `cp` element counts.
-        """
-
-    @abc.abstractmethod
-    def rounds(self, cp: int, *, layout: Layout = Contiguous()) -> int:
-        """Sequential communication rounds over `cp` ranks (the latency term), not counting
-        the final state's broadcast.
-
-        Under [`deltanet_cp.Zigzag`][], the two walks' exchanges of maps are independent of
-        each other; what they wait for is the state leaving the first walk.
-        """
-
-    def payload_elements(
-        self,
-        cp: int,
-        *,
-        map_elements: int,
-        state_elements: int,
-        final_state: bool = False,
-        layout: Layout = Contiguous(),
-    ) -> int:
-        """Elements each rank receives (the largest over ranks).
-
-        Under [`deltanet_cp.Zigzag`][] it is two walks (see [`deltanet_cp.run`][]): the
-        first pieces in rank order, ending in a state every rank needs (so its final state
-        is always broadcast), then the second pieces in reverse rank order.
-
-        **Arguments:**
-
-        - `cp`: the number of ranks on the context-parallel axis.
-        - `map_elements`: the elements of one rank's map, e.g. $B H_V K (K + V)$ for a dense
-            [`deltanet_cp.AffineMap`][], $B H_V (K + K V)$ for a
-            [`deltanet_cp.DiagonalAffineMap`][].
-        - `state_elements`: the elements of one state, $B H_V K V$.
-        - `final_state`: whether the global final state is also returned on every rank.
-        - `layout`: [`deltanet_cp.Contiguous`][] or [`deltanet_cp.Zigzag`][].
-
-        **Returns:**
-
-        The number of elements (multiply by the itemsize, 4 for float32, for bytes); 0 when
-        `cp == 1`.
-        """
-        received = ft.partial(
-            self.received, cp, map_elements=map_elements, state_elements=state_elements
-        )
-        if isinstance(layout, Contiguous):
-            return max(received(final_state=final_state))
-        first = received(final_state=True)
-        second = received(final_state=final_state, reverse=True)
-        return max(a + b for a, b in zip(first, second))
-
-    def estimated_seconds(
-        self,
-        cp: int,
-        *,
-        map_elements: int,
-        state_elements: int,
-        itemsize: int = 4,
-        latency: float = 10e-6,
-        bandwidth: float = 50e9,
-        layout: Layout = Contiguous(),
-    ) -> float:
-        r"""The alpha-beta cost model: `rounds * latency + bytes_received / bandwidth`.
-
-        **Arguments:**
-
-        - `cp`, `map_elements`, `state_elements`, `layout`: as in `payload_elements`.
-        - `itemsize`: bytes per element (4 for float32 maps).
-        - `latency`: seconds per communication round ($\alpha$).
-        - `bandwidth`: bytes per second into one rank ($1/\beta$).
-        """
-        payload = self.payload_elements(
-            cp, map_elements=map_elements, state_elements=state_elements, layout=layout
-        )
-        return self.rounds(cp, layout=layout) * latency + payload * itemsize / bandwidth
-
 
 class AllGather(AbstractExchange):
     r"""One `all_gather` of every rank's map, then the exclusive prefix locally, in log depth.
@@ -173,7 +78,7 @@ class AllGather(AbstractExchange):
         last_map, last_entering = (jax.tree.map(lambda x: x[-1], m) for m in (maps, exclusive))
         return h_in, last_map(last_entering(h0))
 
-    def rounds(self, cp: int, *, layout: Layout = Contiguous()) -> int:
+    def rounds(self, cp: int, *, layout: "AbstractLayout | None" = None) -> int:
         # Both walks' gathers at once; the state between them is formed locally.
         return 0 if cp == 1 else 1
 
@@ -212,16 +117,16 @@ class PPermute(AbstractExchange):
             return h_in, None
         return h_in, _from_last(local(h_in), position, cp, axis_name)
 
-    def rounds(self, cp: int, *, layout: Layout = Contiguous()) -> int:
+    def rounds(self, cp: int, *, layout: "AbstractLayout | None" = None) -> int:
         # Both walks' scans at once, then the state between them is broadcast.
         if cp == 1:
             return 0
-        return _log2(cp) + (0 if isinstance(layout, Contiguous) else 1)
+        return log2(cp) + len(walks(cp, layout)) - 1
 
     def received(self, cp, *, map_elements, state_elements, final_state=False, reverse=False):
         # Position p receives in round j iff p >= 2^j.
-        final = _all_reduce(cp, state_elements, final_state)
-        counts = [sum(1 for j in range(_log2(cp)) if p >= 2**j) for p in range(cp)]
+        final = all_reduce(cp, state_elements, final_state)
+        counts = [sum(1 for j in range(log2(cp)) if p >= 2**j) for p in range(cp)]
         per_position = [n * map_elements + final for n in counts]
         return tuple(per_position[_rank(r, cp, reverse)] for r in range(cp))
 
@@ -246,14 +151,13 @@ class Ring(AbstractExchange):
             return h_in, None
         return h_in, _from_last(local(h_in), position, cp, axis_name)
 
-    def rounds(self, cp: int, *, layout: Layout = Contiguous()) -> int:
+    def rounds(self, cp: int, *, layout: "AbstractLayout | None" = None) -> int:
         # A forward wave, the state between the walks broadcast, a backward wave.
-        if cp == 1 or isinstance(layout, Contiguous):
-            return cp - 1
-        return 2 * (cp - 1) + 1
+        n = len(walks(cp, layout))
+        return n * (cp - 1) + (n - 1 if cp > 1 else 0)
 
     def received(self, cp, *, map_elements, state_elements, final_state=False, reverse=False):
-        final = _all_reduce(cp, state_elements, final_state)
+        final = all_reduce(cp, state_elements, final_state)
         per_position = [(state_elements if p > 0 else 0) + final for p in range(cp)]
         return tuple(per_position[_rank(r, cp, reverse)] for r in range(cp))
 
@@ -281,7 +185,7 @@ class Auto(AbstractExchange):
         map_elements: int,
         state_elements: int,
         itemsize: int = 4,
-        layout: Layout = Contiguous(),
+        layout: "AbstractLayout | None" = None,
     ) -> AbstractExchange:
         """The concrete exchange this model picks for these sizes."""
         return min(
@@ -312,7 +216,7 @@ class Auto(AbstractExchange):
             reverse=reverse,
         )
 
-    def rounds(self, cp: int, *, layout: Layout = Contiguous()) -> int:
+    def rounds(self, cp: int, *, layout: "AbstractLayout | None" = None) -> int:
         raise TypeError("Auto() has no fixed number of rounds: ask `Auto().choose(...)`.")
 
     def received(self, cp, *, map_elements, state_elements, final_state=False, reverse=False):
@@ -332,7 +236,7 @@ class Auto(AbstractExchange):
         map_elements,
         state_elements,
         final_state=False,
-        layout: Layout = Contiguous(),
+        layout: "AbstractLayout | None" = None,
     ):
         chosen = self.choose(
             cp, map_elements=map_elements, state_elements=state_elements, layout=layout
@@ -367,16 +271,8 @@ def as_exchange(exchange: "AbstractExchange | ExchangeName") -> AbstractExchange
     )
 
 
-def _log2(cp: int) -> int:
-    return math.ceil(math.log2(cp)) if cp > 1 else 0
-
-
 def _size(tree) -> int:
     return sum(x.size for x in jax.tree.leaves(tree))
-
-
-def _all_reduce(cp: int, state_elements: int, needed: bool) -> int:
-    return (2 * (cp - 1) * state_elements) // cp if needed else 0
 
 
 def _position(axis_name: str, reverse: bool) -> Array:

@@ -98,7 +98,7 @@ def inputs_type(recurrence_type: type) -> type | None:
     A recurrence derives from `AbstractRecurrence[Inputs, Factors, Map]`; this reads
     `Inputs` off that base.
     """
-    from ._engine import AbstractRecurrence  # the engine imports this module
+    from ._recurrence import AbstractRecurrence  # the engine imports this module
 
     for klass in recurrence_type.__mro__:
         for base in klass.__dict__.get("__orig_bases__", ()):
@@ -121,10 +121,9 @@ def _field_name(path: tuple[Any, ...]) -> str:
 
 
 def check_inputs(recurrence: Any, inputs: Any) -> None:
-    """Check that `recurrence` is a recurrence and `inputs` the inputs it takes.
-
-    What the engine checks before it asks the recurrence to check the inputs' shapes
-    (`recurrence.check`), which assumes the right inputs class with its arrays present.
+    """Check that `recurrence` is a recurrence and `inputs` the inputs it takes, then ask
+    the recurrence to check the inputs' shapes (`recurrence.check`, which assumes the right
+    inputs class with its arrays present). The entry points call it once, first.
 
     **Arguments:**
 
@@ -139,7 +138,7 @@ def check_inputs(recurrence: Any, inputs: Any) -> None:
     `TypeError` for a wrong type of `recurrence` or `inputs`, `ValueError` naming the field
     for a missing array or an empty head or feature axis.
     """
-    from ._engine import AbstractRecurrence  # the engine imports this module
+    from ._recurrence import AbstractRecurrence  # the engine imports this module
 
     if not isinstance(recurrence, AbstractRecurrence):
         raise TypeError(
@@ -175,3 +174,4 @@ def check_inputs(recurrence: Any, inputs: Any) -> None:
                 "axis after (batch, seq) (heads, key or value size, Householder steps) must "
                 "have at least one element."
             )
+    recurrence.check(inputs)

@@ -31,7 +31,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jax.random as jr  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 import deltanet_cp as dcp  # noqa: E402
 from deltanet_cp.nn import CausalSelfAttention, GatedDeltaNet  # noqa: E402
@@ -53,6 +52,8 @@ def _name(cp: int, layout: str) -> str:
 
 
 def train_all(cfg: Config) -> dict[str, list[float]]:
+    from tqdm import tqdm
+
     losses = {}
     with tqdm(total=len(RUNS) * cfg.steps, unit="step", ncols=88) as bar:
         for cp, layout in RUNS:
@@ -93,13 +94,16 @@ def print_loss_table(losses: dict[str, list[float]]) -> float:
     return worst
 
 
-def _layer_payload(layer, cfg: Config, cp: int, seq_len: int, **kwargs) -> dict[str, int]:
-    """What the busiest rank receives in one forward pass of `layer`: bytes by collective kind
-    (and `"total"`), from the compiled HLO. Nothing is executed."""
+def _layer_payload(
+    layer, cfg: Config, cp: int, seq_len: int, parallel: dcp.ContextParallel, **kwargs
+) -> dict[str, int]:
+    """What the busiest rank receives in one forward pass of `layer` called with
+    `cp=parallel`: bytes by collective kind (and `"total"`), from the compiled HLO. Nothing is
+    executed."""
     mesh = jax.make_mesh((cp,), (AXIS,), devices=jax.devices()[:cp])
     seq = P(None, AXIS)
     f = jax.shard_map(
-        lambda x: jax.vmap(ft.partial(layer, axis_name=AXIS, **kwargs))(x),
+        lambda x: jax.vmap(ft.partial(layer, cp=parallel, **kwargs))(x),
         mesh=mesh,
         in_specs=seq,
         out_specs=seq,
@@ -117,10 +121,38 @@ def _layer_payload(layer, cfg: Config, cp: int, seq_len: int, **kwargs) -> dict[
     return out
 
 
-def print_payloads(cfg: Config, cp: int = 4) -> None:
+PAYLOAD_COLUMNS = ("GDN, allgather", "GDN, ring", "attn, allgather", "attn, ring")
+
+
+def payloads(
+    cfg: Config, cp: int = 4, seq_lens: tuple[int, ...] = PAYLOAD_SEQ_LENS
+) -> dict[tuple[int, str, str], int]:
+    """Bytes the busiest rank receives per layer, by `(seq_len, layout, column)`: a Gated
+    DeltaNet layer and an attention layer, each exchange, both layouts, from the HLO."""
     model = make_model(cfg, jr.key(cfg.seed))
     gdn = next(b.mixer for b in model.blocks if isinstance(b.mixer, GatedDeltaNet))
     attn = next(b.mixer for b in model.blocks if isinstance(b.mixer, CausalSelfAttention))
+    out = {}
+    for seq_len in seq_lens:
+        for name, layout in LAYOUTS.items():
+            for exchange in ("allgather", "ring"):
+                parallel = dcp.ContextParallel(AXIS, layout=layout, exchange=exchange)
+                p = _layer_payload(gdn, cfg, cp, seq_len, parallel)
+                out[seq_len, name, f"GDN, {exchange}"] = p["total"]
+            for kv in ("allgather", "ring"):
+                parallel = dcp.ContextParallel(AXIS, layout=layout)
+                p = _layer_payload(attn, cfg, cp, seq_len, parallel, kv_exchange=kv)
+                # The ring's one ppermute of (K, V) is in the body of its loop over the cp - 1
+                # steps, which the HLO text holds once.
+                out[seq_len, name, f"attn, {kv}"] = p["total"] * (
+                    1 if kv == "allgather" else cp - 1
+                )
+    return out
+
+
+def print_payloads(cfg: Config, cp: int = 4) -> None:
+    model = make_model(cfg, jr.key(cfg.seed))
+    gdn = next(b.mixer for b in model.blocks if isinstance(b.mixer, GatedDeltaNet))
     b, hv, dk, dv = cfg.batch_size, gdn.num_value_heads, gdn.key_head_dim, gdn.value_head_dim
     print(
         f"\nBytes each rank receives per layer, one forward pass (batch {b}, cp={cp}, float32),"
@@ -134,19 +166,12 @@ def print_payloads(cfg: Config, cp: int = 4) -> None:
         "attn, allgather",
         "attn, ring (HLO step x (cp-1))",
     ]
-    rows = []
-    for seq_len in PAYLOAD_SEQ_LENS:
-        for name, layout in LAYOUTS.items():
-            row = [f"{seq_len:,}", name]
-            for exchange in ("allgather", "ring"):
-                p = _layer_payload(gdn, cfg, cp, seq_len, exchange=exchange, layout=layout)
-                row.append(f"{p['total']:,} B")
-            for kv in ("allgather", "ring"):
-                p = _layer_payload(attn, cfg, cp, seq_len, kv_exchange=kv, layout=layout)
-                # The ring's one ppermute of (K, V) is in the body of its loop over the cp - 1
-                # steps, which the HLO text holds once.
-                row.append(f"{p['total'] * (1 if kv == 'allgather' else cp - 1):,} B")
-            rows.append(row)
+    received = payloads(cfg, cp)
+    rows = [
+        [f"{seq_len:,}", name, *(f"{received[seq_len, name, c]:,} B" for c in PAYLOAD_COLUMNS)]
+        for seq_len in PAYLOAD_SEQ_LENS
+        for name in LAYOUTS
+    ]
     _print_table(header, rows)
     m, st = b * hv * dk * (dk + dv), b * hv * dk * dv
     print(
@@ -167,24 +192,22 @@ def print_payloads(cfg: Config, cp: int = 4) -> None:
     )
 
 
-def print_attention_balance(cfg: Config) -> None:
-    model = make_model(cfg, jr.key(cfg.seed))
-    attn = next(b.mixer for b in model.blocks if isinstance(b.mixer, CausalSelfAttention))
+def print_attention_balance() -> None:
     print(
-        "\nAttention work on the busiest rank / the causal ideal (total causal work / cp), from "
-        "the tile schedule each rank compiles (benchmarks/attention_balance.py checks it "
-        "against XLA's FLOP count of the compiled per-rank module):\n"
+        "\nCausal attention work on the busiest rank / the ideal (total causal work / cp), "
+        "from the global positions each layout gives each rank (`layout.position_table`); "
+        "benchmarks/attention_balance.py measures the compiled kernels' tiles:\n"
     )
-    header = ["seq len", "cp", "exchange", "contiguous", "zigzag"]
     rows = []
     for seq_len in (4096, 16384):
         for cp in (4, 8):
-            for kv in ("allgather", "ring"):
-                row = [f"{seq_len:,}", str(cp), kv]
-                for layout in LAYOUTS.values():
-                    row.append(f"{attn.busiest_rank_work(seq_len, cp, layout, kv):.3f}")
-                rows.append(row)
-    _print_table(header, rows)
+            row = [f"{seq_len:,}", str(cp)]
+            for layout in LAYOUTS.values():
+                positions = layout.position_table(seq_len // cp, cp)  # (cp, S / cp)
+                busiest = (positions + 1).sum(axis=1).max()  # query t sees keys 0 .. t
+                row.append(f"{busiest / (seq_len * (seq_len + 1) / 2 / cp):.3f}")
+            rows.append(row)
+    _print_table(["seq len", "cp", "contiguous", "zigzag"], rows)
 
 
 def save_plot(losses: dict[str, list[float]], path: Path) -> None:
@@ -222,7 +245,7 @@ def main():
     worst = print_loss_table(losses)
     print(f"\nLargest difference between runs at any step: {worst:.1e}")
     print_payloads(cfg)
-    print_attention_balance(cfg)
+    print_attention_balance()
     path = OUT / "loss_curves.png"
     save_plot(losses, path)
     print(f"\nSaved {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")

@@ -35,6 +35,9 @@ from deltanet_cp.models import Qwen3_5ForCausalLM
 
 
 CHECKPOINT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "data" / "qwen3_5_lm"
+# Every layer sharded over the "cp" mesh axis in zigzag order: rank r holds pieces r and
+# 2 cp - 1 - r of the sequence, which balances the attention layers' causal work.
+ZIGZAG = dcp.ContextParallel("cp", layout=dcp.Zigzag())
 
 
 def counting(rng, batch: int, length: int, vocab: int) -> np.ndarray:
@@ -49,8 +52,8 @@ def make_loss(static, cp: int, mesh):
     """Mean next-token cross entropy over a batch `(batch, seq)`, the sequence sharded over
     `cp` ranks in zigzag order (every layer runs on the zigzag shards)."""
 
-    def nll(model, inputs, targets, **cp_options):
-        logits = jax.vmap(lambda t: model(t, **cp_options))(inputs).astype(jnp.float32)
+    def nll(model, inputs, targets, context=None):
+        logits = jax.vmap(lambda t: model(t, cp=context))(inputs).astype(jnp.float32)
         logp = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.sum(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
@@ -61,7 +64,7 @@ def make_loss(static, cp: int, mesh):
 
     def local(params, inputs, targets):
         model = eqx.combine(params, static)
-        total = nll(model, inputs, targets, axis_name="cp", layout=dcp.Zigzag())
+        total = nll(model, inputs, targets, context=ZIGZAG)
         return jax.lax.psum(total, "cp") / (targets.size * cp)
 
     seq = P(None, "cp")
@@ -127,8 +130,7 @@ def main(
             tokens,
             capacity=seq_len + new_tokens,
             checkpoint_every=checkpoint_every,
-            axis_name="cp",
-            layout=dcp.Zigzag(),
+            cp=ZIGZAG,
         )
 
     sharded_prefill = jax.jit(

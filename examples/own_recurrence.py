@@ -9,9 +9,10 @@ Three small classes make it a recurrence of the library: its inputs, its per-chu
 and the recurrence itself (a static configuration). The engine pads with zeros, and a zero
 token must be an identity step: a `mask` input, False on padding, keeps the fixed decay from
 acting there. `deltanet_cp.run` then runs it on one device, over packed documents and
-context-parallel with every exchange. The file uses only
-the public API and checks itself against an independent float64 token loop. Run it with
-`python examples/own_recurrence.py`; `docs/guides/own_recurrence.md` walks through it.
+context-parallel with every exchange. The file uses only the public API, builds its chunk
+algebra from `deltanet_cp.chunkops`, and checks itself against an independent float64 token
+loop. Run it with `python examples/own_recurrence.py`; `docs/guides/own_recurrence.md`
+walks through it.
 """
 
 import os
@@ -27,12 +28,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Bool, Float
 
 import deltanet_cp as dcp
-
-
-HI = jax.lax.Precision.HIGHEST  # float32 products stay float32 on every backend
+from deltanet_cp import chunkops
 
 
 # --8<-- [start:inputs]
@@ -50,11 +50,11 @@ class RetentionInputs(eqx.Module):
 
 # --8<-- [start:factors]
 class RetentionFactors(eqx.Module):
-    """All chunks' state-independent parts; `n_i`: a chunk's real tokens up to token `i`."""
+    """A block of chunks' state-independent parts, chunk index first."""
 
-    q: Float[Array, "n b h c k"]  # q_i gamma^n_i / sqrt(K): reads the incoming state
+    q: Float[Array, "n b h c k"]  # q_i e^(G_i) / sqrt(K): reads the incoming state
     o: Float[Array, "n b c h v"]  # the outputs' part written by the chunk's own tokens
-    map: dcp.DiagonalAffineMap  # h -> gamma^n_C h + sum_j gamma^(n_C - n_j) k_j v_j^T
+    map: dcp.DiagonalAffineMap  # h -> e^(G_C) h + sum_j e^(G_C - G_j) k_j v_j^T
 
 
 # --8<-- [end:factors]
@@ -87,29 +87,27 @@ class Retention(dcp.AbstractRecurrence[RetentionInputs, RetentionFactors, dcp.Di
 
     # --8<-- [start:prepare]
     def prepare(self, chunks: RetentionInputs) -> RetentionFactors:
-        def heads_first(x):  # (B, N, C, H, D) -> (N, B, H, C, D)
-            return jnp.moveaxis(x, (1, 3), (0, 2)).astype(jnp.float32)
-
-        m = jnp.moveaxis(chunks.mask, 1, 0)[:, :, None].astype(jnp.float32)  # (N, B, 1, C)
-        n = jnp.cumsum(m, axis=-1)  # real tokens so far: exact small integers
-        a = jnp.log(jnp.asarray(self.gammas, jnp.float32)).reshape(1, 1, -1, 1)  # (1, 1, H, 1)
-        q = heads_first(chunks.q) * chunks.q.shape[-1] ** -0.5
-        k, v = heads_first(chunks.k) * m[..., None], heads_first(chunks.v)  # skipped: k = 0
-        # Every exponent is a <= 0 times a count; the upper triangle is clipped, then dropped.
-        decay = jnp.exp(jnp.minimum(a[..., None] * (n[..., :, None] - n[..., None, :]), 0.0))
-        attn = jnp.tril(jnp.einsum("...ik,...jk->...ij", q, k, precision=HI) * decay)
-        k = k * jnp.exp(a * (n[..., -1:] - n))[..., None]
-        U = jnp.einsum("...ck,...cv->...kv", k, v, precision=HI)
-        gamma = jnp.broadcast_to(jnp.exp(a * n[..., -1:]), U.shape[:-1])
-        o = jnp.einsum("...ij,...jv->...iv", attn, v, precision=HI)  # (N, B, H, C, V)
+        # A block of chunks (B, N, C, ...), chunk-major: (N, B, H, C, K), (N, B, C) for the mask.
+        q, k, v = (
+            chunkops.chunk_major(x.astype(jnp.float32)) for x in (chunks.q, chunks.k, chunks.v)
+        )
+        m = chunkops.chunk_major(chunks.mask.astype(jnp.float32), features=0)[:, :, None]
+        # The log decay of each token, log(gamma_h) on a real token, 0 on a skipped one.
+        g = m * jnp.log(jnp.asarray(self.gammas, jnp.float32)).reshape(1, 1, -1, 1)
+        q, k = q * q.shape[-1] ** -0.5, k * m[..., None]  # a skipped token writes nothing
+        attn = chunkops.decayed_gram(q, k, g)  # sum_k q_ik k_jk e^(G_i - G_j), j <= i
+        into, out = chunkops.cumulative_decays(g, per_channel=False)  # e^G_i, e^(G_C - G_i)
+        U = chunkops.einsum("...ck,...cv->...kv", k * out, v)
+        gamma = jnp.broadcast_to(into[..., -1, :], U.shape[:-1])  # e^(G_C) per key channel
+        o = chunkops.einsum("...ij,...jv->...iv", attn, v)  # (N, B, H, C, V)
         o = jnp.swapaxes(o, 2, 3)  # in the outputs' layout (N, B, C, H, V)
-        return RetentionFactors(q * jnp.exp(a * n)[..., None], o, dcp.DiagonalAffineMap(gamma, U))
+        return RetentionFactors(q * into, o, dcp.DiagonalAffineMap(gamma, U))
 
     # --8<-- [end:prepare]
 
     # --8<-- [start:step]
     def step(self, factors: RetentionFactors, h: Array) -> tuple[Array, Array]:
-        o = jnp.einsum("bhck,bhkv->bchv", factors.q, h, precision=HI) + factors.o
+        o = chunkops.einsum("bhck,bhkv->bchv", factors.q, h) + factors.o
         return factors.map(h), o  # outputs (B, C, H, V): batch, then the chunk's positions
 
     def chunk_map(self, factors: RetentionFactors) -> dcp.DiagonalAffineMap:
@@ -158,7 +156,7 @@ def main(b=2, t=100, h=3, dk=16, dv=8, chunk_size=16, cp=4):
     errors = {}
 
     # One device, against the float64 loop (t is not a multiple of the chunk size).
-    o, final = dcp.run(retention, inputs, initial_state=h0, output_final_state=True)
+    o, final = dcp.run(retention, inputs, initial_state=h0)
     loop_o, loop_h = retention_loop(q, k, v, mask, gammas, h0)
     errors["chunked o"] = rel_err(o, loop_o)
     errors["chunked state"] = rel_err(final, loop_h)
@@ -172,36 +170,31 @@ def main(b=2, t=100, h=3, dk=16, dv=8, chunk_size=16, cp=4):
         retention_loop(q[:1, s:e], k[:1, s:e], v[:1, s:e], packed.mask[:, s:e], gammas, h0_[None])
         for s, e, h0_ in zip(cu[:-1], cu[1:], doc_h0)
     ]
-    po, ph = dcp.run(
-        retention, packed, initial_state=doc_h0, output_final_state=True, cu_seqlens=cu
-    )
+    po, ph = dcp.run(retention, packed, initial_state=doc_h0, cu_seqlens=cu)
     errors["packed o"] = rel_err(po, np.concatenate([o_ for o_, _ in docs], axis=1))
     errors["packed states"] = rel_err(ph, np.concatenate([h_ for _, h_ in docs]))
 
-    # Context parallelism: the sequence split over `cp` devices, against one device, for
-    # every exchange; then the packed documents, which cross rank borders.
+    # Context parallelism on global arrays (`mesh=`: dcp.run does the shard_map): the
+    # sequence split over `cp` devices, against one device, for every exchange.
     mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
     for exchange in (dcp.AllGather(), dcp.PPermute(), dcp.Ring()):
-        o_cp, final_cp = dcp.run_sharded(
-            retention,
-            inputs,
-            initial_state=h0,
-            output_final_state=True,
-            mesh=mesh,
-            axis_name="cp",
-            exchange=exchange,
-        )
+        parallel = dcp.ContextParallel("cp", exchange=exchange, mesh=mesh)
+        o_cp, final_cp = dcp.run(retention, inputs, initial_state=h0, cp=parallel)
         errors[f"cp {type(exchange).__name__} o"] = rel_err(o_cp, o)
         errors[f"cp {type(exchange).__name__} state"] = rel_err(final_cp, final)
-    po_cp, ph_cp = dcp.run_sharded(
-        retention,
-        packed,
-        initial_state=doc_h0,
-        output_final_state=True,
-        cu_seqlens=cu,
-        mesh=mesh,
-        axis_name="cp",
-    )
+
+    # Inside your own shard_map, each rank on its slice of the time axis: the packed
+    # documents, which cross rank borders (`cu_seqlens` is global, the same on every rank).
+    seq = P(None, "cp")  # (B, T, ...): time sharded over "cp"
+
+    def per_rank(inputs, doc_h0):
+        return dcp.run(
+            retention, inputs, initial_state=doc_h0, cu_seqlens=cu, cp=dcp.ContextParallel("cp")
+        )
+
+    sharded = jax.shard_map(per_rank, mesh=mesh, in_specs=(seq, P()), out_specs=(seq, P()))
+    on_mesh = jax.device_put(packed, NamedSharding(mesh, seq))  # each rank gets its slice
+    po_cp, ph_cp = jax.jit(sharded)(on_mesh, jax.device_put(doc_h0, NamedSharding(mesh, P())))
     errors["cp packed o"] = rel_err(po_cp, po)
     errors["cp packed states"] = rel_err(ph_cp, ph)
 

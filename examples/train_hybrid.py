@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import functools as ft
 from collections.abc import Callable, Iterator
+from typing import Literal
 
 import equinox as eqx
 import jax
@@ -51,9 +52,10 @@ class Config:
     weight_decay: float = 0.01
     steps: int = 40
     seed: int = 0
-    exchange: str = "allgather"  # the Gated DeltaNet layers' state exchange
+    # The Gated DeltaNet layers' state exchange, and the attention layers' key/value one.
+    exchange: Literal["allgather", "ppermute", "ring", "auto"] = "allgather"
+    kv_exchange: Literal["allgather", "ring"] = "allgather"
     layout: str = "contiguous"  # or "zigzag": every layer on load-balanced shards
-    kv_exchange: str = "allgather"  # the attention layers': "allgather" or "ring"
 
 
 def make_model(cfg: Config, key) -> HybridLM:
@@ -115,11 +117,14 @@ def _nll(logits, targets, mask):
     return jnp.sum(nll * mask), jnp.sum(mask)
 
 
-def layout_of(cfg: Config) -> dcp.Layout:
-    layouts = {"contiguous": dcp.Contiguous(), "zigzag": dcp.Zigzag()}
-    if cfg.layout not in layouts:
-        raise ValueError(f"layout must be one of {sorted(layouts)}; got {cfg.layout!r}.")
-    return layouts[cfg.layout]
+def context_parallel(cfg: Config) -> dcp.ContextParallel:
+    """How every layer is sharded: over the `"cp"` mesh axis, in `cfg.layout`, the Gated
+    DeltaNet layers exchanging state by `cfg.exchange`."""
+    if cfg.layout == "contiguous":
+        return dcp.ContextParallel(AXIS, exchange=cfg.exchange)
+    if cfg.layout == "zigzag":
+        return dcp.ContextParallel(AXIS, layout=dcp.Zigzag(), exchange=cfg.exchange)
+    raise ValueError(f"layout must be 'contiguous' or 'zigzag'; got {cfg.layout!r}.")
 
 
 def loss_fn(model: HybridLM, inputs, targets, mask, *, cp: int, mesh=None, cfg: Config):
@@ -136,13 +141,7 @@ def loss_fn(model: HybridLM, inputs, targets, mask, *, cp: int, mesh=None, cfg: 
 
     def local(params, inputs, targets, mask):
         m = eqx.combine(params, static)
-        call = ft.partial(
-            m,
-            axis_name=AXIS,
-            layout=layout_of(cfg),
-            exchange=cfg.exchange,
-            kv_exchange=cfg.kv_exchange,
-        )
+        call = ft.partial(m, cp=context_parallel(cfg), kv_exchange=cfg.kv_exchange)
         logits = jax.vmap(call)(inputs)
         total, count = _nll(logits, targets, mask)
         return jax.lax.psum(total, AXIS) / jax.lax.psum(count, AXIS)
@@ -156,13 +155,13 @@ def make_mesh(cp: int):
     return jax.make_mesh((cp,), (AXIS,), devices=jax.devices()[:cp])
 
 
-def shard_batch(batch, mesh, layout: dcp.Layout = dcp.Contiguous()):
-    """Put `(inputs, targets, mask)` on the mesh, time sharded over `"cp"` (in zigzag order
-    first under `Zigzag`: the only reorder; every layer then works on these shards)."""
+def shard_batch(batch, mesh, layout: dcp.AbstractLayout = dcp.Contiguous()):
+    """Put `(inputs, targets, mask)` on the mesh, time sharded over `"cp"` (in the layout's
+    order first, e.g. zigzag order: the only reorder; every layer then works on these
+    shards)."""
     if mesh is None:
         return tuple(jnp.asarray(x) for x in batch)
-    if isinstance(layout, dcp.Zigzag):
-        batch = tuple(dcp.to_zigzag(x, mesh.shape[AXIS], axis=1) for x in batch)
+    batch = tuple(layout.to_layout(x, mesh.shape[AXIS], axis=1) for x in batch)
     sharding = NamedSharding(mesh, P(None, AXIS))
     return tuple(jax.device_put(x, sharding) for x in batch)
 
@@ -209,7 +208,7 @@ def train(cfg: Config, cp: int, *, progress: Callable | None = None) -> list[flo
     losses = []
     data = batches(cfg)
     for i in range(cfg.steps):
-        batch = shard_batch(next(data), mesh, layout_of(cfg))
+        batch = shard_batch(next(data), mesh, context_parallel(cfg).layout)
         model, opt_state, loss = step(model, opt_state, *batch)
         losses.append(float(loss))
         if progress is not None:

@@ -49,17 +49,15 @@ def main():
     args = [put(x, seq) for x in (q, k, v, g, beta)] + [put(h0, rep)]
 
     def per_rank(q, k, v, g, beta, h0):
-        return dcp.chunk_gated_delta_rule_cp(
+        return dcp.chunk_gated_delta_rule(
             q,
             k,
             v,
             g,
             beta,
-            axis_name="cp",
-            exchange="ppermute",
             initial_state=h0,
-            output_final_state=True,
             chunk_size=16,
+            cp=dcp.ContextParallel("cp", exchange="ppermute"),
         )
 
     fn = jax.jit(
@@ -78,7 +76,6 @@ def main():
         ref_o, ref_h = dcp.chunk_gated_delta_rule(
             *(jnp.asarray(x) for x in (q, k, v, g, beta)),
             initial_state=jnp.asarray(h0),
-            output_final_state=True,
             chunk_size=16,
         )
     err_o = float(np.max(np.abs(np.asarray(o) - np.asarray(ref_o))) / np.max(np.abs(ref_o)))

@@ -52,12 +52,12 @@ def _small_blocks():
     its own `block_size`, so the loop over blocks, the padding of the last block and the
     carries between blocks are exercised everywhere; tests/test_recurrences.py checks one
     block and other sizes explicitly."""
-    from deltanet_cp import _engine
+    from deltanet_cp import _run
 
-    saved = dict(_engine._DEFAULT_BLOCK_SIZE)
-    _engine._DEFAULT_BLOCK_SIZE.update({k: 16 for k in saved})
+    saved = dict(_run._DEFAULT_BLOCK_SIZE)
+    _run._DEFAULT_BLOCK_SIZE.update({k: 16 for k in saved})
     yield
-    _engine._DEFAULT_BLOCK_SIZE.update(saved)
+    _run._DEFAULT_BLOCK_SIZE.update(saved)
 
 
 @pytest.fixture

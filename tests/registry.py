@@ -36,13 +36,13 @@ from .helpers import (
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """One recurrence: its four public entry points, its configuration, its float64 loop.
+    """One recurrence: its two public functions, its configuration, its float64 loop.
 
     **Fields:**
 
     - `name`: the test id.
-    - `chunk`, `recurrent`, `chunk_cp`, `chunk_sharded`: the public functions
-        `chunk_X`, `recurrent_X`, `chunk_X_cp`, `chunk_X_sharded`.
+    - `chunk`, `recurrent`: the public functions `chunk_X` and `recurrent_X` (both take
+        `cp=` for context parallelism).
     - `recurrence`: the configuration class, `recurrence(chunk_size=, scale=, use_qk_l2norm=)`
         (without `use_qk_l2norm` where `l2norm` is false); see `configuration`.
     - `inputs`: the public positional arguments -> the engine's inputs PyTree.
@@ -61,8 +61,6 @@ class Family:
     name: str
     chunk: Callable[..., Any]
     recurrent: Callable[..., Any]
-    chunk_cp: Callable[..., Any]
-    chunk_sharded: Callable[..., Any]
     recurrence: Callable[..., Any]
     inputs: Callable[..., Any]
     make: Callable[..., tuple[tuple[Any, ...], jax.Array]]
@@ -110,8 +108,6 @@ GATED_DELTA_RULE = Family(
     name="gated_delta_rule",
     chunk=dcp.chunk_gated_delta_rule,
     recurrent=dcp.recurrent_gated_delta_rule,
-    chunk_cp=dcp.chunk_gated_delta_rule_cp,
-    chunk_sharded=dcp.chunk_gated_delta_rule_sharded,
     recurrence=dcp.GatedDeltaRule,
     inputs=_delta_inputs,
     make=make_gated_delta_inputs,
@@ -125,8 +121,6 @@ DELTA_RULE = Family(
     name="delta_rule",
     chunk=dcp.chunk_delta_rule,
     recurrent=dcp.recurrent_delta_rule,
-    chunk_cp=dcp.chunk_delta_rule_cp,
-    chunk_sharded=dcp.chunk_delta_rule_sharded,
     recurrence=dcp.DeltaRule,
     inputs=_ungated_delta_inputs,
     make=make_delta_inputs,
@@ -140,8 +134,6 @@ KIMI_DELTA_ATTENTION = Family(
     name="kimi_delta_attention",
     chunk=dcp.chunk_kimi_delta_attention,
     recurrent=dcp.recurrent_kimi_delta_attention,
-    chunk_cp=dcp.chunk_kimi_delta_attention_cp,
-    chunk_sharded=dcp.chunk_kimi_delta_attention_sharded,
     recurrence=dcp.KimiDeltaAttention,
     inputs=_delta_inputs,
     make=make_kda_inputs,
@@ -156,8 +148,6 @@ GLA = Family(
     name="gla",
     chunk=dcp.chunk_gla,
     recurrent=dcp.recurrent_gla,
-    chunk_cp=dcp.chunk_gla_cp,
-    chunk_sharded=dcp.chunk_gla_sharded,
     recurrence=dcp.GatedLinearAttention,
     inputs=_gla_inputs,
     make=make_gla_inputs,
@@ -178,8 +168,6 @@ GATED_DELTA_PRODUCT = Family(
     name="gated_delta_product",
     chunk=dcp.chunk_gated_delta_product,
     recurrent=dcp.recurrent_gated_delta_product,
-    chunk_cp=dcp.chunk_gated_delta_product_cp,
-    chunk_sharded=dcp.chunk_gated_delta_product_sharded,
     recurrence=dcp.GatedDeltaProduct,
     inputs=_delta_inputs,
     make=make_delta_product_inputs,  # n_h = 2 householder steps per token
@@ -193,8 +181,6 @@ GDN2 = Family(
     name="gdn2",
     chunk=dcp.chunk_gdn2,
     recurrent=dcp.recurrent_gdn2,
-    chunk_cp=dcp.chunk_gdn2_cp,
-    chunk_sharded=dcp.chunk_gdn2_sharded,
     recurrence=dcp.GatedDeltaNet2,
     inputs=_gdn2_inputs,
     make=make_gdn2_inputs,  # erase gates up to 2, write gates in [0, 1]
@@ -209,8 +195,6 @@ DPLR = Family(
     name="dplr",
     chunk=dcp.chunk_dplr_delta_rule,
     recurrent=dcp.recurrent_dplr_delta_rule,
-    chunk_cp=dcp.chunk_dplr_delta_rule_cp,
-    chunk_sharded=dcp.chunk_dplr_delta_rule_sharded,
     recurrence=dcp.DPLRDeltaRule,
     inputs=_dplr_inputs,
     make=make_dplr_inputs,  # RWKV-7-like: a = -kk, b = kk * c, plus noise

@@ -15,15 +15,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import deltanet_cp as dcp
-from deltanet_cp._layout import positions
 from deltanet_cp.nn import CausalSelfAttention
 from deltanet_cp.nn._flash import _flash, _to_blocks
-from deltanet_cp.nn._schedule import (
-    _allgather_schedule,
-    _position_table,
-    _ring_schedule,
-    KVExchange,
-)
+from deltanet_cp.nn._schedule import _allgather_schedule, _ring_schedule, _tiles, _tiling
 
 from .helpers import directional_check, rel_err
 
@@ -142,13 +136,12 @@ def _run_cp(attn, x, w, cp: int, layout, kv_exchange: str):
     """Output and gradients of `sum(out * w)` with `x` sharded over `cp` ranks, in sequence
     order whatever the layout."""
     mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
-    zigzag = isinstance(layout, dcp.Zigzag)
-    if zigzag:
-        x, w = dcp.to_zigzag(x, cp, axis=0), dcp.to_zigzag(w, cp, axis=0)
+    x, w = layout.to_layout(x, cp, axis=0), layout.to_layout(w, cp, axis=0)
     params, static = eqx.partition(attn, eqx.is_array)
+    context = dcp.ContextParallel("cp", layout=layout)
 
     def local(params, x, w):
-        out = eqx.combine(params, static)(x, axis_name="cp", layout=layout, kv_exchange=kv_exchange)
+        out = eqx.combine(params, static)(x, cp=context, kv_exchange=kv_exchange)
         return jax.lax.psum(jnp.sum(out * w), "cp"), out
 
     seq = P("cp")
@@ -157,8 +150,7 @@ def _run_cp(attn, x, w, cp: int, layout, kv_exchange: str):
     (_, out), (g_params, dx) = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(
         params, x, w
     )
-    if zigzag:
-        out, dx = dcp.from_zigzag(out, cp, axis=0), dcp.from_zigzag(dx, cp, axis=0)
+    out, dx = layout.from_layout(out, cp, axis=0), layout.from_layout(dx, cp, axis=0)
     return np.asarray(out), _grads_of(eqx.combine(g_params, static), dx)
 
 
@@ -271,9 +263,7 @@ def test_kernel_gradients_through_lse():
 
         def blockwise(q, k, v):
             args = (_to_blocks(q, b), _to_blocks(k, b), _to_blocks(v, b))
-            out = _flash(
-                *args, _to_blocks(pos_q, b), _to_blocks(pos_k, b), tiles, row, count, False
-            )
+            out = _flash(*args, _to_blocks(pos_q, b), _to_blocks(pos_k, b), tiles, row, count)
             return cast(tuple[jax.Array, jax.Array], out)
 
         def dense(q, k, v):
@@ -322,15 +312,15 @@ def test_schedules_are_exactly_the_needed_tiles(cp, layout):
     # through the all-gather, 2 m^2 + m, then 2 m^2 per ring step.
     layout = LAYOUTS[layout]
     m, b = 3, 2
-    t = 2 * m * b if isinstance(layout, dcp.Zigzag) else m * b
-    table = _position_table(layout, t, cp)
-    gathered = _allgather_schedule(layout, cp, m)
-    ring = [_ring_schedule(layout, cp, m, step) for step in range(cp)]
+    t = len(layout.held(cp)[0]) * m * b  # m tiles of b in each piece
+    table = layout.position_table(t, cp)
+    gathered = _allgather_schedule(layout.held(cp), m)
+    ring = [_ring_schedule(layout.held(cp), m, step) for step in range(cp)]
     for r in range(cp):
         assert _listed(gathered, r) == _needed(table[r], table.reshape(-1), b)
         for step, schedule in enumerate(ring):
             assert _listed(schedule, r) == _needed(table[r], table[(r - step) % cp], b)
-    if isinstance(layout, dcp.Zigzag):
+    if layout == dcp.Zigzag():
         assert set(gathered.counts) == {(2 * cp - 1) * m * m + m * (m + 1)}
         assert set(ring[0].counts) == {2 * m * m + m}
         assert all(set(s.counts) == {2 * m * m} for s in ring[1:])
@@ -344,10 +334,10 @@ def test_position_table_matches_layout(cp, layout):
     mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
     got = jax.jit(
         jax.shard_map(
-            lambda: positions(layout, t, "cp")[None], mesh=mesh, in_specs=(), out_specs=P("cp")
+            lambda: layout.positions(t, "cp")[None], mesh=mesh, in_specs=(), out_specs=P("cp")
         )
     )()
-    np.testing.assert_array_equal(np.asarray(got), _position_table(layout, t, cp))
+    np.testing.assert_array_equal(np.asarray(got), layout.position_table(t, cp))
 
 
 # ---------------------------------------------------------------------------------------
@@ -358,10 +348,10 @@ def test_position_table_matches_layout(cp, layout):
 def _temp_bytes(attn, t_local: int, cp: int, layout, kv_exchange: str, grad: bool) -> int:
     params, static = eqx.partition(attn, eqx.is_array)
 
+    context = None if cp == 1 else dcp.ContextParallel("cp", layout=layout)
+
     def local(params, x):
-        out = eqx.combine(params, static)(
-            x, axis_name=None if cp == 1 else "cp", layout=layout, kv_exchange=kv_exchange
-        )
+        out = eqx.combine(params, static)(x, cp=context, kv_exchange=kv_exchange)
         return jnp.sum(out) if grad else out
 
     fn = jax.grad(local, argnums=(0, 1)) if grad else local
@@ -436,13 +426,13 @@ def test_zigzag_pieces_must_be_whole_tiles(getkey):
     attn = CausalSelfAttention(HIDDEN, HEADS, HEAD_DIM, block_size=4, key=getkey())
     mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
     fn = jax.shard_map(
-        lambda x: attn(x, axis_name="cp", layout=dcp.Zigzag()),
+        lambda x: attn(x, cp=dcp.ContextParallel("cp", layout=dcp.Zigzag())),
         mesh=mesh,
         in_specs=P("cp"),
         out_specs=P("cp"),
     )
     x = jax.ShapeDtypeStruct((24, HIDDEN), jnp.float32, sharding=NamedSharding(mesh, P("cp")))
-    with pytest.raises(ValueError, match="each zigzag piece"):
+    with pytest.raises(ValueError, match="each of a rank's 2 pieces"):
         jax.jit(fn).lower(x)
 
 
@@ -452,22 +442,40 @@ def test_unknown_kv_exchange(getkey, without_runtime_typecheck):
         attn(jnp.zeros((8, HIDDEN)), kv_exchange="ppermute")  # pyright: ignore[reportArgumentType]
 
 
+def test_bad_cp(getkey, without_runtime_typecheck):
+    # `cp` is a ContextParallel without a mesh: the layer runs inside the user's shard_map.
+    attn = CausalSelfAttention(HIDDEN, HEADS, HEAD_DIM, key=getkey())
+    x = jnp.zeros((8, HIDDEN))
+    mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
+    cache = attn.init_cache(8)
+    for call in (attn, lambda x, cp: attn.prefill(x, cache, 0, cp=cp)):
+        with pytest.raises(TypeError, match="must be a deltanet_cp.ContextParallel"):
+            call(x, cp="cp")  # pyright: ignore[reportArgumentType]
+        with pytest.raises(ValueError, match="takes no `mesh`"):
+            call(x, cp=dcp.ContextParallel("cp", mesh=mesh))
+
+
+def _busiest_rank_tiles(s: int, cp: int, layout, kv_exchange: str, block_size: int) -> int:
+    """The tiles the busiest rank's forward computes (every loop, every run)."""
+    _, m = _tiling(layout, s // cp, cp, block_size)
+    loops = _tiles(layout.held(cp), m, kv_exchange)
+    return max(sum(run.counts[r] for loop in loops for run in loop) for r in range(cp))
+
+
 def test_busiest_rank_work():
     # The tile count of the schedule, against the formulas: under zigzag every rank runs
     # (2 cp - 1) m^2 + m (m + 1) tiles of b x b (m tiles per piece), under contiguous the
     # last rank runs m (m + 1) / 2 + (cp - 1) m^2, with either exchange.
-    attn = CausalSelfAttention(16, 2, 8, block_size=64, key=jr.key(0))
     s, cp, b = 4096, 4, 64
     ideal = s * (s + 1) / 2 / cp
     m = s // (2 * cp) // b
-    zig = ((2 * cp - 1) * m * m + m * (m + 1)) * b * b / ideal
+    zig = (2 * cp - 1) * m * m + m * (m + 1)
     m = s // cp // b
-    con = (m * (m + 1) // 2 + (cp - 1) * m * m) * b * b / ideal
-    kvs: list[KVExchange] = ["allgather", "ring"]
-    for kv in kvs:
-        assert attn.busiest_rank_work(s, cp, dcp.Zigzag(), kv) == pytest.approx(zig)
-        assert attn.busiest_rank_work(s, cp, dcp.Contiguous(), kv) == pytest.approx(con)
-    assert zig <= 1.02 and con >= 1.7
+    con = m * (m + 1) // 2 + (cp - 1) * m * m
+    for kv in ("allgather", "ring"):
+        assert _busiest_rank_tiles(s, cp, dcp.Zigzag(), kv, b) == zig
+        assert _busiest_rank_tiles(s, cp, dcp.Contiguous(), kv, b) == con
+    assert zig * b * b / ideal <= 1.02 and con * b * b / ideal >= 1.7
 
 
 # ---------------------------------------------------------------------------------------
@@ -565,7 +573,7 @@ def test_kv_cache_prefill_and_steps():
     x, _ = _inputs(20)
     full = np.asarray(jax.jit(lambda a, x: a(x))(attn, x))
     cache = attn.init_cache(24)
-    prefill = jax.jit(lambda a, x, c, n: a(x, c, length=n))
+    prefill = jax.jit(lambda a, x, c, n: a.prefill(x, c, n))
     out_a, cache = prefill(attn, x[:8], cache, 0)
     out_b, cache = prefill(attn, x[8:16], cache, 8)
     step = jax.jit(lambda a, x, c, n: a.step(x, c, n))
@@ -593,24 +601,23 @@ def test_kv_cache_prefill_context_parallel(cp, layout, kv_exchange):
     # and the new cache (gathered in sequence order on every rank) equal one device's.
     attn = _qwen_attn()
     x, _ = _inputs(40)
-    prefill = jax.jit(lambda a, x, c, n: a(x, c, length=n))
+    prefill = jax.jit(lambda a, x, c, n: a.prefill(x, c, n))
     _, cache = prefill(attn, x[:8], attn.init_cache(48), 0)
     want, want_cache = prefill(attn, x[8:], cache, 8)
     layout = LAYOUTS[layout]
     mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
     params, static = eqx.partition(attn, eqx.is_array)
 
+    context = dcp.ContextParallel("cp", layout=layout)
+
     def local(params, x, cache):
         a = eqx.combine(params, static)
-        return a(x, cache, length=8, axis_name="cp", layout=layout, kv_exchange=kv_exchange)
+        return a.prefill(x, cache, 8, cp=context, kv_exchange=kv_exchange)
 
     f = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("cp"), P()), out_specs=(P("cp"), P()))
-    new = x[8:]
-    if isinstance(layout, dcp.Zigzag):
-        new = dcp.to_zigzag(new, cp, axis=0)
+    new = layout.to_layout(x[8:], cp, axis=0)
     out, got_cache = jax.jit(f)(params, jax.device_put(new, NamedSharding(mesh, P("cp"))), cache)
-    if isinstance(layout, dcp.Zigzag):
-        out = dcp.from_zigzag(out, cp, axis=0)
+    out = layout.from_layout(out, cp, axis=0)
     assert rel_err(out, want) <= 1e-5
     assert rel_err(got_cache.k, want_cache.k) <= 1e-6
     assert rel_err(got_cache.v, want_cache.v) <= 1e-6

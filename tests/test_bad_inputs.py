@@ -5,7 +5,7 @@ are integers or floats in all but their Python type (`np.int64(8)`, a concrete 0
 are accepted.
 
 Over the registry: every recurrence x each of its four public functions (`chunk_X`,
-`recurrent_X`, `chunk_X_cp` inside `jax.shard_map`, `chunk_X_sharded`) x each kind of bad
+`recurrent_X`, `chunk_X(cp=...)` inside `jax.shard_map` and on global arrays) x each kind of bad
 input; then the engine's entry points, the zigzag helpers and the layers. Without the runtime
 type checker where it would answer first: these are the errors a user without it gets.
 """
@@ -33,8 +33,8 @@ from .registry import FAMILIES, Family, GLA, GLA_PER_HEAD
 
 SHAPE = dict(b=1, t=8, h=1, hv=2, dk=4, dv=4)
 CHUNK = 4
-ENTRY_POINTS = ["chunk", "recurrent", "chunk_cp", "chunk_sharded"]
-CHUNKED = ["chunk", "chunk_cp", "chunk_sharded"]  # the ones with a `chunk_size`
+ENTRY_POINTS = ["chunk", "recurrent", "chunk_per_rank", "chunk_global"]
+CHUNKED = ["chunk", "chunk_per_rank", "chunk_global"]  # the ones with a `chunk_size`
 
 
 def _name(family: Family) -> str:
@@ -47,16 +47,16 @@ def _mesh(cp: int = 2) -> jax.sharding.Mesh:
 
 def _call(family: Family, entry: str, args, **kw) -> Any:
     """The outputs of one public entry point on global `args` (over 2 devices for CP)."""
-    if entry == "chunk_cp":
+    if entry == "chunk_per_rank":
         mesh, seq = _mesh(), P(None, "cp")
 
         def per_rank(args):
-            return family.chunk_cp(*args, axis_name="cp", **kw)[0]
+            return family.chunk(*args, **kw, cp=dcp.ContextParallel("cp"))[0]
 
         fn = jax.shard_map(per_rank, mesh=mesh, in_specs=(seq,), out_specs=seq)
         return fn(jax.device_put(args, NamedSharding(mesh, seq)))
-    if entry == "chunk_sharded":
-        return family.chunk_sharded(*args, mesh=_mesh(), axis_name="cp", **kw)[0]
+    if entry == "chunk_global":
+        return family.chunk(*args, **kw, cp=dcp.ContextParallel("cp", mesh=_mesh()))[0]
     return getattr(family, entry)(*args, **kw)[0]
 
 
@@ -151,27 +151,27 @@ def test_the_way_round_a_traced_scale():
 
     @jax.jit
     def scaled(s):
-        o, h = family.chunk(*args, scale=1.0, initial_state=h0, output_final_state=True)
+        o, h = family.chunk(*args, scale=1.0, initial_state=h0)
         return o * s, h
 
-    o, h = family.chunk(*args, scale=0.3, initial_state=h0, output_final_state=True)
+    o, h = family.chunk(*args, scale=0.3, initial_state=h0)
     o_traced, h_traced = scaled(jnp.float32(0.3))
     np.testing.assert_allclose(o_traced, o, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(h_traced, h, rtol=1e-6, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------
-# The engine: dcp.run, dcp.run_contiguous, dcp.run_sharded
+# The engine: dcp.run (one device and global arrays), dcp.run_contiguous
 # ---------------------------------------------------------------------------------------
 
 
 def _engine(entry: str, recurrence, inputs):
-    if entry == "run_sharded":
-        return dcp.run_sharded(recurrence, inputs, mesh=_mesh(), axis_name="cp")
+    if entry == "run_global":
+        return dcp.run(recurrence, inputs, cp=dcp.ContextParallel("cp", mesh=_mesh()))
     return getattr(dcp, entry)(recurrence, inputs)
 
 
-ENGINE_ENTRY_POINTS = ["run", "run_contiguous", "run_sharded"]
+ENGINE_ENTRY_POINTS = ["run", "run_contiguous", "run_global"]
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=_name)
@@ -374,13 +374,14 @@ import jax.numpy as jnp
 import jax.random as jr
 import equinox as eqx
 from jax.sharding import NamedSharding, PartitionSpec as P
+import deltanet_cp as dcp
 from deltanet_cp.nn import HybridLM
 
 model = HybridLM(11, 16, 2, attention_every=2, chunk_size=4, key=jr.key(0))
 mesh = jax.make_mesh((2,), ("cp",))
 seq = P(None, "cp")
 fn = eqx.filter_jit(jax.shard_map(
-    lambda m, t: jax.vmap(lambda x: m(x, axis_name="cp"))(t),
+    lambda m, t: jax.vmap(lambda x: m(x, cp=dcp.ContextParallel("cp")))(t),
     mesh=mesh, in_specs=(P(), seq), out_specs=seq,
 ))
 tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8) % 11

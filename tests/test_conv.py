@@ -35,15 +35,17 @@ def conv_reference(weight, x, state):
     return y, xp[xp.shape[0] - (kernel - 1) :]
 
 
-def _sharded(conv: CausalConv1d, cp: int, layout: dcp.Layout, return_state: bool = True):
+def _sharded(conv: CausalConv1d, cp: int, layout, return_state: bool = True):
     """`f(weight, x, state) -> (y, new_state)` over a `cp`-device mesh, on global arrays in
-    natural order: the zigzag reordering happens around the `shard_map`."""
+    natural order: the layout's reordering happens around the `shard_map`. Without
+    `return_state` the state is left out of the `shard_map` (`new_state` is `None`)."""
     mesh = _mesh(cp)
-    zigzag = isinstance(layout, dcp.Zigzag)
+    context = dcp.ContextParallel("cp", layout=layout)
 
     def per_rank(weight, x, state):
         m = jax.tree.map(lambda _: weight, conv)  # the one array leaf is the weight
-        return m(x, state, axis_name="cp", return_state=return_state, layout=layout)
+        y, new_state = m(x, state, cp=context)
+        return (y, new_state) if return_state else (y, None)
 
     sharded = jax.shard_map(
         per_rank,
@@ -53,11 +55,11 @@ def _sharded(conv: CausalConv1d, cp: int, layout: dcp.Layout, return_state: bool
     )
 
     def f(weight, x, state):
-        x = dcp.to_zigzag(x, cp, axis=0) if zigzag else x
+        x = layout.to_layout(x, cp, axis=0)
         x = jax.reshard(x, NamedSharding(mesh, P("cp")))
         y, new_state = sharded(weight, x, state)
         y = jax.reshard(y, NamedSharding(mesh, P()))  # whole, to reorder
-        return (dcp.from_zigzag(y, cp, axis=0) if zigzag else y), new_state
+        return layout.from_layout(y, cp, axis=0), new_state
 
     return f
 
@@ -118,7 +120,7 @@ def test_zigzag_gradients(getkey, cp, kernel_size):
 
     def one_device(weight, x, state):
         m = jax.tree.map(lambda _: weight, conv)
-        return m(x, state, return_state=True)
+        return m(x, state)
 
     def loss(apply):
         def f(weight, x, state):
@@ -148,7 +150,7 @@ def test_errors(getkey, without_runtime_typecheck):
     # Pieces of 2 tokens: each needs kernel_size - 1 = 3.
     cp = 4
     x = jr.normal(getkey(), (2 * cp * 2, C))
-    with pytest.raises(ValueError, match="each of a rank's two pieces needs at least"):
+    with pytest.raises(ValueError, match=r"at least kernel_size - 1 = 3 tokens in each piece"):
         jax.jit(_sharded(conv, cp, dcp.Zigzag()))(conv.weight, x, None)
     # The contiguous layout takes 4 tokens per rank (then every rank has 3).
     jax.jit(_sharded(conv, cp, dcp.Contiguous()))(conv.weight, x, None)
@@ -158,7 +160,7 @@ def test_errors(getkey, without_runtime_typecheck):
     for kernel_size in [1, 4]:
         m = CausalConv1d(C, kernel_size, key=getkey())
         f = jax.shard_map(
-            lambda x: m(x, axis_name="cp", layout=dcp.Zigzag())[0],
+            lambda x: m(x, cp=dcp.ContextParallel("cp", layout=dcp.Zigzag()))[0],
             mesh=mesh,
             in_specs=P("cp"),
             out_specs=P("cp"),
@@ -166,17 +168,28 @@ def test_errors(getkey, without_runtime_typecheck):
         with pytest.raises(ValueError, match="must be even"):
             f(jax.device_put(jr.normal(getkey(), (2 * 7, C)), NamedSharding(mesh, P("cp"))))
 
-    with pytest.raises(ValueError, match=r"layout=Contiguous\(\) or layout=Zigzag\(\)"):
-        conv(x, layout="zigzag")  # pyright: ignore[reportArgumentType]
+    # `cp` is a ContextParallel without a mesh: the layer runs inside the user's shard_map.
+    with pytest.raises(TypeError, match="must be a deltanet_cp.ContextParallel"):
+        conv(x, cp="cp")  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match="takes no `mesh`"):
+        conv(x, cp=dcp.ContextParallel("cp", mesh=mesh))
 
 
 def _hlo(conv: CausalConv1d, cp: int, t: int, return_state: bool) -> str:
+    """The compiled program of the zigzag convolution; without `return_state` the final
+    state is computed but not returned."""
     mesh = _mesh(cp)
+    context = dcp.ContextParallel("cp", layout=dcp.Zigzag())
+
+    def per_rank(x):
+        y, state = conv(x, cp=context)
+        return (y, state) if return_state else y
+
     f = jax.shard_map(
-        lambda x: conv(x, axis_name="cp", layout=dcp.Zigzag(), return_state=return_state),
+        per_rank,
         mesh=mesh,
         in_specs=P("cp"),
-        out_specs=(P("cp"), P() if return_state else None),
+        out_specs=(P("cp"), P()) if return_state else P("cp"),
     )
     x = jax.device_put(jnp.zeros((t, conv.channels)), NamedSharding(mesh, P("cp")))
     hlo = jax.jit(f).lower(x).compile().as_text()
@@ -187,7 +200,8 @@ def _hlo(conv: CausalConv1d, cp: int, t: int, return_state: bool) -> str:
 @pytest.mark.parametrize("cp", [2, 4])
 def test_hlo_zigzag_halo(getkey, cp):
     """Two collective-permutes of (W - 1, channels), one forward and one backward; no
-    all-gather; per-rank bytes independent of the sequence length."""
+    all-gather; per-rank bytes independent of the sequence length. An unused final state
+    costs no collective."""
     conv = CausalConv1d(C, 4, key=getkey())
     halo = 3 * C * 4  # (W - 1) x channels float32 elements, in bytes
     if cp == 4:

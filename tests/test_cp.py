@@ -44,21 +44,17 @@ def _compiled_text(
     layout: dcp.Layout = dcp.Contiguous(),
     **shape,
 ):
-    """The compiled HLO of `chunk_X_cp` over a `cp`-device mesh."""
+    """The compiled HLO of `chunk_X(..., cp=...)` over a `cp`-device mesh; without
+    `final_state` the final state the function returns is left unused."""
     mesh = _mesh(cp)
     args, h0 = family.make(0, t=t, **shape)
     seq = P(None, "cp")
 
     def per_rank(args, h0):
-        o, h = family.chunk_cp(
-            *args,
-            axis_name="cp",
-            exchange=exchange,
-            initial_state=h0,
-            output_final_state=final_state,
-            layout=layout,
+        o, h = family.chunk(
+            *args, initial_state=h0, cp=dcp.ContextParallel("cp", exchange=exchange, layout=layout)
         )
-        return o if h is None else (o, h)
+        return (o, h) if final_state else o
 
     out_specs = (seq, P()) if final_state else seq
     fn = jax.jit(
@@ -112,8 +108,10 @@ def _layout_id(layout) -> str:
 )
 def test_payload_is_constant_in_sequence_length(exchange, cp, layout, fast_compile):
     # Bytes received per rank, read from the compiled module, equal the exchange's formula
-    # at two sequence lengths 16x apart. Under zigzag: two walks, the state between them
-    # broadcast by an all-reduce unless the all-gather forms it locally.
+    # at two sequence lengths 16x apart. The final state is returned and left unused: its
+    # collective (an all-reduce for the ppermute and ring exchanges) must be dropped. Under
+    # zigzag: two walks, the state between them broadcast by an all-reduce unless the
+    # all-gather forms it locally.
     expected = 4 * _payload(exchange, cp, layout=layout)
     for t in [256, 4096]:
         text = _compiled_text(GATED_DELTA_RULE, cp, exchange, t, False, layout, **DENSE)
@@ -216,16 +214,11 @@ def test_engine_refuses_zigzag(family):
     args, _ = family.make(0, b=1, t=32, h=1, hv=2, dk=8, dv=6)
     recurrence = family.recurrence(chunk_size=8)
     inputs = family.inputs(*args)
-    for axis_name in ["cp", None]:
-        with pytest.raises(ValueError, match=r"requires layout=Contiguous\(\)") as info:
-            dcp.run_contiguous(
-                recurrence,
-                inputs,
-                axis_name=axis_name,
-                layout=dcp.Zigzag(),  # pyright: ignore[reportArgumentType]
-            )
-        assert "contiguous, in-order slice per rank" in str(info.value)
-        assert "Pass layout=Zigzag() to deltanet_cp.run" in str(info.value)
+    with pytest.raises(ValueError, match=r"requires layout=Contiguous\(\)") as info:
+        zigzag = dcp.ContextParallel("cp", layout=dcp.Zigzag())
+        dcp.run_contiguous(recurrence, inputs, cp=zigzag)  # pyright: ignore[reportArgumentType]
+    assert "contiguous, in-order slice per rank" in str(info.value)
+    assert "Pass the ContextParallel to deltanet_cp.run" in str(info.value)
 
 
 def test_engine_refuses_zigzag_without_runtime_typecheck(without_runtime_typecheck):
@@ -235,35 +228,31 @@ def test_engine_refuses_zigzag_without_runtime_typecheck(without_runtime_typeche
         dcp.run_contiguous(
             dcp.GatedDeltaRule(chunk_size=8),
             inputs,
-            axis_name="cp",
-            layout=dcp.Zigzag(),  # pyright: ignore[reportArgumentType]
+            cp=dcp.ContextParallel("cp", layout=dcp.Zigzag()),  # pyright: ignore
         )
 
 
 def test_unknown_layout_refused(without_runtime_typecheck):
     args, _ = GATED_DELTA_RULE.make(0, b=1, t=32, h=1, hv=2, dk=8, dv=6)
-    for bad in ["zigzag", dcp.AbstractLayout()]:
-        with pytest.raises(ValueError, match=r"layout=Contiguous\(\) or layout=Zigzag\(\)"):
-            dcp.chunk_gated_delta_rule_sharded(
-                *args,
-                mesh=_mesh(2),
-                axis_name="cp",
-                layout=bad,  # pyright: ignore[reportArgumentType]
-            )
+    for bad in ["zigzag", object(), dcp.Zigzag]:
+        with pytest.raises(ValueError, match=r"`layout` must be Contiguous\(\) or Zigzag\(\)"):
+            dcp.ContextParallel("cp", mesh=_mesh(2), layout=bad)  # pyright: ignore
 
 
 def test_zigzag_argument_checks():
     # An odd number of tokens per rank, or a global length not a multiple of 2 cp.
     args, _ = GATED_DELTA_RULE.make(0, b=1, t=24, h=1, hv=2, dk=8, dv=6)
     with pytest.raises(ValueError, match=r"must be divisible by 16 .* layout=Zigzag\(\)"):
-        dcp.chunk_gated_delta_rule_sharded(
-            *args, mesh=_mesh(8), axis_name="cp", layout=dcp.Zigzag()
+        dcp.chunk_gated_delta_rule(
+            *args, cp=dcp.ContextParallel("cp", mesh=_mesh(8), layout=dcp.Zigzag())
         )
     mesh = _mesh(8)
     seq = P(None, "cp")
 
     def per_rank(args):
-        return dcp.chunk_gated_delta_rule_cp(*args, axis_name="cp", layout=dcp.Zigzag())[0]
+        return dcp.chunk_gated_delta_rule(*args, cp=dcp.ContextParallel("cp", layout=dcp.Zigzag()))[
+            0
+        ]
 
     fn = jax.shard_map(per_rank, mesh=mesh, in_specs=((seq,) * len(args),), out_specs=seq)
     with pytest.raises(ValueError, match="local sequence length must be even; got 3"):
@@ -290,22 +279,26 @@ def test_unknown_exchange(family, without_runtime_typecheck):
     seq = P(None, "cp")
 
     def per_rank(args):
-        return family.chunk_cp(*args, axis_name="cp", exchange="broadcast")[0]
+        bad = dcp.ContextParallel("cp", exchange="broadcast")  # pyright: ignore
+        return family.chunk(*args, cp=bad)[0]
 
     fn = jax.shard_map(per_rank, mesh=mesh, in_specs=((seq,) * len(args),), out_specs=seq)
     placed = jax.device_put(args, NamedSharding(mesh, seq))
     with pytest.raises(ValueError, match="Unknown exchange 'broadcast'"):
         jax.eval_shape(fn, placed)
     with pytest.raises(ValueError, match="Unknown exchange 'broadcast'"):
-        family.chunk_sharded(*args, mesh=mesh, axis_name="cp", exchange="broadcast")
+        family.chunk(
+            *args,
+            cp=dcp.ContextParallel("cp", mesh=mesh, exchange="broadcast"),  # pyright: ignore
+        )
 
 
 def test_sharded_argument_checks():
     args, _ = GATED_DELTA_RULE.make(0, b=1, t=30, h=1, hv=2, dk=8, dv=6)
     with pytest.raises(ValueError, match=r"sequence length \(30\) must be divisible by"):
-        dcp.chunk_gated_delta_rule_sharded(*args, mesh=_mesh(4), axis_name="cp")
+        dcp.chunk_gated_delta_rule(*args, cp=dcp.ContextParallel("cp", mesh=_mesh(4)))
     with pytest.raises(ValueError, match="not an axis of the mesh"):
-        dcp.chunk_gated_delta_rule_sharded(*args, mesh=_mesh(2), axis_name="sp")
+        dcp.chunk_gated_delta_rule(*args, cp=dcp.ContextParallel("sp", mesh=_mesh(2)))
 
 
 @pytest.mark.parametrize(
@@ -314,14 +307,11 @@ def test_sharded_argument_checks():
 def test_bf16_inputs_across_ranks(exchange, fast_compile):
     family = GATED_DELTA_RULE
     args, h0 = family.make(1, b=1, t=96, h=2, hv=4, dk=16, dv=8, dtype=jnp.bfloat16)
-    o, h = family.chunk_sharded(
+    o, h = family.chunk(
         *args,
-        mesh=_mesh(4),
-        axis_name="cp",
-        exchange=exchange,
         initial_state=h0,
-        output_final_state=True,
         chunk_size=16,
+        cp=dcp.ContextParallel("cp", mesh=_mesh(4), exchange=exchange),
     )
     assert o.dtype == jnp.bfloat16 and h.dtype == jnp.float32
     expected_o, expected_h = family.reference(*args, initial_state=h0)
@@ -346,10 +336,10 @@ def test_eager_grad_through_sharded_on_a_default_mesh(layout):
     args, h0 = family.make(0, b=1, t=16, h=1, hv=2, dk=8, dv=6)
 
     def loss(fn, q):
-        o, h = fn(q, *args[1:], initial_state=h0, output_final_state=True)
+        o, h = fn(q, *args[1:], initial_state=h0)
         return (o**2).sum() + h.sum()
 
-    sharded = ft.partial(family.chunk_sharded, mesh=mesh, axis_name="cp", layout=layout)
+    sharded = ft.partial(family.chunk, cp=dcp.ContextParallel("cp", mesh=mesh, layout=layout))
     grad = jax.grad(ft.partial(loss, ft.partial(sharded, chunk_size=4)))(args[0])
     expected = jax.grad(ft.partial(loss, ft.partial(family.chunk, chunk_size=4)))(args[0])
     assert rel_err(grad, expected) <= 1e-5
@@ -359,21 +349,17 @@ def test_eager_grad_through_sharded_on_a_default_mesh(layout):
 
     def engine_loss(q):
         inputs = family.inputs(q, *b_args[1:])
-        o, h = dcp.run_sharded(
+        o, h = dcp.run(
             family.recurrence(chunk_size=4),
             inputs,
-            mesh=mesh2,
-            axis_name="cp",
-            batch_axis="data",
-            layout=layout,
             initial_state=b_h0,
-            output_final_state=True,
+            cp=dcp.ContextParallel("cp", mesh=mesh2, batch_axis="data", layout=layout),
         )
         assert h is not None
         return (o**2).sum() + h.sum()
 
     def one_device_loss(q):
-        o, h = family.chunk(q, *b_args[1:], initial_state=b_h0, output_final_state=True)
+        o, h = family.chunk(q, *b_args[1:], initial_state=b_h0)
         return (o**2).sum() + h.sum()
 
     assert rel_err(jax.grad(engine_loss)(b_args[0]), jax.grad(one_device_loss)(b_args[0])) <= 1e-5
@@ -390,3 +376,29 @@ def test_mesh_to_run_on():
     # Inside a mesh context the caller uses sharding in types: the mesh is kept.
     with jax.set_mesh(explicit):
         assert mesh_to_run_on(explicit) is explicit
+
+
+def test_context_parallel_arguments(without_runtime_typecheck):
+    # One static value: equal configurations are equal and hash alike (one compilation),
+    # shorthands become exchange modules, and every bad argument names itself.
+    mesh = _mesh(2)
+    cp = dcp.ContextParallel("cp", exchange="ring", mesh=mesh)
+    assert cp == dcp.ContextParallel("cp", exchange=dcp.Ring(), mesh=_mesh(2))
+    assert hash(cp) == hash(dcp.ContextParallel("cp", exchange="ring", mesh=_mesh(2)))
+    assert cp.exchange == dcp.Ring() and cp.layout == dcp.Contiguous()
+    assert jax.tree.leaves(cp) == []  # nothing traced: safe to close over or pass to jit
+    with pytest.raises(TypeError, match="`axis_name` must be a mesh axis name"):
+        dcp.ContextParallel(3)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match="`batch_axis` .* pass a `mesh` that has it"):
+        dcp.ContextParallel("cp", batch_axis="data")
+    with pytest.raises(ValueError, match="`batch_axis` .* pass a `mesh` that has it"):
+        dcp.ContextParallel("cp", mesh=mesh, batch_axis="data")
+    args, _ = GATED_DELTA_RULE.make(0, b=1, t=32, h=1, hv=2, dk=8, dv=6)
+    inputs = GATED_DELTA_RULE.inputs(*args)
+    for bad in ["cp", 2, ("cp", dcp.Zigzag())]:
+        with pytest.raises(TypeError, match="`cp` must be a deltanet_cp.ContextParallel or None"):
+            dcp.chunk_gated_delta_rule(*args, cp=bad)  # pyright: ignore[reportArgumentType]
+        with pytest.raises(TypeError, match="`cp` must be a deltanet_cp.ContextParallel or None"):
+            dcp.run(dcp.GatedDeltaRule(), inputs, cp=bad)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match="run_contiguous runs inside jax.shard_map"):
+        dcp.run_contiguous(dcp.GatedDeltaRule(), inputs, cp=cp)  # pyright: ignore

@@ -64,7 +64,7 @@ for family in FAMILIES if FULL else QUICK:
     l2 = family != "gla"
 
     def loss(*args):
-        o, h = chunk(*args, output_final_state=True, use_qk_l2norm=l2)
+        o, h = chunk(*args, use_qk_l2norm=l2)
         return jnp.sum(o) + jnp.sum(h)
 
     grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))
@@ -86,13 +86,13 @@ cu = jnp.asarray([0, 100, 700, 1024], jnp.int32)
 QUICK = [("gated_delta_rule", False), ("delta_rule", True), ("kimi_delta_attention", True),
          ("gla", False), ("gated_delta_product", True)]
 for family in FAMILIES:
-    chunk_cp = getattr(dcp, f"chunk_{family}_cp")
+    chunk = getattr(dcp, f"chunk_{family}")
     args = inputs(family, 1, t=1024, h=2, hv=4, k=32, v=32)
     l2 = family != "gla"
     for packed in [p for p in [False, True] if FULL or (family, p) in QUICK]:
         def per_rank(cu, args):
-            return chunk_cp(*args, axis_name="cp", cu_seqlens=cu if packed else None,
-                            output_final_state=True, use_qk_l2norm=l2)
+            return chunk(*args, cu_seqlens=cu if packed else None, use_qk_l2norm=l2,
+                         cp=dcp.ContextParallel("cp"))
 
         fn = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), (seq,) * len(args)),
                                    out_specs=(seq, P())))

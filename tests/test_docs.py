@@ -23,7 +23,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-PUBLIC_MODULES = ["deltanet_cp", "deltanet_cp.nn", "deltanet_cp.models", "deltanet_cp.interop"]
+PUBLIC_MODULES = [
+    "deltanet_cp",
+    "deltanet_cp.chunkops",
+    "deltanet_cp.nn",
+    "deltanet_cp.models",
+    "deltanet_cp.interop",
+]
 
 _DIRECTIVE = re.compile(r"^(?P<indent>[ \t]*):::[ \t]+(?P<name>[\w.]+)[ \t]*$")
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
@@ -292,13 +298,43 @@ def test_runnable_examples(page, runnable_results):
         pytest.fail(f"docs/{page}:\n{result['error']}", pytrace=False)
 
 
-def test_readme_quickstart_runs_as_written():
-    # The README's first Python block, exactly as a new user would paste it, in a fresh
-    # process (it sets its own XLA flags for 4 simulated devices before importing jax).
+def _readme_quickstart() -> str:
+    """The README's first Python block, exactly as a new user would paste it."""
     readme = (ROOT / "README.md").read_text()
-    code = readme.split("```python\n", 1)[1].split("```", 1)[0]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return readme.split("## Quickstart", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_quickstart_runs_as_written():
+    # In a fresh process, with no XLA flags of ours: the block sets its own, for 4 simulated
+    # devices, before it imports jax. The check appended after it makes sure it did.
+    code = _readme_quickstart()
+    flag = code.find("--xla_force_host_platform_device_count=4")
+    assert 0 <= flag < code.find("import jax"), "the quickstart must set XLA_FLAGS first"
+    code += "\nassert jax.device_count() == 4, jax.devices()\n"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["JAX_PLATFORMS"] = "cpu"
     result = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_dir_shows_only_the_api():
+    # What `dir(deltanet_cp)` shows a user, in a fresh interpreter (pytest's jaxtyping import
+    # hook adds names of its own here): the documented names, the public subpackages, and
+    # nothing imported along the way (`importlib`, `jax`, ...).
+    code = (
+        "import json, types, deltanet_cp as d; print(json.dumps([(n, isinstance(getattr(d, n), "
+        "types.ModuleType) and getattr(d, n).__name__ == 'deltanet_cp.' + n) for n in dir(d)]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    documented = {d.name for d in _directives()}
+    stray = [
+        n
+        for n, submodule in json.loads(result.stdout.splitlines()[-1])
+        if not n.startswith("_") and not submodule and f"deltanet_cp.{n}" not in documented
+    ]
+    assert not stray, f"names in dir(deltanet_cp) that are not documented API: {stray}"

@@ -39,3 +39,21 @@ def test_finetune_qwen3_5():
     assert losses[-1] < losses[0] / 4, losses
     assert result["accuracy"] >= 0.75, result
     np.testing.assert_array_equal(result["checkpoints"].lengths, np.arange(8, 65, 8))
+
+
+def test_demo_payloads():
+    # docs/examples/demo.md, `make demo`: per layer, the Gated DeltaNet layer's busiest rank
+    # receives the same bytes at two sequence lengths under both layouts and both exchanges,
+    # and the attention layer's grow with the sequence (they are the other ranks' K and V).
+    demo = _load("demo")
+    cfg = demo.Config(seq_len=64, batch_size=1, chunk_size=16)
+    short, long = 64, 256
+    received = demo.payloads(cfg, cp=4, seq_lens=(short, long))
+    for layout in demo.LAYOUTS:
+        for column in demo.PAYLOAD_COLUMNS:
+            a, b = received[short, layout, column], received[long, layout, column]
+            assert a > 0, (layout, column)
+            if column.startswith("GDN"):
+                assert a == b, (layout, column, a, b)
+            else:
+                assert b == a * long // short, (layout, column, a, b)

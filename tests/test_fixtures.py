@@ -28,7 +28,7 @@ def test_kda_matches_transformers():
     )
     o, h = jax.jit(
         lambda *a: dcp.chunk_kimi_delta_attention(
-            *a[:5], initial_state=a[5], output_final_state=True, use_qk_l2norm=True, chunk_size=64
+            *a[:5], initial_state=a[5], use_qk_l2norm=True, chunk_size=64
         )
     )(q, k, v, g, beta, h0)
     assert rel_err(o, data["out"]) <= 1e-5
@@ -54,7 +54,7 @@ def test_gated_delta_rule_matches_transformers(suffix):
     q, k, v, g, beta, h0 = (jnp.asarray(data[n + suffix]) for n in names)
     o, h = jax.jit(
         lambda *a: dcp.chunk_gated_delta_rule(
-            *a[:5], initial_state=a[5], output_final_state=True, use_qk_l2norm=True, chunk_size=64
+            *a[:5], initial_state=a[5], use_qk_l2norm=True, chunk_size=64
         )
     )(q, k, v, g, beta, h0)
     assert rel_err(o, data["out" + suffix]) <= 1e-5

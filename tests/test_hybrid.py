@@ -1,6 +1,7 @@
 """The hybrid model: softmax attention against numpy, and a CP-invariant training step."""
 
 import functools as ft
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -92,7 +93,7 @@ def _model() -> HybridLM:
     return eqx.tree_at(lambda m: m.blocks[0].mixer, model, with_slow_decays(gdn, jr.key(3)))
 
 
-def _train_step(cp: int, layout: dcp.Layout = dcp.Contiguous(), kv_exchange="allgather"):
+def _train_step(cp: int, layout: Any = dcp.Contiguous(), kv_exchange="allgather"):
     """The loss and gradients of one training step from a fixed model and batch; under
     zigzag the batch is put in zigzag order once and every layer runs on those shards."""
     model = _model()
@@ -114,14 +115,14 @@ def _train_step(cp: int, layout: dcp.Layout = dcp.Contiguous(), kv_exchange="all
 
         def local(params, inputs, targets, mask):
             m = eqx.combine(params, static)
-            call = ft.partial(m, axis_name="cp", layout=layout, kv_exchange=kv_exchange)
+            context = dcp.ContextParallel("cp", layout=layout)
+            call = ft.partial(m, cp=context, kv_exchange=kv_exchange)
             logits = jax.vmap(call)(inputs)
             total, count = _nll(logits, targets, mask)
             return jax.lax.psum(total, "cp") / jax.lax.psum(count, "cp")
 
         loss = jax.shard_map(local, mesh=mesh, in_specs=(P(), seq, seq, seq), out_specs=P())
-        if isinstance(layout, dcp.Zigzag):
-            inputs, targets, mask = (dcp.to_zigzag(a, cp) for a in (inputs, targets, mask))
+        inputs, targets, mask = (layout.to_layout(a, cp) for a in (inputs, targets, mask))
         inputs, targets, mask = (
             jax.device_put(a, NamedSharding(mesh, seq)) for a in (inputs, targets, mask)
         )
@@ -160,3 +161,13 @@ def test_train_step_on_zigzag_shards(cp, kv_exchange):
     assert abs(float(loss) - float(loss1)) <= 1e-5 * abs(float(loss1))
     errs = jax.tree.map(rel_err, grads, grads1)
     assert max(jax.tree.leaves(errs)) <= 1e-5, errs
+
+
+def test_cp_with_a_mesh_is_refused(getkey):
+    # The model runs inside the user's shard_map on this rank's shard: a ContextParallel
+    # with a mesh (global arrays) is a clear error, not a silent wrong answer.
+    model = _model()
+    mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
+    tokens = jnp.zeros((T,), jnp.int32)
+    with pytest.raises(ValueError, match="takes no `mesh`"):
+        model(tokens, cp=dcp.ContextParallel("cp", mesh=mesh))

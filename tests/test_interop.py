@@ -97,7 +97,7 @@ def test_decode_matches_transformers(name):
     _, _, io = _fixture(name)
     layer = _layer(name)
     x = jnp.asarray(io["x_37"][0])
-    y, state = eqx.filter_jit(lambda m, x: m(x, return_state=True))(layer, x[:20])
+    y, state = eqx.filter_jit(lambda m, x: m.prefill(x)[:2])(layer, x[:20])
     step = eqx.filter_jit(GatedDeltaNet.step)
     outs = [y]
     for t in range(20, 37):
@@ -114,7 +114,7 @@ def test_context_parallel_matches_transformers():
     mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
     seq = P(None, "cp")
     f = jax.shard_map(
-        lambda x: jax.vmap(ft.partial(layer, axis_name="cp"))(x),
+        lambda x: jax.vmap(ft.partial(layer, cp=dcp.ContextParallel("cp")))(x),
         mesh=mesh,
         in_specs=seq,
         out_specs=seq,
@@ -339,7 +339,6 @@ def _case_chunk_gated_delta_rule(cu):
         beta,
         scale=SCALE,
         initial_state=h0,
-        output_final_state=True,
         use_qk_l2norm=True,
         cu_seqlens=jnp.array(CU) if cu else None,
         chunk_size=16,
@@ -361,7 +360,6 @@ def _case_fused_recurrent_gated_delta_rule(cu):
         beta,
         scale=SCALE,
         initial_state=h0,
-        output_final_state=True,
         use_qk_l2norm=True,
         cu_seqlens=jnp.array(CU) if cu else None,
     )
@@ -377,17 +375,18 @@ def _case_fused_recurrent_gated_delta_rule_gk(cu):
         q, k, v, g=g, gk=gk, beta=beta, scale=SCALE, initial_state=h0, output_final_state=True
     )
     expected = dcp.recurrent_kimi_delta_attention(
-        q, k, v, gk + g[..., None], beta, scale=SCALE, initial_state=h0, output_final_state=True
+        q, k, v, gk + g[..., None], beta, scale=SCALE, initial_state=h0
     )
     return actual, expected
 
 
 def _case_fused_recurrent_gated_delta_rule_ungated(cu):
-    # Neither gate, and FLA's default beta of ones: the delta rule with beta = 1.
+    # Neither gate, and FLA's default beta of ones: the delta rule with beta = 1. FLA's
+    # default output_final_state=False: no final state.
     (q, k, v, beta), h0 = make_delta_inputs(4)
     actual = fla.fused_recurrent_gated_delta_rule(q, k, v, initial_state=h0)
-    expected = dcp.recurrent_delta_rule(q, k, v, jnp.ones_like(beta), initial_state=h0)
-    return actual, expected
+    o, _ = dcp.recurrent_delta_rule(q, k, v, jnp.ones_like(beta), initial_state=h0)
+    return actual, (o, None)
 
 
 def _case_chunk_delta_rule(cu):
@@ -403,7 +402,6 @@ def _case_chunk_delta_rule(cu):
         beta,
         scale=SCALE,
         initial_state=h0,
-        output_final_state=True,
         use_qk_l2norm=True,
         cu_seqlens=jnp.array(CU) if cu else None,
         chunk_size=16,
@@ -424,7 +422,6 @@ def _case_fused_recurrent_delta_rule(cu):
         beta,
         scale=SCALE,
         initial_state=h0,
-        output_final_state=True,
         use_qk_l2norm=True,
         cu_seqlens=jnp.array(CU) if cu else None,
     )
@@ -445,7 +442,6 @@ def _case_chunk_kda(cu):
         beta,
         scale=SCALE,
         initial_state=h0,
-        output_final_state=True,
         use_qk_l2norm=True,
         cu_seqlens=jnp.array(CU) if cu else None,
         chunk_size=16,
@@ -468,7 +464,6 @@ def _case_fused_recurrent_kda(cu):
         beta,
         scale=SCALE,
         initial_state=h0,
-        output_final_state=True,
         use_qk_l2norm=True,
         cu_seqlens=jnp.array(CU) if cu else None,
     )
@@ -486,7 +481,6 @@ def _case_chunk_gla(cu):
         g,
         scale=SCALE,
         initial_state=h0,
-        output_final_state=True,
         cu_seqlens=jnp.array(CU) if cu else None,
         chunk_size=16,
     )
@@ -506,7 +500,6 @@ def _case_fused_recurrent_gla(cu):
         g,
         scale=SCALE,
         initial_state=h0,
-        output_final_state=True,
         cu_seqlens=jnp.array(CU) if cu else None,
     )
     return actual, expected
@@ -525,7 +518,6 @@ def _case_chunk_simple_gla(cu):
         g,
         scale=SCALE,
         initial_state=h0,
-        output_final_state=True,
         cu_seqlens=jnp.array(CU) if cu else None,
         chunk_size=16,
     )
@@ -539,9 +531,7 @@ def _case_simple_gla_gamma(cu):
     actual = fla.fused_recurrent_simple_gla(
         q, k, v, g_gamma=gamma, initial_state=h0, output_final_state=True
     )
-    expected = dcp.recurrent_gla(
-        q, k, v, jnp.broadcast_to(gamma, v.shape[:3]), initial_state=h0, output_final_state=True
-    )
+    expected = dcp.recurrent_gla(q, k, v, jnp.broadcast_to(gamma, v.shape[:3]), initial_state=h0)
     return actual, expected
 
 
@@ -570,7 +560,6 @@ def _case_chunk_gated_delta_product(cu):
         beta,
         scale=SCALE,
         initial_state=h0,
-        output_final_state=True,
         use_qk_l2norm=True,
         cu_seqlens=jnp.array(CU) if cu else None,
         chunk_size=16,
@@ -581,8 +570,8 @@ def _case_chunk_gated_delta_product(cu):
 def _case_chunk_delta_product_ungated(cu):
     (q, k, v, _, beta), h0 = make_delta_product_inputs(14, n=2, gated=False)
     actual = fla.chunk_gated_delta_product(q, _flat(k), _flat(v), None, _flat(beta), 2)
-    expected = dcp.chunk_gated_delta_product(q, k, v, None, beta)
-    return actual, expected
+    o, _ = dcp.chunk_gated_delta_product(q, k, v, None, beta)
+    return actual, (o, None)
 
 
 def _case_kimi_delta_attention(cu):
@@ -598,7 +587,6 @@ def _case_kimi_delta_attention(cu):
         g,
         beta,
         initial_state=h0,
-        output_final_state=True,
         use_qk_l2norm=True,
         cu_seqlens=jnp.array(CU) if cu else None,
         chunk_size=16,
@@ -619,7 +607,6 @@ def _case_recurrent_kimi_delta_attention(cu):
         g,
         beta,
         initial_state=h0,
-        output_final_state=True,
         use_qk_l2norm=True,
         cu_seqlens=jnp.array(CU) if cu else None,
     )
@@ -639,7 +626,6 @@ def _case_torch_chunk_gated_delta_rule(cu):
         g,
         beta,
         initial_state=h0,
-        output_final_state=True,
         use_qk_l2norm=True,
         cu_seqlens=jnp.array(CU) if cu else None,
         chunk_size=16,
@@ -660,7 +646,6 @@ def _case_torch_recurrent_gated_delta_rule(cu):
         g,
         beta,
         initial_state=h0,
-        output_final_state=True,
         use_qk_l2norm=True,
         cu_seqlens=jnp.array(CU) if cu else None,
     )
@@ -682,7 +667,6 @@ def _case_chunk_dplr_delta_rule(cu):
         gk,
         scale=SCALE,
         initial_state=h0,
-        output_final_state=True,
         cu_seqlens=jnp.array(CU) if cu else None,
         chunk_size=16,
     )
@@ -704,7 +688,6 @@ def _case_fused_recurrent_dplr_delta_rule(cu):
         gk,
         scale=SCALE,
         initial_state=h0,
-        output_final_state=True,
         cu_seqlens=jnp.array(CU) if cu else None,
     )
     return actual, expected
@@ -724,7 +707,6 @@ def _case_chunk_rwkv7(cu):
         w,
         scale=SCALE,
         initial_state=h0,
-        output_final_state=True,
         cu_seqlens=jnp.array(CU) if cu else None,
         chunk_size=16,
     )
@@ -743,7 +725,6 @@ def _case_fused_recurrent_rwkv7(cu):
         b,
         w,
         initial_state=h0,
-        output_final_state=True,
         cu_seqlens=jnp.array(CU) if cu else None,
     )
     return actual, expected
@@ -764,7 +745,6 @@ def _case_chunk_gdn2(cu):
         w,
         scale=SCALE,
         initial_state=h0,
-        output_final_state=True,
         use_qk_l2norm=True,
         cu_seqlens=jnp.array(CU) if cu else None,
         chunk_size=16,
@@ -787,7 +767,6 @@ def _case_fused_recurrent_gdn2(cu):
         w,
         scale=SCALE,
         initial_state=h0,
-        output_final_state=True,
         use_qk_l2norm=True,
         cu_seqlens=jnp.array(CU) if cu else None,
     )
@@ -919,7 +898,7 @@ def test_argument_order(module, name, expected):
     positional = [p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD]
     assert positional == expected.split()
     keywords = {p.name for p in parameters if p.kind is not p.VAR_KEYWORD}
-    assert "cu_seqlens" in keywords
+    assert "cu_seqlens" in keywords and "cp" in keywords
     if name.startswith("chunk") or name.startswith("torch_chunk"):
         assert "chunk_size" in keywords
 
@@ -1028,7 +1007,7 @@ UNSUPPORTED = [
     ("chunk_gated_delta_rule", "dt_bias", jnp.zeros(2), "use_gate_in_kernel=True"),
     ("chunk_gated_delta_rule", "use_beta_sigmoid_in_kernel", True, "jax.nn.sigmoid\\(beta\\)"),
     ("chunk_gated_delta_rule", "allow_neg_eigval", True, "2 \\* jax.nn.sigmoid"),
-    ("chunk_gated_delta_rule", "cp_context", object(), "chunk_\\*_cp"),
+    ("chunk_gated_delta_rule", "cp_context", object(), "cp=deltanet_cp.ContextParallel"),
     ("chunk_gated_delta_rule", "head_first", True, "\\(B, T, H, ...\\)"),
     ("fused_recurrent_gated_delta_rule", "gv", jnp.zeros((1, 8, 2, 6)), "per value channel"),
     ("fused_recurrent_gated_delta_rule", "use_gate_in_kernel", True, "pass it as `g`"),
@@ -1101,12 +1080,89 @@ def test_unknown_keyword_is_a_type_error():
         hf.chunk_kimi_delta_attention(*_fla_args("chunk_kda"), use_qk_l2norm=True)  # pyright: ignore[reportCallIssue]
 
 
+def _cp_call(name):
+    """An adapter's call with every option that touches the state: `(fn, args, kwargs)`."""
+    (q, k, v, g, beta), h0 = make_gated_delta_inputs(41)
+    (_, _, _, gk, _), _ = make_kda_inputs(41)
+    (r, kr, vr, a, b, w), _ = make_dplr_inputs(41)
+    state = dict(initial_state=h0, output_final_state=True)
+    return {
+        # FLA's (V, K) state order, converted on the way in and out.
+        "chunk_kda": (
+            fla.chunk_kda,
+            (q, k, v, gk, beta, SCALE),
+            dict(initial_state=jnp.swapaxes(h0, -1, -2), output_final_state=True)
+            | dict(state_v_first=True, chunk_size=8),
+        ),
+        "fused_recurrent_gated_delta_rule": (
+            fla.fused_recurrent_gated_delta_rule,
+            (q, k, v, g, None, None, beta, SCALE),
+            state,
+        ),
+        "chunk_rwkv7": (fla.chunk_rwkv7, (r, w, kr, vr, a, b, SCALE), state | dict(chunk_size=8)),
+        "chunk_simple_gla": (fla.chunk_simple_gla, (q, k, v, g, None, SCALE), state),
+        # transformers' output dtype, the query's.
+        "torch_chunk_gated_delta_rule": (
+            hf.torch_chunk_gated_delta_rule,
+            (q, k, v, g, beta, 8),
+            state | dict(use_qk_l2norm_in_kernel=True),
+        ),
+    }[name]
+
+
+CP_CASES = [
+    pytest.param("chunk_kda", dcp.Zigzag(), id="chunk_kda-zigzag"),
+    pytest.param("torch_chunk_gated_delta_rule", dcp.Contiguous(), id="torch_chunk-contiguous"),
+    pytest.param(
+        "fused_recurrent_gated_delta_rule",
+        dcp.Zigzag(),
+        id="fused_gdn-zigzag",
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        "chunk_rwkv7", dcp.Contiguous(), id="chunk_rwkv7-contiguous", marks=pytest.mark.slow
+    ),
+    pytest.param(
+        "chunk_simple_gla", dcp.Zigzag(), id="chunk_simple_gla-zigzag", marks=pytest.mark.slow
+    ),
+]
+
+
+@pytest.mark.parametrize("name, layout", CP_CASES)
+def test_adapter_context_parallel_global_arrays(name, layout):
+    """`cp=` with a mesh: global arrays over 2 devices give the one-device result."""
+    fn, args, kwargs = _cp_call(name)
+    mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
+    cp = dcp.ContextParallel("cp", layout=layout, mesh=mesh)
+    _same(fn(*args, **kwargs, cp=cp), fn(*args, **kwargs), tol=1e-5)
+
+
+def test_adapter_context_parallel_in_shard_map():
+    """`cp=` inside the user's `jax.shard_map`: each rank's shard, the global final state."""
+    fn, args, kwargs = _cp_call("chunk_kda")
+    mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
+    seq = P(None, "cp")
+
+    def per_rank(q, k, v, g, beta):  # the scale (args[5]) is static
+        return fn(q, k, v, g, beta, args[5], **kwargs, cp=dcp.ContextParallel("cp"))
+
+    f = jax.shard_map(per_rank, mesh=mesh, in_specs=(seq,) * 5, out_specs=(seq, P()))
+    placed = [jax.device_put(x, NamedSharding(mesh, seq)) for x in args[:5]]
+    _same(jax.jit(f)(*placed), fn(*args, **kwargs), tol=1e-5)
+
+
+def test_cp_context_points_to_cp():
+    """FLA's `cp_context` is refused; the message names the keyword to use instead."""
+    with pytest.raises(ValueError, match=r"pass `cp=deltanet_cp.ContextParallel\(axis_name\)`"):
+        fla.chunk_kda(*_fla_args("chunk_kda"), cp_context=object())
+
+
 def test_simple_gla_one_decay():
     q, k, v, g = _fla_args("chunk_simple_gla")
     with pytest.raises(ValueError, match="one of `g` and `g_gamma`"):
         fla.chunk_simple_gla(q, k, v, g, jnp.zeros(2))
     # Neither: no decay, plain linear attention.
-    _same(fla.chunk_simple_gla(q, k, v), dcp.chunk_gla(q, k, v, jnp.zeros_like(g)))
+    _same(fla.chunk_simple_gla(q, k, v), (dcp.chunk_gla(q, k, v, jnp.zeros_like(g))[0], None))
 
 
 # transformers' golden outputs (tests/data/make_hf_fixtures.py; CPU float32).
@@ -1209,7 +1265,7 @@ def test_transformers_output_dtype_is_query_dtype(fn, reference, make):
     q, k = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
     with jax.numpy_dtype_promotion("standard"):
         o, h = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-        o_v, h_v = reference(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        o_v, h_v = reference(q, k, v, g, beta, initial_state=h0)
     assert o.dtype == jnp.bfloat16 and o_v.dtype == jnp.float32
     np.testing.assert_array_equal(o, o_v.astype(jnp.bfloat16))
     assert h is not None and h.dtype == jnp.float32

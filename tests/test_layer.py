@@ -1,6 +1,7 @@
 """The Gated DeltaNet layer: against a float64 numpy re-implementation, generation, CP."""
 
 import functools as ft
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -129,13 +130,13 @@ def test_conv_matches_numpy(getkey, with_state):
     conv = CausalConv1d(5, 4, key=getkey())
     x = jr.normal(getkey(), (11, 5))
     state = jr.normal(getkey(), (3, 5)) if with_state else None
-    y, new = conv(x, state, return_state=True)
+    y, new = conv(x, state)
     s0 = np.zeros((3, 5)) if state is None else _np(state)
     expected = _conv_reference(_np(conv.weight), _np(x), s0)
     assert rel_err(y, expected) <= 1e-6
     np.testing.assert_array_equal(new, np.concatenate([s0, _np(x)])[-3:].astype(np.float32))
     # Fewer tokens than the window: the state slides.
-    y2, new2 = conv(x[:2], state, return_state=True)
+    y2, new2 = conv(x[:2], state)
     assert rel_err(y2, expected[:2]) <= 1e-6
     np.testing.assert_array_equal(new2, np.concatenate([s0, _np(x[:2])])[-3:].astype(np.float32))
 
@@ -145,7 +146,7 @@ def test_layer_matches_float64_reference(getkey):
     layer = with_slow_decays(GatedDeltaNet(*SIZES, chunk_size=16, key=getkey()), getkey())
     x = jr.normal(getkey(), (50, SIZES[0]))
     state = _random_state(layer, getkey())
-    out, new = eqx.filter_jit(lambda m, x, s: m(x, s, return_state=True))(layer, x, state)
+    out, new, _ = eqx.filter_jit(lambda m, x, s: m.prefill(x, s))(layer, x, state)
     expected, conv_state, rec_state = layer_reference(layer, x, state)
     assert out.shape == x.shape and out.dtype == x.dtype
     assert rel_err(out, expected) <= 1e-5
@@ -168,7 +169,7 @@ def test_output_dtype_is_x_dtype(getkey):
     and returns `x`'s, where a bfloat16 `x` through float32 parameters gave float32."""
     layer = GatedDeltaNet(*SIZES, chunk_size=16, key=getkey())
     x = jr.normal(getkey(), (20, SIZES[0])).astype(jnp.bfloat16)
-    call = eqx.filter_jit(lambda m, x, s: m(x, s, return_state=True))
+    call = eqx.filter_jit(lambda m, x, s: m.prefill(x, s)[:2])
     out, state = call(layer, x, None)
     assert out.dtype == jnp.bfloat16
     assert state.conv.dtype == jnp.float32 and state.recurrent.dtype == jnp.float32
@@ -189,7 +190,7 @@ def test_prefill_then_decode(getkey):
     """Prefill + token-by-token steps == one call over the whole sequence (and its state)."""
     layer = with_slow_decays(GatedDeltaNet(*SIZES, chunk_size=16, key=getkey()), getkey())
     x = jr.normal(getkey(), (30, SIZES[0]))
-    call = eqx.filter_jit(lambda m, x: m(x, return_state=True))
+    call = eqx.filter_jit(lambda m, x: m.prefill(x)[:2])
     full, full_state = call(layer, x)
     y, state = call(layer, x[:19])
     outs = [y]
@@ -205,11 +206,17 @@ def test_prefill_then_decode(getkey):
     assert rel_err(y0, full[0]) <= 1e-5
 
 
-def test_unknown_layout(getkey, without_runtime_typecheck):
+def test_bad_cp(getkey, without_runtime_typecheck):
+    # `cp` is a ContextParallel without a mesh (the layer runs inside the user's
+    # shard_map), on every entry point.
     layer = GatedDeltaNet(*SIZES, key=getkey())
     x = jr.normal(getkey(), (8, SIZES[0]))
-    with pytest.raises(ValueError, match=r"layout=Contiguous\(\) or layout=Zigzag\(\)"):
-        layer(x, axis_name="cp", layout="zigzag")  # pyright: ignore[reportArgumentType]
+    with_mesh = dcp.ContextParallel("cp", mesh=_mesh(2))
+    for call in (layer, layer.prefill, layer.recurrence_inputs):
+        with pytest.raises(TypeError, match="must be a deltanet_cp.ContextParallel"):
+            call(x, cp="cp")  # pyright: ignore[reportArgumentType]
+        with pytest.raises(ValueError, match="takes no `mesh`"):
+            call(x, cp=with_mesh)
 
 
 def test_errors(getkey):
@@ -217,7 +224,10 @@ def test_errors(getkey):
     x = jr.normal(getkey(), (8, SIZES[0]))
     mesh = _mesh(4)
     f = jax.shard_map(
-        lambda x: layer(x, axis_name="cp"), mesh=mesh, in_specs=P("cp"), out_specs=P("cp")
+        lambda x: layer(x, cp=dcp.ContextParallel("cp")),
+        mesh=mesh,
+        in_specs=P("cp"),
+        out_specs=P("cp"),
     )
     with pytest.raises(ValueError, match="at least kernel_size - 1 = 3 tokens"):
         f(jax.device_put(x, NamedSharding(mesh, P("cp"))))
@@ -240,28 +250,24 @@ def _cp_problem():
     return layer, x, state, w_out, w_state
 
 
-def _cp_apply(cp: int, exchange: str, layout: dcp.Layout = dcp.Contiguous()):
+def _cp_apply(cp: int, exchange, layout: Any = dcp.Contiguous()):
     """`(apply, x, w_out)`: `apply(params, x, state) -> (y, new_state)` at CP degree `cp`
     (`cp == 1`: the single-device path), and the sequence-shaped inputs placed for it (in
     zigzag order under `Zigzag`: `y` comes back in that order too)."""
     layer, x, _, w_out, _ = _cp_problem()
     static = eqx.partition(layer, eqx.is_array)[1]
 
-    def apply(params, x, state, axis_name=None):
+    def apply(params, x, state, context=None):
         m = eqx.combine(params, static)
-        call = ft.partial(
-            m, return_state=True, axis_name=axis_name, exchange=exchange, layout=layout
-        )
-        return jax.vmap(call)(x, state)
+        return jax.vmap(lambda x, s: m.prefill(x, s, cp=context)[:2])(x, state)
 
     if cp == 1:
         return apply, x, w_out
-    if isinstance(layout, dcp.Zigzag):
-        x, w_out = dcp.to_zigzag(x, cp), dcp.to_zigzag(w_out, cp)
+    x, w_out = layout.to_layout(x, cp), layout.to_layout(w_out, cp)
     mesh = _mesh(cp)
     seq = P(None, "cp")
     sharded = jax.shard_map(
-        ft.partial(apply, axis_name="cp"),
+        ft.partial(apply, context=dcp.ContextParallel("cp", layout=layout, exchange=exchange)),
         mesh=mesh,
         in_specs=(P(), seq, P()),
         out_specs=(seq, P()),
@@ -270,7 +276,7 @@ def _cp_apply(cp: int, exchange: str, layout: dcp.Layout = dcp.Contiguous()):
     return sharded, place(x), place(w_out)
 
 
-def _cp_loss_and_grads(cp: int, exchange: str = "allgather", layout: dcp.Layout = dcp.Contiguous()):
+def _cp_loss_and_grads(cp: int, exchange="allgather", layout: Any = dcp.Contiguous()):
     """Output, final state, and grads of a loss of both w.r.t. parameters, input and state
     (output and input gradient in sequence order)."""
     layer, _, state, _, w_state = _cp_problem()
@@ -283,13 +289,12 @@ def _cp_loss_and_grads(cp: int, exchange: str = "allgather", layout: dcp.Layout 
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
     grads, (y, new) = grad(eqx.filter(layer, eqx.is_array), x, state)
-    if isinstance(layout, dcp.Zigzag):
-        y = dcp.from_zigzag(np.asarray(y), cp)
-        grads = (grads[0], dcp.from_zigzag(np.asarray(grads[1]), cp), grads[2])
+    y = layout.from_layout(y, cp)
+    grads = (grads[0], layout.from_layout(grads[1], cp), grads[2])
     return y, new, grads
 
 
-def _cp_forward(cp: int, exchange: str):
+def _cp_forward(cp: int, exchange):
     layer, _, state, _, _ = _cp_problem()
     apply, x, _ = _cp_apply(cp, exchange)
     return jax.jit(apply)(eqx.filter(layer, eqx.is_array), x, state)
@@ -372,8 +377,9 @@ def test_hlo_one_conv_halo(getkey, exchange):
     assert halo != state_elems and halo != b * hv * dk * dk  # so the count below is unambiguous
     mesh = _mesh(cp)
     seq = P(None, "cp")
+    context = dcp.ContextParallel("cp", exchange=exchange)
     f = jax.shard_map(
-        lambda x: jax.vmap(ft.partial(layer, axis_name="cp", exchange=exchange))(x),
+        lambda x: jax.vmap(ft.partial(layer, cp=context))(x),
         mesh=mesh,
         in_specs=seq,
         out_specs=seq,

@@ -112,9 +112,7 @@ def _mesh(cp: int):
 
 
 def _shard(x, mesh, layout, cp):
-    if isinstance(layout, dcp.Zigzag):
-        x = dcp.to_zigzag(x, cp, axis=0)
-    return jax.device_put(x, NamedSharding(mesh, P("cp")))
+    return jax.device_put(layout.to_layout(x, cp, axis=0), NamedSharding(mesh, P("cp")))
 
 
 CP_CASES = [
@@ -137,15 +135,15 @@ def test_logits_context_parallel(cp, layout, kv_exchange, exchange):
     model, tokens = _model(), _tokens()
     mesh = _mesh(cp)
     params, static = eqx.partition(model, eqx.is_array)
+    context = dcp.ContextParallel("cp", layout=layout, exchange=exchange)
 
     def local(params, tokens):
         m = eqx.combine(params, static)
-        return m(tokens, axis_name="cp", layout=layout, exchange=exchange, kv_exchange=kv_exchange)
+        return m(tokens, cp=context, kv_exchange=kv_exchange)
 
     f = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("cp")), out_specs=P("cp"))
     logits = jax.jit(f)(params, _shard(tokens, mesh, layout, cp))
-    if isinstance(layout, dcp.Zigzag):
-        logits = dcp.from_zigzag(logits, cp, axis=0)
+    logits = layout.from_layout(logits, cp, axis=0)
     assert _max_abs(logits, IO["logits"]) <= 1e-4
 
 
@@ -176,14 +174,12 @@ def _train_step(cp: int, layout=dcp.Zigzag(), kv_exchange="allgather"):
 
         def local(params, inputs, targets, mask):
             m = eqx.combine(params, static)
-            total, count = nll(
-                m, inputs, targets, mask, axis_name="cp", layout=layout, kv_exchange=kv_exchange
-            )
+            context = dcp.ContextParallel("cp", layout=layout)
+            total, count = nll(m, inputs, targets, mask, cp=context, kv_exchange=kv_exchange)
             return jax.lax.psum(total, "cp") / jax.lax.psum(count, "cp")
 
         loss = jax.shard_map(local, mesh=mesh, in_specs=(P(), seq, seq, seq), out_specs=P())
-        if isinstance(layout, dcp.Zigzag):
-            inputs, targets, mask = (dcp.to_zigzag(a, cp) for a in (inputs, targets, mask))
+        inputs, targets, mask = (layout.to_layout(a, cp) for a in (inputs, targets, mask))
         inputs, targets, mask = (
             jax.device_put(a, NamedSharding(mesh, seq)) for a in (inputs, targets, mask)
         )
@@ -302,8 +298,7 @@ def _cp_prefill(cp, layout, every):
             tokens,
             cache,
             checkpoint_every=every,
-            axis_name="cp",
-            layout=layout,
+            cp=dcp.ContextParallel("cp", layout=layout),
             kv_exchange="ring",
         )
 
@@ -328,9 +323,8 @@ def test_context_parallel_prefill_equals_one_device(cp, layout):
     # of the prefill's own pass).
     compiled, args, (want_logits, want, want_ckpts) = _cp_prefill(cp, layout, 4)
     logits, cache, ckpts = compiled(*args)
-    if isinstance(layout, dcp.Zigzag):
-        logits = dcp.from_zigzag(logits, cp, axis=0)
-        ckpts = jax.tree.map(lambda a: dcp.from_zigzag(a, cp, axis=0), ckpts)
+    logits = layout.from_layout(logits, cp, axis=0)
+    ckpts = jax.tree.map(lambda a: layout.from_layout(a, cp, axis=0), ckpts)
     assert rel_err(logits, want_logits) <= 1e-5
     _assert_caches_close(cache, want)
     np.testing.assert_array_equal(ckpts.lengths, want_ckpts.lengths)
@@ -430,7 +424,9 @@ def test_checkpoint_every_is_checked():
         model.prefill(tokens[:16], checkpoint_every=6)
     mesh = _mesh(2)
     f = jax.shard_map(
-        lambda t: model.prefill(t, checkpoint_every=4, axis_name="cp", layout=dcp.Zigzag()),
+        lambda t: model.prefill(
+            t, checkpoint_every=4, cp=dcp.ContextParallel("cp", layout=dcp.Zigzag())
+        ),
         mesh=mesh,
         in_specs=P("cp"),
         out_specs=(P("cp"), P(), P("cp")),
@@ -438,3 +434,14 @@ def test_checkpoint_every_is_checked():
     tokens = jax.ShapeDtypeStruct((24,), jnp.int32, sharding=NamedSharding(mesh, P("cp")))
     with pytest.raises(ValueError, match=r"must divide each contiguous piece .* \(6 tokens"):
         jax.jit(f).lower(tokens)
+
+
+def test_cp_with_a_mesh_is_refused():
+    # The model runs inside the user's shard_map on this rank's shard: a ContextParallel
+    # with a mesh (global arrays) is refused by the forward and the prefill alike.
+    model, tokens = _small(), _tokens()[:16]
+    context = dcp.ContextParallel("cp", mesh=_mesh(2))
+    with pytest.raises(ValueError, match="takes no `mesh`"):
+        model(tokens, cp=context)
+    with pytest.raises(ValueError, match="takes no `mesh`"):
+        model.prefill(tokens, cp=context)

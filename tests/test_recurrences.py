@@ -12,6 +12,7 @@ import functools as ft
 import os
 import subprocess
 import sys
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -100,13 +101,11 @@ def _cp_jit(family: Family, cp: int, exchange, chunk_size: int = CHUNK):
     seq, rep = P(None, "cp"), P()
 
     def per_rank(args, h0):
-        return family.chunk_cp(
+        return family.chunk(
             *args,
-            axis_name="cp",
-            exchange=exchange,
             initial_state=h0,
-            output_final_state=True,
             **_options(family, chunk_size=chunk_size),
+            cp=dcp.ContextParallel("cp", exchange=exchange),
         )
 
     specs = ((seq,) * len(family.arg_names), rep)
@@ -126,29 +125,24 @@ def _cp_forward(family: Family, cp: int, exchange, chunk_size: int = CHUNK):
 
 
 @ft.cache
-def _grad_fn(family: Family, kind: str = "chunk", cp: int | None = None, exchange="allgather"):
+def _grad_fn(
+    family: Family, kind: str = "chunk", cp: int | None = None, exchange: Any = "allgather"
+):
     """Value and gradient (w.r.t. every argument and the initial state) of a weighted sum of
     outputs and final state; one compilation per family and kind."""
 
     def fn(*a):
         if kind == "recurrent":
             return family.recurrent(
-                *a[:-1],
-                initial_state=a[-1],
-                output_final_state=True,
-                **_options(family, chunk_size=None),
+                *a[:-1], initial_state=a[-1], **_options(family, chunk_size=None)
             )
         if cp is None:
-            return family.chunk(
-                *a[:-1], initial_state=a[-1], output_final_state=True, **_options(family)
-            )
-        return family.chunk_cp(
+            return family.chunk(*a[:-1], initial_state=a[-1], **_options(family))
+        return family.chunk(
             *a[:-1],
-            axis_name="cp",
-            exchange=exchange,
             initial_state=a[-1],
-            output_final_state=True,
             **_options(family),
+            cp=dcp.ContextParallel("cp", exchange=exchange),
         )
 
     return value_and_grad_fn(fn, len(family.arg_names) + 1, cp=cp)
@@ -207,7 +201,7 @@ def test_chunked_matches_loop(family, case):
     args, h0 = family.make(10, b=b, t=t, h=h, hv=hv, dk=dk, dv=dv)
     h0 = h0 if use_state else None
     kw = _options(family, l2norm=l2norm, scale=scale, chunk_size=chunk_size)
-    o, final = _jit(family.chunk, output_final_state=True, **kw)(args, h0)
+    o, final = _jit(family.chunk, **kw)(args, h0)
     expected_o, expected_h = family.reference(
         *args, initial_state=h0, scale=scale, l2norm=kw.get("use_qk_l2norm", False)
     )
@@ -215,9 +209,6 @@ def test_chunked_matches_loop(family, case):
     assert final.shape == (b, hv, dk, dv) and final.dtype == jnp.float32
     assert rel_err(o, expected_o) <= 1e-5
     assert rel_err(final, expected_h) <= 1e-5
-    # Without output_final_state: the same outputs and no state (traced only).
-    out_shape, none = jax.eval_shape(ft.partial(family.chunk, **kw), *args, initial_state=h0)
-    assert none is None and out_shape.shape == o.shape
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=_name)
@@ -230,7 +221,7 @@ def test_recurrent_matches_loop(family, t, b, h, hv, use_state, l2norm, scale):
     args, h0 = family.make(11, b=b, t=t, h=h, hv=hv, dk=8, dv=6)
     h0 = h0 if use_state else None
     kw = _options(family, l2norm=l2norm, scale=scale, chunk_size=None)
-    o, final = _jit(family.recurrent, output_final_state=True, **kw)(args, h0)
+    o, final = _jit(family.recurrent, **kw)(args, h0)
     expected_o, expected_h = family.reference(
         *args, initial_state=h0, scale=scale, l2norm=kw.get("use_qk_l2norm", False)
     )
@@ -238,8 +229,6 @@ def test_recurrent_matches_loop(family, t, b, h, hv, use_state, l2norm, scale):
     assert final.shape == (b, hv, 8, 6) and final.dtype == jnp.float32
     assert rel_err(o, expected_o) <= 1e-5
     assert rel_err(final, expected_h) <= 1e-5
-    _, none = jax.eval_shape(ft.partial(family.recurrent, **kw), *args, initial_state=h0)
-    assert none is None
 
 
 @pytest.mark.parametrize(
@@ -251,7 +240,7 @@ def test_engine_run_matches_loop(family):
     args, h0 = family.make(12, **SHAPE)
     recurrence = family.configuration(CHUNK)
     run = eqx.filter_jit(dcp.run)
-    o, final = run(recurrence, family.inputs(*args), initial_state=h0, output_final_state=True)
+    o, final = run(recurrence, family.inputs(*args), initial_state=h0)
     expected_o, expected_h = _reference(family, args, h0)
     assert rel_err(o, expected_o) <= 1e-5
     assert rel_err(final, expected_h) <= 1e-5
@@ -277,7 +266,7 @@ def test_output_dtype_is_v_dtype(family, mix):
         args = tuple(x.astype(jnp.bfloat16) for x in args)
     else:  # low-precision queries and keys, float32 values: the output follows v
         args = (args[0].astype(jnp.bfloat16), args[1].astype(jnp.bfloat16), *args[2:])
-    o, final = _jit(family.chunk, output_final_state=True, **_options(family))(args, h0)
+    o, final = _jit(family.chunk, **_options(family))(args, h0)
     assert o.dtype == args[2].dtype and final.dtype == jnp.float32
     expected_o, expected_h = _reference(family, args, h0)  # on the rounded inputs
     assert np.all(np.isfinite(np.asarray(o, np.float32)))
@@ -291,11 +280,7 @@ def test_float64_inputs_stay_float64(family):
     with jax.enable_x64(True):
         args, h0 = family.make(14, **SHAPE, dtype=jnp.float64)
         h0 = h0.astype(jnp.float64)
-        fn = jax.jit(
-            lambda args, h0: family.chunk(
-                *args, initial_state=h0, output_final_state=True, **_options(family)
-            )
-        )
+        fn = jax.jit(lambda args, h0: family.chunk(*args, initial_state=h0, **_options(family)))
         o, final = fn(args, h0)
         assert o.dtype == jnp.float64 and final.dtype == jnp.float64
         expected_o, expected_h = _reference(family, args, h0)
@@ -379,7 +364,7 @@ def test_cp_matches_one_device(family, exchange, cp):
     assert o.shape == expected_o.shape and o.dtype == args[2].dtype
     assert rel_err(o, expected_o) <= 1e-5
     assert rel_err(final, expected_h) <= 1e-5
-    single_o, single_h = _jit(family.chunk, output_final_state=True, **_options(family))(args, h0)
+    single_o, single_h = _jit(family.chunk, **_options(family))(args, h0)
     assert rel_err(o, single_o) <= 1e-5
     assert rel_err(final, single_h) <= 1e-5
 
@@ -434,18 +419,15 @@ ZIGZAG_SHAPE = dict(b=1, t=48, h=1, hv=2, dk=8, dv=6)
 
 @ft.cache
 def _zigzag_grad_fn(family: Family, cp: int, exchange, chunk_size: int = CHUNK):
-    """Value and gradient of `chunk_X_cp(..., layout=Zigzag())` on arrays in sequence order
-    (put in zigzag order on the way in, and back on the way out)."""
+    """Value and gradient of `chunk_X(..., cp=ContextParallel(layout=Zigzag()))` on arrays
+    in sequence order (put in zigzag order on the way in, and back on the way out)."""
 
     def fn(*a):
-        return family.chunk_cp(
+        return family.chunk(
             *a[:-1],
-            axis_name="cp",
-            exchange=exchange,
-            layout=dcp.Zigzag(),
             initial_state=a[-1],
-            output_final_state=True,
             **_options(family, chunk_size=chunk_size),
+            cp=dcp.ContextParallel("cp", exchange=exchange, layout=dcp.Zigzag()),
         )
 
     return value_and_grad_fn(fn, len(family.arg_names) + 1, cp=cp, zigzag=True)
@@ -521,15 +503,12 @@ def test_zigzag_packed_documents(family, cp, exchange, cu):
     h0 = _doc_states(28, cu)
 
     def fn(*a):
-        return family.chunk_cp(
+        return family.chunk(
             *a[:-1],
-            axis_name="cp",
-            exchange=exchange,
-            layout=dcp.Zigzag(),
             cu_seqlens=cu,
             initial_state=a[-1],
-            output_final_state=True,
             **_options(family, chunk_size=4),
+            cp=dcp.ContextParallel("cp", exchange=exchange, layout=dcp.Zigzag()),
         )
 
     o, finals, grads = value_and_grad_fn(fn, len(args) + 1, cp=cp, zigzag=True)(*args, h0)
@@ -552,15 +531,11 @@ def test_zigzag_sharded_matches_loop(family):
     # `_sharded` takes and returns arrays in sequence order; with a data-parallel axis too.
     mesh = jax.make_mesh((2, 4), ("data", "cp"))
     args, h0 = family.make(32, **{**ZIGZAG_SHAPE, "b": 2})
-    o, final = family.chunk_sharded(
+    o, final = family.chunk(
         *args,
-        mesh=mesh,
-        axis_name="cp",
-        batch_axis="data",
-        layout=dcp.Zigzag(),
         initial_state=h0,
-        output_final_state=True,
         **_options(family),
+        cp=dcp.ContextParallel("cp", mesh=mesh, batch_axis="data", layout=dcp.Zigzag()),
     )
     expected_o, expected_h = _reference(family, args, h0)
     assert rel_err(o, expected_o) <= 1e-5
@@ -592,20 +567,18 @@ _SHARDED_FAST = {
 )
 def test_sharded_matches_loop(family, mesh_kind):
     if mesh_kind == "cp4":
-        mesh, batch = _mesh(4), {}
+        mesh, batch = _mesh(4), None
         args, h0 = family.make(20, **SHAPE)
     else:  # batch over "data", sequence over "cp"
-        mesh, batch = jax.make_mesh((2, 4), ("data", "cp")), {"batch_axis": "data"}
+        mesh, batch = jax.make_mesh((2, 4), ("data", "cp")), "data"
         args, h0 = family.make(20, **{**SHAPE, "b": 2})
     exchange = EXCHANGES[FAMILIES.index(family) % len(EXCHANGES)]
-    kw = dict(mesh=mesh, axis_name="cp", exchange=exchange, **batch, **_options(family))
-    o, final = family.chunk_sharded(*args, initial_state=h0, output_final_state=True, **kw)
+    cp = dcp.ContextParallel("cp", mesh=mesh, exchange=exchange, batch_axis=batch)
+    o, final = family.chunk(*args, initial_state=h0, cp=cp, **_options(family))
     expected_o, expected_h = _reference(family, args, h0)
     assert o.shape == expected_o.shape and o.dtype == args[2].dtype
     assert rel_err(o, expected_o) <= 1e-5
     assert rel_err(final, expected_h) <= 1e-5
-    _, none = jax.eval_shape(ft.partial(family.chunk_sharded, **kw), *args, initial_state=h0)
-    assert none is None
 
 
 # jax records these for every top-level trace of a jitted function (a tracing-cache miss)
@@ -636,13 +609,8 @@ def test_sharded_compiles_once(family):
     # equal mesh neither traces nor compiles again.
     def call(seed):
         args, h0 = family.make(seed, **SHAPE)
-        out = family.chunk_sharded(
-            *args,
-            mesh=_mesh(2),  # a new (equal) mesh object each call
-            axis_name="cp",
-            initial_state=h0,
-            output_final_state=True,
-            **_options(family),
+        out = family.chunk(
+            *args, initial_state=h0, **_options(family), cp=dcp.ContextParallel("cp", mesh=_mesh(2))
         )
         return jax.block_until_ready(out), args, h0
 
@@ -698,7 +666,7 @@ def _packed_params():
 def test_packed_one_device(family, form, cu):
     args, _ = family.make(23, **PACKED)
     h0 = _doc_states(24, cu)
-    kw = dict(initial_state=h0, output_final_state=True, **_options(family))
+    kw = dict(initial_state=h0, **_options(family))
     if form == "list":
         o, finals = jax.jit(lambda args: family.chunk(*args, cu_seqlens=cu, **kw))(args)
     else:
@@ -709,11 +677,11 @@ def test_packed_one_device(family, form, cu):
     assert finals.shape == (len(cu) - 1, PACKED["hv"], PACKED["dk"], PACKED["dv"])
     assert rel_err(o, expected_o) <= 1e-5
     assert rel_err(finals, expected_h) <= 1e-5
-    # Without initial states (zeros), without final states; traced only.
-    _, none = jax.eval_shape(
+    # Without initial states (zeros): still one final state per document; traced only.
+    _, shape = jax.eval_shape(
         lambda args: family.chunk(*args, cu_seqlens=cu, **_options(family)), args
     )
-    assert none is None
+    assert shape.shape == finals.shape
 
 
 def _packed_cp_params():
@@ -743,14 +711,12 @@ def test_packed_cp_documents_cross_ranks(family, cp, cu):
     seq = P(None, "cp")
 
     def per_rank(extra, args):
-        return family.chunk_cp(
+        return family.chunk(
             *args,
-            axis_name="cp",
-            exchange=exchange,
             cu_seqlens=extra.get("cu", cu),
             initial_state=extra.get("h0"),
-            output_final_state=True,
             **_options(family, chunk_size=4),
+            cp=dcp.ContextParallel("cp", exchange=exchange),
         )
 
     specs = ({k: P() for k in extra}, (seq,) * len(args))
@@ -773,14 +739,12 @@ def test_packed_sharded_with_document_states(family):
     cu = CP_DOCS[0]
     args, _ = family.make(27, **PACKED)
     h0 = _doc_states(28, cu)
-    o, finals = family.chunk_sharded(
+    o, finals = family.chunk(
         *args,
-        mesh=_mesh(4),
-        axis_name="cp",
         cu_seqlens=jnp.asarray(cu, jnp.int32),
         initial_state=h0,
-        output_final_state=True,
         **_options(family, chunk_size=4),
+        cp=dcp.ContextParallel("cp", mesh=_mesh(4)),
     )
     expected_o, expected_h = _reference(family, args, h0, cu_seqlens=cu)
     assert rel_err(o, expected_o) <= 1e-5
@@ -932,7 +896,9 @@ mesh = jax.make_mesh((4,), ("cp",))
 seq = P(None, "cp")
 
 def per_rank(cu, args):
-    return dcp.chunk_kimi_delta_attention_cp(*args, axis_name="cp", cu_seqlens=cu, chunk_size=4)[0]
+    return dcp.chunk_kimi_delta_attention(
+        *args, cu_seqlens=cu, chunk_size=4, cp=dcp.ContextParallel("cp")
+    )[0]
 
 fn = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), (seq,) * 5), out_specs=seq))
 cu = jnp.asarray([int(c) for c in sys.argv[1].split(",")], jnp.int32)
@@ -988,10 +954,10 @@ def test_invalid_cu_seqlens_under_cp(cu):
 def test_gated_delta_product_ungated_three_steps():
     # DeltaProduct without a gate, n_h = 3, no l2norm, no state, another scale and chunk.
     args, _ = make_delta_product_inputs(30, **SHAPE, n=3, gated=False)
-    o, none = jax.jit(ft.partial(dcp.chunk_gated_delta_product, scale=0.3, chunk_size=16))(*args)
-    assert none is None
-    expected_o, _ = delta_product_reference(*args, scale=0.3)
+    o, final = jax.jit(ft.partial(dcp.chunk_gated_delta_product, scale=0.3, chunk_size=16))(*args)
+    expected_o, expected_h = delta_product_reference(*args, scale=0.3)
     assert rel_err(o, expected_o) <= 1e-5
+    assert rel_err(final, expected_h) <= 1e-5
 
 
 def test_gated_delta_product_bad_input(without_runtime_typecheck):
@@ -1033,9 +999,7 @@ def test_blocks_match_loop(family, block_size):
 
     def fn(*a):
         inputs = family.inputs(*a[:-1])
-        return dcp.run(
-            recurrence, inputs, initial_state=a[-1], output_final_state=True, block_size=block_size
-        )
+        return dcp.run(recurrence, inputs, initial_state=a[-1], block_size=block_size)
 
     o, final, grads = value_and_grad_fn(fn, len(family.arg_names) + 1)(*args, h0)
     expected_o, expected_h = _reference(family, args, h0)
@@ -1051,7 +1015,6 @@ def test_blocks_match_loop(family, block_size):
             recurrence,
             family.inputs(*args),
             initial_state=docs,
-            output_final_state=True,
             cu_seqlens=cu,
             block_size=block_size,
         )
@@ -1068,9 +1031,8 @@ def test_blocks_match_loop(family, block_size):
             recurrence,
             family.inputs(*a[:-1]),
             initial_state=a[-1],
-            output_final_state=True,
-            axis_name="cp",
             block_size=block_size,
+            cp=dcp.ContextParallel("cp"),
         )
 
     o, final, grads = value_and_grad_fn(per_rank, len(family.arg_names) + 1, cp=2)(*args, h0)
@@ -1157,11 +1119,7 @@ def test_non_finite_input_does_not_reach_earlier_tokens(family, where):
         broken[n] = jnp.asarray(x)
         if where == "packed":
             cu = [0, 9, 30, 40]  # t in the second document; the third stays clean
-            fn = jax.jit(
-                lambda a: family.chunk(
-                    *a, cu_seqlens=cu, output_final_state=True, **_options(family)
-                )
-            )
+            fn = jax.jit(lambda a: family.chunk(*a, cu_seqlens=cu, **_options(family)))
             o, finals = fn(broken)
             expected_o, expected_h = _reference(family, args, None, cu_seqlens=cu)
             o, e = np.asarray(o, np.float64), np.asarray(expected_o)
@@ -1199,8 +1157,8 @@ def _prefix_grad_fn(family: Family, cp: int | None, t: int):
         seq = P(None, "cp")
 
         def per_rank(*a):
-            kw = dict(axis_name="cp", initial_state=a[-1], **_options(family))
-            return family.chunk_cp(*a[:-1], **kw)[0]
+            kw = dict(initial_state=a[-1], **_options(family), cp=dcp.ContextParallel("cp"))
+            return family.chunk(*a[:-1], **kw)[0]
 
         specs = (seq,) * (len(a) - 1) + (P(),)
         return jax.shard_map(per_rank, mesh=mesh, in_specs=specs, out_specs=seq)(*a)

@@ -1,5 +1,5 @@
-"""Static checks: pyright refuses a non-contiguous layout for the engine, `run_contiguous`,
-and accepts both layouts at the public context-parallel functions."""
+"""Static checks: pyright refuses a zigzag `ContextParallel` for the engine's walk,
+`run_contiguous`, and accepts both layouts at `run` and the public functions."""
 
 import json
 import pathlib
@@ -35,5 +35,8 @@ def test_pyright_rejects_zigzag_layout():
     expected = {i + 1 for i, line in enumerate(lines) if "# expect-error" in line}
     got = {d["range"]["start"]["line"] + 1 for d in errors}
     assert got == expected, [d["message"] for d in errors]
-    (error,) = errors
-    assert '"Zigzag" is not assignable to "Contiguous"' in error["message"]
+    for error in errors:
+        assert (
+            '"ContextParallel[Zigzag]" is not assignable to "ContextParallel[Contiguous]"'
+            in (error["message"])
+        ), error["message"]

@@ -1,7 +1,12 @@
-"""transformers' torch kernels for Kimi Linear and Qwen3-Next, as thin adapters."""
+"""transformers' torch kernels for Kimi Linear and Qwen3-Next: each builds the recurrence
+and its inputs and calls the engine (`_convert.call`), the output in `query`'s dtype."""
 
 from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, States, ValueTensor
-from ..recurrences import _gated_delta, _kda
+from .._parallel import ContextParallel
+from ..recurrences._delta_family import DeltaInputs
+from ..recurrences._gated_delta import GatedDeltaRule
+from ..recurrences._kda import KimiDeltaAttention
+from ._convert import call
 
 
 def chunk_kimi_delta_attention(
@@ -16,13 +21,15 @@ def chunk_kimi_delta_attention(
     use_qk_l2norm_in_kernel: bool = False,
     *,
     cu_seqlens: CuSeqlens | None = None,
+    cp: ContextParallel | None = None,
 ) -> tuple[ValueTensor, States | None]:
     r"""transformers' Kimi Linear `chunk_kimi_delta_attention` (newer releases:
     `torch_chunk_kda`).
 
     Mirrors `chunk_kimi_delta_attention(query, key, value, g, beta, chunk_size=64,
     initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False)` of
-    `transformers.models.kimi_linear.modeling_kimi_linear` and calls
+    `transformers.models.kimi_linear.modeling_kimi_linear` and runs
+    [`deltanet_cp.KimiDeltaAttention`][], the recurrence of
     [`deltanet_cp.chunk_kimi_delta_attention`][].
 
     **Arguments:**
@@ -34,8 +41,9 @@ def chunk_kimi_delta_attention(
     - `initial_state`: `(B, HV, K, V)`; zeros if `None`.
     - `output_final_state`: also return the final state.
     - `use_qk_l2norm_in_kernel`: L2-normalise `query` and `key` (eps `1e-6`) first.
-    - `cu_seqlens`: not in transformers' torch function: packed documents (batch size 1),
-        as in [`deltanet_cp.chunk_kimi_delta_attention`][].
+    - `cu_seqlens`, `cp`: not in transformers' torch function: packed documents (batch
+        size 1) and context parallelism (a [`deltanet_cp.ContextParallel`][]), as in
+        [`deltanet_cp.chunk_kimi_delta_attention`][].
 
     **Returns:**
 
@@ -44,19 +52,11 @@ def chunk_kimi_delta_attention(
     for float64 inputs, where transformers stays float32) or `None`. The query scale is
     always `K ** -0.5`: transformers' function has no `scale` argument.
     """
-    o, h = _kda.chunk_kimi_delta_attention(
-        query,
-        key,
-        value,
-        g,
-        beta,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        use_qk_l2norm=use_qk_l2norm_in_kernel,
-        cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size,
+    config = KimiDeltaAttention(chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm_in_kernel)
+    inputs = DeltaInputs(query, key, value, g, beta)
+    return call(
+        config, inputs, initial_state, cu_seqlens, cp, output_final_state, dtype=query.dtype
     )
-    return o.astype(query.dtype), h
 
 
 def recurrent_kimi_delta_attention(
@@ -70,28 +70,22 @@ def recurrent_kimi_delta_attention(
     use_qk_l2norm_in_kernel: bool = False,
     *,
     cu_seqlens: CuSeqlens | None = None,
+    cp: ContextParallel | None = None,
 ) -> tuple[ValueTensor, States | None]:
     """transformers' Kimi Linear `recurrent_kimi_delta_attention` (newer releases:
     `torch_recurrent_kda`): token by token.
 
     Mirrors `recurrent_kimi_delta_attention(query, key, value, g, beta, initial_state,
-    output_final_state, use_qk_l2norm_in_kernel=False)` and calls
-    [`deltanet_cp.recurrent_kimi_delta_attention`][]. `initial_state` and
+    output_final_state, use_qk_l2norm_in_kernel=False)` and runs the
+    recurrence of [`deltanet_cp.recurrent_kimi_delta_attention`][]. `initial_state` and
     `output_final_state` have defaults here (`None`, `False`); arguments and results as in
     [`deltanet_cp.interop.transformers.chunk_kimi_delta_attention`][], without `chunk_size`.
     """
-    o, h = _kda.recurrent_kimi_delta_attention(
-        query,
-        key,
-        value,
-        g,
-        beta,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        use_qk_l2norm=use_qk_l2norm_in_kernel,
-        cu_seqlens=cu_seqlens,
+    config = KimiDeltaAttention(chunk_size=1, use_qk_l2norm=use_qk_l2norm_in_kernel)
+    inputs = DeltaInputs(query, key, value, g, beta)
+    return call(
+        config, inputs, initial_state, cu_seqlens, cp, output_final_state, dtype=query.dtype
     )
-    return o.astype(query.dtype), h
 
 
 def torch_chunk_gated_delta_rule(
@@ -106,13 +100,14 @@ def torch_chunk_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     *,
     cu_seqlens: CuSeqlens | None = None,
+    cp: ContextParallel | None = None,
 ) -> tuple[ValueTensor, States | None]:
     """transformers' Qwen3-Next / Qwen3.5 `torch_chunk_gated_delta_rule`.
 
     Mirrors `torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64,
     initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False)` of
-    `transformers.models.qwen3_next.modeling_qwen3_next` and calls
-    [`deltanet_cp.chunk_gated_delta_rule`][].
+    `transformers.models.qwen3_next.modeling_qwen3_next` and runs
+    [`deltanet_cp.GatedDeltaRule`][], the recurrence of [`deltanet_cp.chunk_gated_delta_rule`][].
 
     **Arguments:**
 
@@ -121,7 +116,7 @@ def torch_chunk_gated_delta_rule(
         `repeat_interleave` does): there is no need to repeat `query` and `key` first.
     - `g`: log decays, `(B, T, HV)`; `beta`: step sizes, `(B, T, HV)`.
     - `chunk_size`, `initial_state` (`(B, HV, K, V)`), `output_final_state`,
-        `use_qk_l2norm_in_kernel`, `cu_seqlens`: as in
+        `use_qk_l2norm_in_kernel`, `cu_seqlens`, `cp`: as in
         [`deltanet_cp.interop.transformers.chunk_kimi_delta_attention`][].
 
     **Returns:**
@@ -130,19 +125,11 @@ def torch_chunk_gated_delta_rule(
     the final state or `None`. The query scale is always `K ** -0.5`. `query` and `key` are
     normalised in float32 (float64 for float64 inputs).
     """
-    o, h = _gated_delta.chunk_gated_delta_rule(
-        query,
-        key,
-        value,
-        g,
-        beta,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        use_qk_l2norm=use_qk_l2norm_in_kernel,
-        cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size,
+    config = GatedDeltaRule(chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm_in_kernel)
+    inputs = DeltaInputs(query, key, value, g, beta)
+    return call(
+        config, inputs, initial_state, cu_seqlens, cp, output_final_state, dtype=query.dtype
     )
-    return o.astype(query.dtype), h
 
 
 def torch_recurrent_gated_delta_rule(
@@ -156,25 +143,19 @@ def torch_recurrent_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     *,
     cu_seqlens: CuSeqlens | None = None,
+    cp: ContextParallel | None = None,
 ) -> tuple[ValueTensor, States | None]:
     """transformers' Qwen3-Next / Qwen3.5 `torch_recurrent_gated_delta_rule`: token by token.
 
     Mirrors `torch_recurrent_gated_delta_rule(query, key, value, g, beta, initial_state,
-    output_final_state, use_qk_l2norm_in_kernel=False)` and calls
+    output_final_state, use_qk_l2norm_in_kernel=False)` and runs the recurrence of
     [`deltanet_cp.recurrent_gated_delta_rule`][]. `initial_state` and `output_final_state`
     have defaults here (`None`, `False`); arguments and results as in
     [`deltanet_cp.interop.transformers.torch_chunk_gated_delta_rule`][], without
     `chunk_size`.
     """
-    o, h = _gated_delta.recurrent_gated_delta_rule(
-        query,
-        key,
-        value,
-        g,
-        beta,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        use_qk_l2norm=use_qk_l2norm_in_kernel,
-        cu_seqlens=cu_seqlens,
+    config = GatedDeltaRule(chunk_size=1, use_qk_l2norm=use_qk_l2norm_in_kernel)
+    inputs = DeltaInputs(query, key, value, g, beta)
+    return call(
+        config, inputs, initial_state, cu_seqlens, cp, output_final_state, dtype=query.dtype
     )
-    return o.astype(query.dtype), h

@@ -9,33 +9,14 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._exchange import AbstractExchange, ExchangeName
-from .._layout import check_layout, Contiguous, Layout, positions
+from .._parallel import ContextParallel
 from ..nn._attention import CausalSelfAttention, KVCache
+from ..nn._context import axis_size, check_cp, local_positions
 from ..nn._gated_delta_net import GatedDeltaNet, GatedDeltaNetState
 from ..nn._hybrid import SwiGLU
 from ..nn._norm import ZeroCenteredRMSNorm
 from ..nn._schedule import KVExchange
 from ._config import Qwen3_5Config
-
-
-class _CP(eqx.Module):
-    """The context-parallel options of one call, in one place: every layer takes them from
-    here (the Gated DeltaNet layers `gdn`, the attention layers `attention`)."""
-
-    axis_name: str | None = eqx.field(static=True)
-    layout: Layout = eqx.field(static=True)
-    exchange: AbstractExchange | ExchangeName = eqx.field(static=True)
-    kv_exchange: KVExchange = eqx.field(static=True)
-
-    def __check_init__(self):
-        check_layout(self.layout, "Qwen3_5ForCausalLM")
-
-    def gdn(self) -> dict:
-        return dict(axis_name=self.axis_name, layout=self.layout, exchange=self.exchange)
-
-    def attention(self) -> dict:
-        return dict(axis_name=self.axis_name, layout=self.layout, kv_exchange=self.kv_exchange)
 
 
 class Qwen3_5Cache(eqx.Module):
@@ -128,24 +109,23 @@ class Qwen3_5DecoderLayer(eqx.Module):
     def _mlp(self, x):
         return x + jax.vmap(self.mlp)(self.post_attention_layernorm(x))
 
-    def __call__(self, x, cp: _CP):
+    def __call__(self, x, cp: ContextParallel | None, kv_exchange: KVExchange):
         h = self.input_layernorm(x)
         if isinstance(self.mixer, GatedDeltaNet):
-            h = self.mixer(h, **cp.gdn())
+            h = self.mixer(h, cp=cp)
         else:
-            h = self.mixer(h, **cp.attention())
+            h = self.mixer(h, cp=cp, kv_exchange=kv_exchange)
         return self._mlp(x + h)
 
-    def prefill(self, x, cache, length, checkpoint_every, cp: _CP):
+    def prefill(self, x, cache, length, checkpoint_every, cp, kv_exchange: KVExchange):
         h = self.input_layernorm(x)
         saved = None
         if isinstance(self.mixer, GatedDeltaNet):
             assert isinstance(cache, GatedDeltaNetState)
-            kw = cp.gdn()
-            h, cache, saved = self.mixer.prefill(h, cache, checkpoint_every=checkpoint_every, **kw)
+            h, cache, saved = self.mixer.prefill(h, cache, checkpoint_every=checkpoint_every, cp=cp)
         else:
             assert isinstance(cache, KVCache)
-            h, cache = self.mixer(h, cache, length=length, **cp.attention())
+            h, cache = self.mixer.prefill(h, cache, length, cp=cp, kv_exchange=kv_exchange)
         return self._mlp(x + h), cache, saved
 
     def step(self, x, cache, position):
@@ -171,9 +151,9 @@ class Qwen3_5ForCausalLM(eqx.Module):
     transpose if `tie_word_embeddings`).
 
     Unbatched like the layers: `model(tokens)` maps `(T,)` token ids to `(T, vocab)`
-    logits; `jax.vmap` it over a batch. Context parallel: inside `jax.shard_map`, pass
-    the mesh axis the sequence is sharded over as `axis_name` (and the `layout`,
-    `exchange`, `kv_exchange`); every layer runs on the same shards.
+    logits; `jax.vmap` it over a batch. Context parallel: inside `jax.shard_map`, pass a
+    [`deltanet_cp.ContextParallel`][] as `cp` (and the attention layers' `kv_exchange`);
+    every layer runs on the same shards.
 
     For generation: `prefill` (optionally context parallel, from a cache, with state
     checkpoints), `decode_step` and greedy `generate`.
@@ -263,21 +243,19 @@ class Qwen3_5ForCausalLM(eqx.Module):
         self,
         tokens: Int[Array, " seq"],
         *,
-        axis_name: str | None = None,
-        layout: Layout = Contiguous(),
-        exchange: AbstractExchange | ExchangeName = "allgather",
+        cp: ContextParallel | None = None,
         kv_exchange: KVExchange = "allgather",
     ) -> Float[Array, "seq vocab"]:
         """**Arguments:**
 
-        - `tokens`: one sequence of token ids; with `axis_name`, this rank's shard of it
-            under `layout`.
-        - `axis_name`: the `shard_map` axis the sequence is sharded over, or `None`.
-        - `layout`: [`deltanet_cp.Contiguous`][] (the default) or [`deltanet_cp.Zigzag`][]
-            (put the tokens in that order with [`deltanet_cp.to_zigzag`][]; the logits
-            come out in it too).
-        - `exchange`: the Gated DeltaNet layers' state exchange (see
-            [`deltanet_cp.chunk_gated_delta_rule_cp`][]).
+        - `tokens`: one sequence of token ids; with `cp`, this rank's shard of it under
+            `cp.layout`.
+        - `cp`: a [`deltanet_cp.ContextParallel`][] without `mesh` (the call is made inside
+            `jax.shard_map`, the sequence sharded over `cp.axis_name`), or `None` on one
+            device. Its `layout`: [`deltanet_cp.Contiguous`][] (the default) or
+            [`deltanet_cp.Zigzag`][] (put the tokens in that order with
+            `cp.layout.to_layout`; the logits come out in it too); its `exchange`: the
+            Gated DeltaNet layers' state exchange.
         - `kv_exchange`: how the attention layers get the other ranks' keys and values,
             `"allgather"` or `"ring"` (see [`deltanet_cp.nn.CausalSelfAttention`][]).
 
@@ -285,10 +263,10 @@ class Qwen3_5ForCausalLM(eqx.Module):
 
         The next-token logits, `(seq, vocab)`, in the parameters' dtype.
         """
-        cp = _CP(axis_name, layout, exchange, kv_exchange)
+        cp = check_cp(cp, "Qwen3_5ForCausalLM")
         x = jax.vmap(self.embed)(tokens)
         for layer in self.layers:
-            x = layer(x, cp)
+            x = layer(x, cp, kv_exchange)
         return self._logits(x)
 
     def init_cache(self, capacity: int, dtype=None) -> Qwen3_5Cache:
@@ -317,9 +295,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
         *,
         checkpoint_every: None = None,
         capacity: int | None = None,
-        axis_name: str | None = None,
-        layout: Layout = Contiguous(),
-        exchange: AbstractExchange | ExchangeName = "allgather",
+        cp: ContextParallel | None = None,
         kv_exchange: KVExchange = "allgather",
     ) -> tuple[Float[Array, "seq vocab"], Qwen3_5Cache]: ...
 
@@ -331,9 +307,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
         *,
         checkpoint_every: int,
         capacity: int | None = None,
-        axis_name: str | None = None,
-        layout: Layout = Contiguous(),
-        exchange: AbstractExchange | ExchangeName = "allgather",
+        cp: ContextParallel | None = None,
         kv_exchange: KVExchange = "allgather",
     ) -> tuple[Float[Array, "seq vocab"], Qwen3_5Cache, Qwen3_5Checkpoints]: ...
 
@@ -344,9 +318,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
         *,
         checkpoint_every: int | None = None,
         capacity: int | None = None,
-        axis_name: str | None = None,
-        layout: Layout = Contiguous(),
-        exchange: AbstractExchange | ExchangeName = "allgather",
+        cp: ContextParallel | None = None,
         kv_exchange: KVExchange = "allgather",
     ) -> (
         tuple[Float[Array, "seq vocab"], Qwen3_5Cache]
@@ -356,15 +328,15 @@ class Qwen3_5ForCausalLM(eqx.Module):
 
         **Arguments:**
 
-        - `tokens`: the prompt's token ids; with `axis_name`, this rank's shard of them.
+        - `tokens`: the prompt's token ids; with `cp`, this rank's shard of them.
         - `cache`: the cache after the tokens before these (replicated on every rank with
-            `axis_name`), or `None` to start a new sequence.
+            `cp`), or `None` to start a new sequence.
         - `checkpoint_every`: `L`, to also return the Gated DeltaNet layers' states after
             every `L` tokens of `tokens` (for prefix caching), computed in the same pass
             (see [`deltanet_cp.nn.GatedDeltaNet.prefill`][] for what `L` must divide).
         - `capacity`: with `cache=None`, the most tokens the new cache holds (prompt and
             generated); the whole prompt's length if `None`.
-        - `axis_name`, `layout`, `exchange`, `kv_exchange`: as for `__call__`.
+        - `cp`, `kv_exchange`: as for `__call__`.
 
         **Returns:**
 
@@ -373,9 +345,9 @@ class Qwen3_5ForCausalLM(eqx.Module):
         `(logits, cache, checkpoints)`, a [`deltanet_cp.models.Qwen3_5Checkpoints`][]
         (under context parallelism each rank's own, in the layout's order).
         """
-        cp = _CP(axis_name, layout, exchange, kv_exchange)
+        cp = check_cp(cp, "Qwen3_5ForCausalLM")
         t = tokens.shape[0]
-        total = t if axis_name is None else t * jax.lax.axis_size(axis_name)
+        total = t * axis_size(cp)
         if cache is None:
             cache = self.init_cache(total if capacity is None else capacity)
         if total > cache.capacity:
@@ -384,14 +356,14 @@ class Qwen3_5ForCausalLM(eqx.Module):
         x = jax.vmap(self.embed)(tokens)
         states, saved = [], []
         for layer, state in zip(self.layers, cache.layers):
-            x, state, ckpt = layer.prefill(x, state, length, checkpoint_every, cp)
+            x, state, ckpt = layer.prefill(x, state, length, checkpoint_every, cp, kv_exchange)
             states.append(state)
             saved.append(ckpt)
         new_cache = Qwen3_5Cache(tuple(states), length + total)
         if checkpoint_every is None:
             return self._logits(x), new_cache
         n = t // checkpoint_every
-        ends = positions(layout, t, axis_name)[checkpoint_every - 1 :: checkpoint_every][:n]
+        ends = local_positions(cp, t)[checkpoint_every - 1 :: checkpoint_every][:n]
         return self._logits(x), new_cache, Qwen3_5Checkpoints(tuple(saved), length + ends + 1)
 
     def restore(

@@ -4,8 +4,7 @@ a key/value cache; context parallel in both layouts.
 The blockwise (flash-style) kernel is in `_flash.py`, its tile schedules in `_schedule.py`.
 """
 
-import functools as ft
-from typing import cast, overload
+from typing import cast
 
 import equinox as eqx
 import jax
@@ -13,10 +12,11 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._layout import check_layout, Contiguous, from_zigzag, Layout, positions, Zigzag
+from .._parallel import ContextParallel
+from ._context import axis_size, check_cp, local_positions
 from ._flash import _blockwise_attention, _flash, _group_queries, _to_blocks, _ungroup_queries
 from ._norm import ZeroCenteredRMSNorm
-from ._schedule import _check_kv_exchange, _Schedule, _tiles, _tiling, KVExchange
+from ._schedule import _check_kv_exchange, _Schedule, KVExchange
 
 
 class KVCache(eqx.Module):
@@ -70,9 +70,7 @@ def _cached_attention(
     pos_k = jnp.where(index < length, index, jnp.iinfo(jnp.int32).max)
     pos_q = jnp.broadcast_to(length, rows.shape[:2])
     tiles = _Schedule.of([[(i, 0) for i in range(t // b)]]).at(0)
-    out, lse = cast(
-        tuple[Array, Array], _flash(rows, k[None], v[None], pos_q, pos_k[None], *tiles, False)
-    )
+    out, lse = cast(tuple[Array, Array], _flash(rows, k[None], v[None], pos_q, pos_k[None], *tiles))
     out = _ungroup_queries(out.reshape(t * group, h // group, d), group)
     return out, _ungroup_queries(lse.transpose(0, 2, 1).reshape(t * group, -1), group)
 
@@ -97,9 +95,10 @@ class CausalSelfAttention(eqx.Module):
     head `h // (num_heads // num_kv_heads)` (grouped-query attention), and only
     `num_kv_heads` heads of keys and values are stored, exchanged and cached.
 
-    Inside `jax.shard_map` with time sharded over `axis_name`, every rank attends from its
-    own queries (at their global positions) to the keys and values of the whole sequence,
-    received by one all-gather or around a ring (`kv_exchange`): a payload of
+    Inside `jax.shard_map` with time sharded over `cp.axis_name` (pass a
+    [`deltanet_cp.ContextParallel`][] as `cp`), every rank attends from its own queries
+    (at their global positions) to the keys and values of the whole sequence, received by
+    one all-gather or around a ring (`kv_exchange`): a payload of
     `(cp - 1) / cp * S * 2 * num_kv_heads * head_dim` elements per rank and layer either
     way, growing with the sequence length `S`.
 
@@ -112,17 +111,17 @@ class CausalSelfAttention(eqx.Module):
     brings home: the backward sends `cp - 1` pieces of keys and values and `cp` of their
     gradients, in the accumulation dtype).
 
-    With `layout=Contiguous()` the causal work is unbalanced: rank `r` computes about
+    With `cp.layout = Contiguous()` the causal work is unbalanced: rank `r` computes about
     `(2 r + 1) / cp` times the average rank's tiles, so the last rank does
     `(2 cp - 1) / cp` times the average (1.75 at `cp = 4`) and every step waits for it,
     with either exchange (the ring's steps skip the future ranks' keys, so the early ranks
-    idle). With `layout=Zigzag()` every rank computes the same tiles' worth of work: the
+    idle). With `cp.layout = Zigzag()` every rank computes the same tiles' worth of work: the
     causal ideal plus half a tile per query block on the two diagonals, a fraction
     `block_size / S` more.
 
     For generation, a [`deltanet_cp.nn.KVCache`][] holds the keys and values seen so far:
-    `__call__` with a cache attends to it as well and writes the new keys and values into
-    it (a prefill, context parallel or not), `step` does one token.
+    `prefill` attends to it as well and writes the new keys and values into it (context
+    parallel or not), `step` does one token.
     """
 
     q_proj: eqx.nn.Linear
@@ -249,95 +248,96 @@ class CausalSelfAttention(eqx.Module):
             o = o * jax.nn.sigmoid(gate.astype(o.dtype))
         return jax.vmap(self.o_proj)(o.astype(self.o_proj.weight.dtype))
 
-    @overload
     def __call__(
         self,
         x: Float[Array, "seq hidden"],
-        cache: None = None,
         *,
-        length: Int[Array, ""] | int = 0,
-        axis_name: str | None = None,
-        layout: Layout = Contiguous(),
+        cp: ContextParallel | None = None,
         kv_exchange: KVExchange = "allgather",
-    ) -> Float[Array, "seq hidden"]: ...
-
-    @overload
-    def __call__(
-        self,
-        x: Float[Array, "seq hidden"],
-        cache: KVCache,
-        *,
-        length: Int[Array, ""] | int = 0,
-        axis_name: str | None = None,
-        layout: Layout = Contiguous(),
-        kv_exchange: KVExchange = "allgather",
-    ) -> tuple[Float[Array, "seq hidden"], KVCache]: ...
-
-    def __call__(
-        self,
-        x: Float[Array, "seq hidden"],
-        cache: KVCache | None = None,
-        *,
-        length: Int[Array, ""] | int = 0,
-        axis_name: str | None = None,
-        layout: Layout = Contiguous(),
-        kv_exchange: KVExchange = "allgather",
-    ) -> Float[Array, "seq hidden"] | tuple[Float[Array, "seq hidden"], KVCache]:
+    ) -> Float[Array, "seq hidden"]:
         """**Arguments:**
 
-        - `x`: one sequence, `(seq, hidden)`; with `axis_name`, this rank's shard of it.
-        - `cache`: optionally, the keys and values of `length` earlier tokens, replicated
-            on every rank with `axis_name`. The queries then attend to those too, and the
-            new keys and values are written into it at positions `length ..`; it must hold
-            `length + ` the whole sequence's tokens.
-        - `length`: with `cache`, how many tokens it holds (the position of the first
-            token of `x`); ignored without.
-        - `axis_name`: the `shard_map` axis that time is sharded over, or `None`.
-        - `layout`: how the sequence is sharded: [`deltanet_cp.Contiguous`][] (rank `r`
-            holds the `r`-th slice) or [`deltanet_cp.Zigzag`][] (rank `r` holds pieces `r`
-            and `2 cp - 1 - r` of `2 cp`; the causal work is then the same on every rank).
+        - `x`: one sequence, `(seq, hidden)`; with `cp`, this rank's shard of it.
+        - `cp`: a [`deltanet_cp.ContextParallel`][] without `mesh`: the call is made inside
+            `jax.shard_map`, time sharded over `cp.axis_name` under `cp.layout`
+            ([`deltanet_cp.Contiguous`][]: rank `r` holds the `r`-th slice;
+            [`deltanet_cp.Zigzag`][]: rank `r` holds pieces `r` and `2 cp - 1 - r` of
+            `2 cp`, and the causal work is then the same on every rank). `None` on one
+            device. (`cp.exchange` is the recurrences' and plays no part here.)
         - `kv_exchange`: how the keys and values reach every rank: `"allgather"` (one
             all-gather; each rank then computes only the tiles its queries need) or
             `"ring"` (`cp - 1` steps of `jax.lax.ppermute` in a loop, attending to one
             rank's keys per step in one online softmax, with `O(S / cp)` memory per rank;
             with `Zigzag` every rank computes the same number of tiles at every step).
-
-        `layout` and `kv_exchange` are ignored without `axis_name`.
+            Ignored without `cp`.
 
         **Returns:**
 
-        The output, `(seq, hidden)`; with `cache`, the pair `(output, new_cache)` (the
-        new cache the same on every rank: under context parallelism the new keys and
-        values are all-gathered into it).
+        The output, `(seq, hidden)`.
         """
         _check_kv_exchange(kv_exchange)
-        if axis_name is not None:
-            check_layout(layout, "CausalSelfAttention")
-        t = x.shape[0]
-        rel = positions(layout, t, axis_name)
-        start = 0 if cache is None else length
-        q, k, v, gate = self._project(x, rel + start)
-        attend = ft.partial(
-            _blockwise_attention,
-            axis_name=axis_name,
-            layout=layout,
+        cp = check_cp(cp, "CausalSelfAttention")
+        rel = local_positions(cp, x.shape[0])
+        q, k, v, gate = self._project(x, rel)
+        out, _ = _blockwise_attention(
+            q, k, v, rel, cp=cp, kv_exchange=kv_exchange, block_size=self.block_size
+        )
+        return self._finish(out, gate)
+
+    def prefill(
+        self,
+        x: Float[Array, "seq hidden"],
+        cache: KVCache,
+        length: Int[Array, ""] | int,
+        *,
+        cp: ContextParallel | None = None,
+        kv_exchange: KVExchange = "allgather",
+    ) -> tuple[Float[Array, "seq hidden"], KVCache]:
+        """`__call__` after `length` earlier tokens held in a cache, writing the new keys
+        and values into it.
+
+        **Arguments:**
+
+        - `x`: the next tokens, `(seq, hidden)`; with `cp`, this rank's shard of them.
+        - `cache`: the keys and values of the `length` earlier tokens, replicated on every
+            rank with `cp`. The queries attend to those too; it must hold `length + ` the
+            whole sequence's tokens.
+        - `length`: how many tokens `cache` holds (the position of the first token of `x`).
+        - `cp`, `kv_exchange`: as for `__call__`.
+
+        **Returns:**
+
+        `(output, new_cache)`, the new cache the same on every rank: under context
+        parallelism the new keys and values are all-gathered into it, in sequence order.
+        """
+        _check_kv_exchange(kv_exchange)
+        cp = check_cp(cp, "CausalSelfAttention")
+        rel = local_positions(cp, x.shape[0])
+        q, k, v, gate = self._project(x, rel + length)
+        out, lse = _blockwise_attention(
+            q,
+            k,
+            v,
+            rel,
+            cp=cp,
             kv_exchange=kv_exchange,
             block_size=self.block_size,
+            return_lse=True,
         )
-        if cache is None:
-            return self._finish(attend(q, k, v, rel)[0], gate)
-        out, lse = attend(q, k, v, rel, return_lse=True)
         assert lse is not None
         old = _cached_attention(q, cache.k, cache.v, length, self.block_size)
         o = _merge(old, (out, lse)).astype(v.dtype)
-        if axis_name is not None:
-            # Every rank's keys and values, the same on every rank (an invariant value).
+        if cp is not None:
+            # Every rank's keys and values, the same on every rank (an invariant value),
+            # in sequence order.
             k, v = (
-                jax.lax.all_gather(a, axis_name, axis=0, tiled=True, to="invarying") for a in (k, v)
+                cp.layout.from_layout(
+                    jax.lax.all_gather(a, cp.axis_name, axis=0, tiled=True, to="invarying"),
+                    axis_size(cp),
+                    axis=0,
+                )
+                for a in (k, v)
             )
-            if isinstance(layout, Zigzag):
-                cp = jax.lax.axis_size(axis_name)
-                k, v = from_zigzag(k, cp, axis=0), from_zigzag(v, cp, axis=0)
         new_cache = KVCache(
             k=jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), length, 0),
             v=jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), length, 0),
@@ -377,38 +377,3 @@ class CausalSelfAttention(eqx.Module):
         o = jnp.einsum("hgc,chd->hgd", p, cache.v.astype(acc), precision=hi)
         o = o.reshape(1, self.num_heads, d).astype(v.dtype)
         return self._finish(o, gate)[0], cache
-
-    def busiest_rank_work(
-        self,
-        seq_len: int,
-        cp: int,
-        layout: Layout = Contiguous(),
-        kv_exchange: KVExchange = "allgather",
-    ) -> float:
-        """The attention work of the busiest rank over the causal ideal, from the schedule.
-
-        Counts the `(block_size, block_size)` tiles each rank's compiled program computes
-        (forward; the backward runs the same tiles) and divides the busiest rank's
-        (query, key) pairs by the causal ideal per rank, `S (S + 1) / 2 / cp`: 1 is perfect
-        balance with no wasted pair. `benchmarks/attention_balance.py` checks the same
-        ratio against XLA's FLOP count of the compiled per-rank module.
-
-        **Arguments:**
-
-        - `seq_len`: the global sequence length `S`.
-        - `cp`: the number of ranks.
-        - `layout`, `kv_exchange`: as in `__call__`.
-
-        **Returns:**
-
-        The ratio, e.g. about `(2 cp - 1) / cp` under `Contiguous()` and about
-        `1 + block_size / S` under `Zigzag()`.
-        """
-        check_layout(layout, "CausalSelfAttention")
-        _check_kv_exchange(kv_exchange)
-        if seq_len % cp:
-            raise ValueError(f"seq_len ({seq_len}) must be divisible by cp ({cp}).")
-        b, m = _tiling(layout, seq_len // cp, self.block_size)
-        loops = _tiles(layout, cp, m, kv_exchange)
-        tiles = [sum(s.counts[r] for loop in loops for s in loop) for r in range(cp)]
-        return max(tiles) * b * b / (seq_len * (seq_len + 1) / 2 / cp)

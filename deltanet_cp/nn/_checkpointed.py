@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, PyTree
 
 from .._affine import AbstractAffineMap
-from .._engine import AbstractRecurrence
+from .._recurrence import AbstractRecurrence
 
 
 class Checkpointed(AbstractRecurrence):

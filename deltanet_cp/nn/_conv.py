@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._layout import check_layout, Contiguous, Layout, Zigzag, zigzag_half
+from .._parallel import ContextParallel
+from ._context import check_cp
 
 
 class CausalConv1d(eqx.Module):
@@ -19,9 +20,13 @@ class CausalConv1d(eqx.Module):
     `None`). This is `torch.nn.Conv1d(C, C, W, groups=C, padding=W-1, bias=False)` cut to
     the first `T` outputs, the convolution of Qwen3-Next and Qwen3.5.
 
-    Sequence-sharded (inside `jax.shard_map`, time split over `axis_name`), each contiguous
-    piece of the sequence needs only the last $W - 1$ inputs of the piece before it (its
-    *halo*), a `(W - 1, channels)` block; nothing else crosses ranks.
+    Sequence-sharded (inside `jax.shard_map`, time split over `cp.axis_name`), each
+    contiguous piece of the sequence needs only the last $W - 1$ inputs of the piece before
+    it (its *halo*), a `(W - 1, channels)` block; nothing else crosses ranks. The layout's
+    walks (`walks` of [`deltanet_cp.AbstractLayout`][]) say which piece comes before which:
+    along a walk, each rank receives the tail of the previous rank in walk order, one
+    `lax.ppermute` per walk; a walk's first piece continues from `state` (the first walk)
+    or from the last piece of the walk before it.
 
     - Under [`deltanet_cp.Contiguous`][], rank `r` receives the halo of rank `r - 1`
         (rank 0 uses `state`): one `lax.ppermute`.
@@ -31,8 +36,9 @@ class CausalConv1d(eqx.Module):
         whose second piece (`cp`) follows its own first piece (`cp - 1`). Two
         `lax.ppermute`s, one forward and one backward, and no all-gather.
 
-    With `return_state`, the final state (the last $W - 1$ inputs of the sequence) is
-    broadcast from the rank holding the sequence's last piece with one `lax.psum`.
+    The final state (the last $W - 1$ inputs of the sequence) is broadcast from the rank
+    holding the sequence's last piece with one `lax.psum`; left unused, XLA drops it and
+    its collective.
     """
 
     weight: Float[Array, "channels kernel"]
@@ -90,84 +96,66 @@ class CausalConv1d(eqx.Module):
         x: Float[Array, "seq channels"],
         state: Float[Array, "history channels"] | None = None,
         *,
-        axis_name: str | None = None,
-        return_state: bool = False,
-        layout: Layout = Contiguous(),
-    ) -> tuple[Float[Array, "seq channels"], Float[Array, "history channels"] | None]:
+        cp: ContextParallel | None = None,
+    ) -> tuple[Float[Array, "seq channels"], Float[Array, "history channels"]]:
         """**Arguments:**
 
-        - `x`: the inputs, `(seq, channels)`; with `axis_name`, this rank's shard of time:
-            under `Contiguous()` at least `kernel_size - 1` tokens, under `Zigzag()` an even
-            number, each of its two pieces at least `kernel_size - 1` tokens.
+        - `x`: the inputs, `(seq, channels)`; with `cp`, this rank's shard of time, in
+            `cp.layout`'s order: each of its pieces (the shard under `Contiguous()`, each
+            half under `Zigzag()`) at least `kernel_size - 1` tokens.
         - `state`: the `kernel_size - 1` inputs before the (global) first token; zeros if
-            `None`. With `axis_name` it is used by rank 0 only and must be replicated.
-        - `axis_name`: the `shard_map` axis that time is split over, or `None` on a single
-            device.
-        - `return_state`: also return the state after the last token: the last
-            `kernel_size - 1` inputs of the whole sequence (replicated across ranks).
-        - `layout`: how time is laid out over `axis_name`: [`deltanet_cp.Contiguous`][]
-            (rank order is sequence order; the default) or [`deltanet_cp.Zigzag`][] (rank
-            `r` holds pieces `r` and `2 cp - 1 - r` of `2 cp`, as
-            [`deltanet_cp.to_zigzag`][] lays them out). Ignored without `axis_name`.
+            `None`. With `cp` it must be replicated.
+        - `cp`: a [`deltanet_cp.ContextParallel`][] without `mesh` (the call is made inside
+            `jax.shard_map`, time sharded over `cp.axis_name`), or `None` on one device.
 
         **Returns:**
 
-        `(y, state)`: `y` of shape `(seq, channels)`, in the same layout as `x`, and, if
-        `return_state`, the new state `(kernel_size - 1, channels)`, else `None`.
+        `(y, state)`: `y` of shape `(seq, channels)`, in the same layout as `x`, and the
+        state after the last token, `(kernel_size - 1, channels)`: the last
+        `kernel_size - 1` inputs of the whole sequence (replicated across ranks).
         """
-        check_layout(layout, "CausalConv1d")
+        cp = check_cp(cp, "CausalConv1d")
         w = self.history
         t = x.shape[0]
         if state is None:
             state = jnp.zeros((w, x.shape[1]), x.dtype)
         state = state.astype(x.dtype)
-        if axis_name is not None and isinstance(layout, Zigzag):
-            zigzag_half(t)  # an odd shard is an error, with or without a halo
-        if axis_name is None or w == 0:
-            # One device, or a kernel without history: nothing crosses ranks.
+        if cp is None:
             y, tail = self._segment(x, state)
-            if not return_state:
-                return y, None
             # Without history the state is empty: `state` itself, replicated like it.
             return y, tail if w > 0 else state
-        n = jax.lax.axis_size(axis_name)
-        rank = jax.lax.axis_index(axis_name)
-        forward = [(i, i + 1) for i in range(n - 1)]
-        if isinstance(layout, Contiguous):
-            if t < w:
-                raise ValueError(
-                    f"Each rank needs at least kernel_size - 1 = {w} tokens for the "
-                    f"sequence-sharded convolution; this rank has {t}. Use fewer ranks or a "
-                    "longer sequence."
-                )
-            # Rank i's last W - 1 inputs go to rank i + 1; rank 0 receives nothing (zeros).
-            halo = jax.lax.ppermute(x[t - w :], axis_name, forward)
-            y, tail = self._segment(x, jnp.where(rank == 0, state, halo))
-            source = n - 1  # the sequence ends on the last rank
-        else:
-            half = zigzag_half(t)
-            if half < w:
-                raise ValueError(
-                    f"Under layout=Zigzag() each of a rank's two pieces needs at least "
-                    f"kernel_size - 1 = {w} tokens for the sequence-sharded convolution; "
-                    f"this rank's pieces have {half} (local length {t}). Use fewer ranks or a "
-                    f"longer sequence (at least {2 * w} tokens per rank)."
-                )
-            first, second = x[:half], x[half:]
-            # First pieces run in rank order: rank i's first tail goes to rank i + 1.
-            first_halo = jax.lax.ppermute(first[half - w :], axis_name, forward)
-            # Second pieces run in reverse rank order: rank i + 1's second tail goes to i.
-            backward = [(i + 1, i) for i in range(n - 1)]
-            second_halo = jax.lax.ppermute(second[half - w :], axis_name, backward)
-            y_first, first_tail = self._segment(first, jnp.where(rank == 0, state, first_halo))
-            # The last rank's second piece (cp) follows its own first piece (cp - 1).
-            y_second, tail = self._segment(
-                second, jnp.where(rank == n - 1, first_tail, second_halo)
+        n = jax.lax.axis_size(cp.axis_name)
+        # A shard that does not cut into whole pieces is an error, with or without a halo.
+        walks = cp.layout.walks(t, n)
+        if w == 0:  # a kernel without history: nothing crosses ranks
+            return self._segment(x, state)[0], state
+        piece = t // len(walks)
+        if piece < w:
+            raise ValueError(
+                f"The sequence-sharded convolution needs at least kernel_size - 1 = {w} tokens "
+                f"in each piece of a rank's shard; under layout={cp.layout!r} this rank's "
+                f"{t} tokens are {len(walks)} piece(s) of {piece}. Use fewer ranks or a longer "
+                f"sequence (at least {w * len(walks)} tokens per rank)."
             )
-            y = jnp.concatenate([y_first, y_second], axis=0)
-            source = 0  # the sequence ends with rank 0's second piece
-        if not return_state:
-            return y, None
+        rank = jax.lax.axis_index(cp.axis_name)
+        ys = []
+        # The inputs before the current walk's first piece, on rank `holder` (every rank
+        # for `state`, which is replicated).
+        incoming, holder = state, None
+        for walk in walks:
+            first, last = (n - 1, 0) if walk.reverse else (0, n - 1)
+            step = -1 if walk.reverse else 1
+            # Along the walk, each rank's tail goes to the next rank in walk order.
+            order = list(range(first, last + step, step))
+            segment = x[walk.local]
+            halo = jax.lax.ppermute(
+                segment[segment.shape[0] - w :], cp.axis_name, list(zip(order, order[1:]))
+            )
+            if holder is not None and holder != first:
+                incoming = jax.lax.ppermute(incoming, cp.axis_name, [(holder, first)])
+            y, tail = self._segment(segment, jnp.where(rank == first, incoming, halo))
+            ys.append(y)
+            incoming, holder = tail, last
         # Hand the tail of the sequence's last piece to every rank.
-        new_state = jax.lax.psum(jnp.where(rank == source, tail, jnp.zeros_like(tail)), axis_name)
-        return y, new_state
+        final = jnp.where(rank == holder, incoming, jnp.zeros_like(incoming))
+        return jnp.concatenate(ys, axis=0), jax.lax.psum(final, cp.axis_name)

@@ -21,17 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from .._layout import check_layout, Contiguous, Layout
-from ._schedule import (
-    _block,
-    _check_kv_exchange,
-    _check_unroll,
-    _position_table,
-    _Schedule,
-    _tiles,
-    _tiling,
-    _unrolled,
-)
+from .._parallel import ContextParallel, Contiguous
+from .._passes import varying
+from ._schedule import _block, _check_kv_exchange, _Schedule, _tiles, _tiling
 
 
 _HI = jax.lax.Precision.HIGHEST
@@ -46,30 +38,8 @@ def _acc_dtype(dtype) -> type:
     return jnp.float64 if dtype == jnp.float64 else jnp.float32
 
 
-def _varying(tree, like):
-    """Mark `tree`'s values as varying over every mesh axis `like`'s values vary over (a
-    loop carry that starts replicated but is updated with per-rank data, inside
-    `shard_map`)."""
-    axes: set = set()
-    for leaf in jax.tree.leaves(like):
-        axes |= set(jax.typeof(leaf).manual_axis_type.varying)
-
-    def cast(x):
-        missing = tuple(sorted(axes - set(jax.typeof(x).manual_axis_type.varying), key=str))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, tree)
-
-
-def _loop(count: Array, trips: int, body, init, unroll: bool | int):
-    """`fori_loop(0, count, body, init)`: the loop over tiles.
-
-    `unroll` (for measuring the compiled program: see `benchmarks/attention_balance.py`)
-    is `False` (or 1) for a rolled loop, `True` for no loop (`trips` copies of the body),
-    an int `n > 1` for a loop running `n` tiles per trip; `count` must then be `trips`.
-    """
-    if _unrolled(unroll):
-        return jax.lax.fori_loop(0, trips, body, init, unroll=unroll)
+def _tile_loop(tiles: Array, count: Array, body, init):
+    """`fori_loop(0, count, body, init)`: the loop over the tiles of one row of `tiles`."""
     return jax.lax.fori_loop(jnp.zeros((), count.dtype), count, body, init)
 
 
@@ -106,10 +76,10 @@ def _flash_init(q: Array, like) -> tuple[Array, Array, Array]:
         jnp.full((nq, h, b), jnp.finfo(acc).min, acc),
         jnp.zeros((nq, h, b), acc),
     )
-    return _varying(init, like)
+    return varying(init, like)
 
 
-def _flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, unroll, state):
+def _flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, state):
     """Run the listed tiles into the online-softmax `state` (see `_flash_init`)."""
     acc = _acc_dtype(q.dtype)
 
@@ -133,7 +103,7 @@ def _flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, unroll, state):
         o_new = alpha.T[..., None] * _take(o, i) + pv
         return _put(o, o_new, i), _put(m, m_new, i), _put(denom, l_new, i)
 
-    return _loop(count, tiles.shape[1], body, state, unroll)
+    return _tile_loop(tiles, count, body, state)
 
 
 def _flash_finish(state: tuple[Array, Array, Array]) -> tuple[Array, Array]:
@@ -146,13 +116,13 @@ def _flash_finish(state: tuple[Array, Array, Array]) -> tuple[Array, Array]:
     return out, lse
 
 
-def _flash_forward(q, k, v, pos_q, pos_k, tiles, row, count, unroll):
+def _flash_forward(q, k, v, pos_q, pos_k, tiles, row, count):
     state = _flash_init(q, (q, k, v, pos_q, pos_k, tiles, row, count))
-    return _flash_finish(_flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, unroll, state))
+    return _flash_finish(_flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, state))
 
 
-@ft.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _flash(q, k, v, pos_q, pos_k, tiles, row, count, unroll):
+@jax.custom_vjp
+def _flash(q, k, v, pos_q, pos_k, tiles, row, count):
     """Blockwise causal attention over a list of tiles, with an online softmax.
 
     **Arguments:**
@@ -165,8 +135,6 @@ def _flash(q, k, v, pos_q, pos_k, tiles, row, count, unroll):
         (query block, key block) pair; `tiles` is `(rows, pairs, 2)` int32 (one row per
         rank), `row` an int32 scalar (may be traced). Tiles not listed are not computed.
     - `count`: how many of the listed tiles to compute (an int32 scalar, may be traced).
-    - `unroll`: `False`, or (for measuring; `count` must then be `pairs`) `True` to unroll
-        the loop over tiles, an int `n` to run `n` tiles per trip.
 
     **Returns:**
 
@@ -175,11 +143,11 @@ def _flash(q, k, v, pos_q, pos_k, tiles, row, count, unroll):
     query that sees no key gets output 0 and log-sum-exp `-inf`. Partial results over
     disjoint keys merge with `logaddexp`; gradients flow through both outputs.
     """
-    return _flash_forward(q, k, v, pos_q, pos_k, tiles, row, count, unroll)
+    return _flash_forward(q, k, v, pos_q, pos_k, tiles, row, count)
 
 
-def _flash_fwd(q, k, v, pos_q, pos_k, tiles, row, count, unroll):
-    out, lse = _flash_forward(q, k, v, pos_q, pos_k, tiles, row, count, unroll)
+def _flash_fwd(q, k, v, pos_q, pos_k, tiles, row, count):
+    out, lse = _flash_forward(q, k, v, pos_q, pos_k, tiles, row, count)
     return (out, lse), (q, k, v, pos_q, pos_k, tiles, row, count, out, lse)
 
 
@@ -195,7 +163,7 @@ def _flash_grad_prep(out, lse, d_out, d_lse):
     return d_out, jnp.where(jnp.isfinite(lse), lse, 0), delta
 
 
-def _flash_grad_steps(q, k, v, pos_q, pos_k, tiles, row, count, unroll, lse, delta, d_out, grads):
+def _flash_grad_steps(q, k, v, pos_q, pos_k, tiles, row, count, lse, delta, d_out, grads):
     """Add the listed tiles' gradients to `grads = (dq, dk, dv)` (accumulation dtype).
 
     The scores are recomputed tile by tile from the saved log-sum-exp:
@@ -220,17 +188,17 @@ def _flash_grad_steps(q, k, v, pos_q, pos_k, tiles, row, count, unroll, lse, del
         dv = _put(dv, _take(dv, j) + dv_j, j)
         return dq, dk, dv
 
-    return _loop(count, tiles.shape[1], body, grads, unroll)
+    return _tile_loop(tiles, count, body, grads)
 
 
-def _flash_bwd(unroll, res, cts):
+def _flash_bwd(res, cts):
     q, k, v, pos_q, pos_k, tiles, row, count, out, lse = res
     d_out, lse, delta = _flash_grad_prep(out, lse, *cts)
     acc = _acc_dtype(q.dtype)
     init = (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
-    init = _varying(init, (q, k, v, pos_q, pos_k, tiles, row, count, d_out, delta))
+    init = varying(init, (q, k, v, pos_q, pos_k, tiles, row, count, d_out, delta))
     dq, dk, dv = _flash_grad_steps(
-        q, k, v, pos_q, pos_k, tiles, row, count, unroll, lse, delta, d_out, init
+        q, k, v, pos_q, pos_k, tiles, row, count, lse, delta, d_out, init
     )
     grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
     return grads + (None, None, None, None, None)
@@ -244,7 +212,7 @@ def _to_blocks(x: Array, b: int) -> Array:
     return x.reshape(-1, b, *x.shape[1:])
 
 
-def _attend(q, k, v, pos_q, pos_k, tiles, b, group, unroll):
+def _attend(q, k, v, pos_q, pos_k, tiles, b, group):
     """`_flash` on `(rows, heads, dim)` arrays, `b` keys and `b * group` query rows a tile:
     `(out (rows, heads, dim), lse (rows, heads))`."""
     tiles, row, count = tiles
@@ -259,7 +227,6 @@ def _attend(q, k, v, pos_q, pos_k, tiles, b, group, unroll):
             tiles,
             row,
             count,
-            unroll,
         ),
     )
     t = q.shape[0]
@@ -268,13 +235,12 @@ def _attend(q, k, v, pos_q, pos_k, tiles, b, group, unroll):
 
 class _Ring:
     """The static description of one ring attention (a non-differentiable argument of
-    `_ring`): the mesh axis, its size `cp`, the kernel's `unroll`, the
-    local diagonal's schedule (step 0), the schedules of steps `1 .. cp - 1` as one table
-    (row `(step - 1) cp + rank`), and the global positions of every rank's keys in blocks,
-    `(cp, blocks, b)`."""
+    `_ring`): the mesh axis, its size `cp`, the local diagonal's schedule (step 0), the
+    schedules of steps `1 .. cp - 1` as one table (row `(step - 1) cp + rank`), and the
+    global positions of every rank's keys in blocks, `(cp, blocks, b)`."""
 
-    def __init__(self, axis_name, cp, unroll, diagonal, steps, positions):
-        self.axis_name, self.cp, self.unroll = axis_name, cp, unroll
+    def __init__(self, axis_name, cp, diagonal, steps, positions):
+        self.axis_name, self.cp = axis_name, cp
         self.diagonal: _Schedule = diagonal
         self.stacked = _Schedule.of(
             [s.listed(r) for s in steps for r in range(cp)] if steps else [[]]
@@ -282,9 +248,8 @@ class _Ring:
         self.positions: np.ndarray = positions
 
     def ring_loop(self, body, init):
-        """`body(step, carry)` for steps `1 .. cp - 1`: a loop, unless the kernel's loops
-        are all unrolled (`unroll=True`, for measuring), when it is straight-line code."""
-        return jax.lax.fori_loop(1, self.cp, body, init, unroll=self.unroll is True or 1)
+        """`body(step, carry)` for steps `1 .. cp - 1`."""
+        return jax.lax.fori_loop(1, self.cp, body, init)
 
     def ppermute(self, x):
         """Pass `x` one rank on around the ring (rank `r` receives rank `r - 1`'s)."""
@@ -302,13 +267,13 @@ class _Ring:
 def _ring_forward(ring: _Ring, q, k, v, pos_q, pos_k):
     rank = jax.lax.axis_index(ring.axis_name)
     state = _flash_init(q, (q, k, v, pos_q, pos_k))
-    state = _flash_steps(q, k, v, pos_q, pos_k, *ring.diagonal.at(rank), ring.unroll, state)
+    state = _flash_steps(q, k, v, pos_q, pos_k, *ring.diagonal.at(rank), state)
 
     def body(step, carry):
         k, v, state = carry
         k, v = ring.ppermute((k, v))
         pos_k, tiles, row, count = ring.step(rank, step)
-        state = _flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, ring.unroll, state)
+        state = _flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, state)
         return k, v, state
 
     _, _, state = ring.ring_loop(body, (k, v, state))
@@ -345,10 +310,10 @@ def _ring_bwd(ring: _Ring, res, d_out):
     d_out, lse, delta = _flash_grad_prep(out, lse, d_out, None)
     acc = _acc_dtype(q.dtype)
     grads = (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
-    grads = _varying(grads, (q, k, v, pos_q, pos_k, d_out, delta))
+    grads = varying(grads, (q, k, v, pos_q, pos_k, d_out, delta))
     tiles, row, count = ring.diagonal.at(rank)
     dq, dk, dv = _flash_grad_steps(
-        q, k, v, pos_q, pos_k, tiles, row, count, ring.unroll, lse, delta, d_out, grads
+        q, k, v, pos_q, pos_k, tiles, row, count, lse, delta, d_out, grads
     )
 
     def body(step, carry):
@@ -356,7 +321,7 @@ def _ring_bwd(ring: _Ring, res, d_out):
         k, v, dk, dv = ring.ppermute((k, v, dk, dv))
         pos_k, tiles, row, count = ring.step(rank, step)
         dq, dk, dv = _flash_grad_steps(
-            q, k, v, pos_q, pos_k, tiles, row, count, ring.unroll, lse, delta, d_out, (dq, dk, dv)
+            q, k, v, pos_q, pos_k, tiles, row, count, lse, delta, d_out, (dq, dk, dv)
         )
         return k, v, dq, dk, dv
 
@@ -391,11 +356,9 @@ def _blockwise_attention(
     v: Float[Array, "seq kv_heads dim"],
     pos_q: Int[Array, " seq"],
     *,
-    axis_name: str | None,
-    layout: Layout,
+    cp: ContextParallel | None,
     kv_exchange: str,
     block_size: int,
-    unroll: bool | int = False,
     return_lse: bool = False,
 ) -> tuple[Array, Array | None]:
     """Causal softmax attention of this rank's queries (global positions `pos_q`, RoPE
@@ -411,6 +374,7 @@ def _blockwise_attention(
     in the accumulation dtype (for merging with attention to other keys; the ring then runs
     without its memory-saving backward).
     """
+    _check_kv_exchange(kv_exchange)
     t, h, d = q.shape
     group = h // k.shape[1]
     q = _group_queries(q * (d**-0.5), group)
@@ -422,26 +386,22 @@ def _blockwise_attention(
             return out.astype(v.dtype), None
         return out, _ungroup_queries(lse.reshape(t * group, -1), group)
 
-    if axis_name is None:
+    if cp is None:
         b = _block(block_size, t, "the sequence length")
-        ((schedule,),) = loops = _tiles(Contiguous(), 1, t // b, "allgather")
-        _check_unroll(loops, unroll)
-        return finish(*_attend(q, k, v, pos_q_rows, pos_q, schedule.at(0), b, group, unroll))
-    check_layout(layout, "CausalSelfAttention")
-    _check_kv_exchange(kv_exchange)
-    cp = jax.lax.axis_size(axis_name)
-    rank = jax.lax.axis_index(axis_name)
-    b, m = _tiling(layout, t, block_size)
-    table = _position_table(layout, t, cp)
-    loops = _tiles(layout, cp, m, kv_exchange)
-    _check_unroll(loops, unroll)
+        ((schedule,),) = _tiles(Contiguous().held(1), t // b, "allgather")
+        return finish(*_attend(q, k, v, pos_q_rows, pos_q, schedule.at(0), b, group))
+    n = jax.lax.axis_size(cp.axis_name)
+    rank = jax.lax.axis_index(cp.axis_name)
+    b, m = _tiling(cp.layout, t, n, block_size)
+    table = cp.layout.position_table(t, n)
+    loops = _tiles(cp.layout.held(n), m, kv_exchange)
     if kv_exchange == "allgather":
-        k = jax.lax.all_gather(k, axis_name, axis=0, tiled=True)
-        v = jax.lax.all_gather(v, axis_name, axis=0, tiled=True)
+        k = jax.lax.all_gather(k, cp.axis_name, axis=0, tiled=True)
+        v = jax.lax.all_gather(v, cp.axis_name, axis=0, tiled=True)
         pos_k = jnp.asarray(table.reshape(-1))
-        return finish(*_attend(q, k, v, pos_q_rows, pos_k, loops[0][0].at(rank), b, group, unroll))
+        return finish(*_attend(q, k, v, pos_q_rows, pos_k, loops[0][0].at(rank), b, group))
     (diagonal,), steps = loops
-    ring = _Ring(axis_name, cp, unroll, diagonal, steps, table.reshape(cp, -1, b))
+    ring = _Ring(cp.axis_name, n, diagonal, steps, table.reshape(n, -1, b))
     qb, pos_qb = _to_blocks(q, b * group), _to_blocks(pos_q_rows, b * group)
     kb, vb, pos_kb = _to_blocks(k, b), _to_blocks(v, b), _to_blocks(pos_q, b)
     if return_lse:

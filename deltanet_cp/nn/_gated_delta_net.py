@@ -1,20 +1,18 @@
 """The Gated DeltaNet layer of Qwen3-Next and Qwen3.5, with context parallelism."""
 
-from typing import Literal, overload
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._engine import run
-from .._exchange import AbstractExchange, ExchangeName
-from .._layout import check_layout, Contiguous, Layout, Zigzag
+from .._parallel import ContextParallel
+from .._run import run
 from .._validate import as_positive_index
 from ..recurrences._delta_family import DeltaInputs
 from ..recurrences._gated_delta import GatedDeltaRule, recurrent_gated_delta_rule
 from ._checkpointed import Checkpointed, checkpoints
+from ._context import check_cp
 from ._conv import CausalConv1d
 from ._norm import GatedRMSNorm
 
@@ -53,12 +51,14 @@ class GatedDeltaNet(eqx.Module):
     Call it on one sequence and `jax.vmap` over the batch, as any Equinox layer. It computes
     in its parameters' dtype (the recurrence's state and gates in float32, or float64) and
     returns its input's dtype: a bfloat16 `x` through float32 parameters gives bfloat16.
-    Inside
-    `jax.shard_map` with time sharded contiguously over a mesh axis, pass that axis as
-    `axis_name`: the convolution fetches its `conv_kernel_size - 1` token halo from the
-    previous rank by one `ppermute` and the recurrence runs through
-    [`deltanet_cp.chunk_gated_delta_rule_cp`][], whose payload does not grow with the
-    sequence length.
+    Inside `jax.shard_map` with time sharded over a mesh axis, pass a
+    [`deltanet_cp.ContextParallel`][] as `cp`: the convolution fetches its
+    `conv_kernel_size - 1` token halo from the previous piece by `ppermute` and the
+    recurrence runs through [`deltanet_cp.run`][] with the same `cp`, whose payload does
+    not grow with the sequence length.
+
+    `__call__` maps a sequence to its output; `prefill` also returns the state after it
+    (and, optionally, the states at fixed token boundaries); `step` does one token.
 
     The parameters use the Qwen3.5 layout (separate `in_proj_qkv`, `in_proj_z`,
     `in_proj_b`, `in_proj_a`); [`deltanet_cp.interop.gated_delta_net_from_hf`][] loads
@@ -238,8 +238,7 @@ class GatedDeltaNet(eqx.Module):
         x: Float[Array, "seq hidden"],
         state: GatedDeltaNetState | None = None,
         *,
-        axis_name: str | None = None,
-        layout: Layout = Contiguous(),
+        cp: ContextParallel | None = None,
     ) -> tuple[Array, Array, Array, Array, Array, Array]:
         """Everything the layer computes before the gated delta rule (for inspection).
 
@@ -254,76 +253,39 @@ class GatedDeltaNet(eqx.Module):
         self._check_input(x)
         mixed, z, b, a = self._project(x)
         conv_state = None if state is None else state.conv
-        mixed, _ = self.conv1d(mixed, conv_state, axis_name=axis_name, layout=layout)
+        mixed, _ = self.conv1d(mixed, conv_state, cp=check_cp(cp, "GatedDeltaNet"))
         return self._split(jax.nn.silu(mixed), z, b, a)
 
-    @overload
     def __call__(
         self,
         x: Float[Array, "seq hidden"],
         state: GatedDeltaNetState | None = None,
         *,
-        return_state: Literal[False] = False,
-        axis_name: str | None = None,
-        layout: Layout = Contiguous(),
-        exchange: AbstractExchange | ExchangeName = "allgather",
-    ) -> Float[Array, "seq hidden"]: ...
-
-    @overload
-    def __call__(
-        self,
-        x: Float[Array, "seq hidden"],
-        state: GatedDeltaNetState | None = None,
-        *,
-        return_state: Literal[True],
-        axis_name: str | None = None,
-        layout: Layout = Contiguous(),
-        exchange: AbstractExchange | ExchangeName = "allgather",
-    ) -> tuple[Float[Array, "seq hidden"], GatedDeltaNetState]: ...
-
-    def __call__(
-        self,
-        x: Float[Array, "seq hidden"],
-        state: GatedDeltaNetState | None = None,
-        *,
-        return_state: bool = False,
-        axis_name: str | None = None,
-        layout: Layout = Contiguous(),
-        exchange: AbstractExchange | ExchangeName = "allgather",
-    ) -> Float[Array, "seq hidden"] | tuple[Float[Array, "seq hidden"], GatedDeltaNetState]:
+        cp: ContextParallel | None = None,
+    ) -> Float[Array, "seq hidden"]:
         """**Arguments:**
 
-        - `x`: one sequence, `(seq, hidden)`; inside `jax.shard_map` with `axis_name`, this
-            rank's shard of it under `layout` (each contiguous piece at least
-            `conv_kernel_size - 1` tokens).
+        - `x`: one sequence, `(seq, hidden)`; with `cp`, this rank's shard of it under
+            `cp.layout` (each of its pieces at least `conv_kernel_size - 1` tokens).
         - `state`: the state before the first token (a prefix already processed), or `None`
-            to start from zeros. With `axis_name`, replicated on every rank.
-        - `return_state`: also return the state after the last token (replicated on every
-            rank with `axis_name`), for generation.
-        - `axis_name`: the `shard_map` axis that time is sharded over, or `None`.
-        - `layout`: how time is laid out over `axis_name`: [`deltanet_cp.Contiguous`][]
-            (the default) or [`deltanet_cp.Zigzag`][] (each rank's shard is its two pieces,
-            concatenated; the convolution's halo and the recurrence follow the chain).
-        - `exchange`: how ranks exchange recurrent state: [`deltanet_cp.AllGather`][]
-            (the default), [`deltanet_cp.PPermute`][], [`deltanet_cp.Ring`][],
-            [`deltanet_cp.Auto`][] or their string shorthands.
+            to start from zeros. With `cp`, replicated on every rank.
+        - `cp`: a [`deltanet_cp.ContextParallel`][] without `mesh`: the call is made inside
+            `jax.shard_map`, time sharded over `cp.axis_name` under `cp.layout`
+            ([`deltanet_cp.Contiguous`][] or [`deltanet_cp.Zigzag`][]: the convolution's
+            halo and the recurrence follow the layout's pieces), the ranks exchanging
+            recurrent state by `cp.exchange`. `None` on one device.
 
         **Returns:**
 
-        The output, `(seq, hidden)`, in `x`'s dtype (computed in the parameters' dtype);
-        with `return_state`, the pair `(output, new_state)`, the new convolution state in
-        the given one's dtype (the parameters' without one).
+        The output, `(seq, hidden)`, in `x`'s dtype (computed in the parameters' dtype).
+        For the state after the last token as well, call `prefill`.
 
         **Raises:**
 
         `ValueError` naming `x` if it is not a floating-point `(seq, hidden)` array (a
         batch: `jax.vmap` the layer over it).
         """
-        out, new_state, _ = self._forward(x, state, return_state, None, axis_name, layout, exchange)
-        if not return_state:
-            return out
-        assert new_state is not None
-        return out, new_state
+        return self._forward(x, state, None, cp)[0]
 
     def prefill(
         self,
@@ -331,11 +293,10 @@ class GatedDeltaNet(eqx.Module):
         state: GatedDeltaNetState | None = None,
         *,
         checkpoint_every: int | None = None,
-        axis_name: str | None = None,
-        layout: Layout = Contiguous(),
-        exchange: AbstractExchange | ExchangeName = "allgather",
+        cp: ContextParallel | None = None,
     ) -> tuple[Float[Array, "seq hidden"], GatedDeltaNetState, GatedDeltaNetState | None]:
-        """`__call__(x, state, return_state=True)`, and the states at fixed token boundaries.
+        """`__call__`, the state after the last token, and the states at fixed token
+        boundaries.
 
         With `checkpoint_every = L`, the recurrence runs in chunks of `L` tokens and the
         engine's pass also emits the state after each of them (no extra pass, no extra
@@ -344,32 +305,30 @@ class GatedDeltaNet(eqx.Module):
 
         **Arguments:**
 
-        - `x`, `state`, `axis_name`, `layout`, `exchange`: as for `__call__`.
+        - `x`, `state`, `cp`: as for `__call__`.
         - `checkpoint_every`: `L`, a multiple of `chunk_size` and at least
-            `conv_kernel_size - 1`; with `axis_name` it must divide each contiguous piece
-            of this rank's shard (the shard under `Contiguous`, each half under `Zigzag`),
-            so that the boundaries fall at multiples of `L` of the whole sequence. `None`
-            for no checkpoints.
+            `conv_kernel_size - 1`; with `cp` it must divide each contiguous piece of this
+            rank's shard (the shard under `Contiguous`, each half under `Zigzag`), so that
+            the boundaries fall at multiples of `L` of the whole sequence. `None` for no
+            checkpoints.
 
         **Returns:**
 
-        `(output, new_state, checkpoints)`. `checkpoints` is `None` without
+        `(output, new_state, checkpoints)`. `new_state` is the state after the last token
+        (replicated on every rank with `cp`), the convolution state in the given one's
+        dtype (the parameters' without one). `checkpoints` is `None` without
         `checkpoint_every`; else a [`deltanet_cp.nn.GatedDeltaNetState`][] with a leading
         axis over the boundaries: `conv (n, conv_kernel_size - 1, conv_dim)` and
         `recurrent (n, HV, K, V)`, the state after `L`, `2 L`, ... tokens of this rank's
         tokens in the order they are laid out (`n = len(x) // L`; on one device, a last
         partial chunk has no checkpoint). Under context parallelism each rank holds the
-        checkpoints of its own pieces: sharded over `axis_name` they are in the layout's
-        order (put them in sequence order with [`deltanet_cp.from_zigzag`][] on axis 0
-        under `Zigzag`).
+        checkpoints of its own pieces: sharded over `cp.axis_name` they are in the
+        layout's order (put them in sequence order with `cp.layout.from_layout` on
+        axis 0).
         """
-        out, new_state, saved = self._forward(
-            x, state, True, checkpoint_every, axis_name, layout, exchange
-        )
-        assert new_state is not None
-        return out, new_state, saved
+        return self._forward(x, state, checkpoint_every, cp)
 
-    def _check_checkpoints(self, every: int, length: int, axis_name, layout) -> None:
+    def _check_checkpoints(self, every: int, length: int, cp: ContextParallel | None) -> None:
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"`checkpoint_every` must be a positive int; got {every!r}.")
         if every % self.chunk_size or every < self.conv1d.history:
@@ -378,28 +337,26 @@ class GatedDeltaNet(eqx.Module):
                 f"({self.chunk_size}) and at least conv_kernel_size - 1 "
                 f"({self.conv1d.history})."
             )
-        if axis_name is None:
+        if cp is None:
             return
-        piece = length // 2 if isinstance(layout, Zigzag) else length
+        piece = cp.layout.piece_length(length, jax.lax.axis_size(cp.axis_name))
         if piece % every:
             raise ValueError(
                 f"Under context parallelism `checkpoint_every` ({every}) must divide each "
-                f"contiguous piece of a rank's shard ({piece} tokens under {layout!r}), so "
+                f"contiguous piece of a rank's shard ({piece} tokens under {cp.layout!r}), so "
                 "that the checkpoints fall at multiples of it in the whole sequence."
             )
 
     def _forward(
-        self, x, state, return_state, checkpoint_every, axis_name, layout, exchange
-    ) -> tuple[Array, GatedDeltaNetState | None, GatedDeltaNetState | None]:
-        check_layout(layout, "GatedDeltaNet")
+        self, x, state, checkpoint_every, cp
+    ) -> tuple[Array, GatedDeltaNetState, GatedDeltaNetState | None]:
+        cp = check_cp(cp, "GatedDeltaNet")
         self._check_input(x)
         if checkpoint_every is not None:
-            self._check_checkpoints(checkpoint_every, x.shape[0], axis_name, layout)
+            self._check_checkpoints(checkpoint_every, x.shape[0], cp)
         mixed, z, b, a = self._project(x)
         conv_state, h0 = (None, None) if state is None else (state.conv, state.recurrent)
-        conv_out, new_conv = self.conv1d(
-            mixed, conv_state, axis_name=axis_name, return_state=return_state, layout=layout
-        )
+        conv_out, new_conv = self.conv1d(mixed, conv_state, cp=cp)
         q, k, v, z, g, beta = self._split(jax.nn.silu(conv_out), z, b, a)
         recurrence = GatedDeltaRule(chunk_size=self.chunk_size, use_qk_l2norm=True)
         if checkpoint_every is not None:
@@ -408,26 +365,19 @@ class GatedDeltaNet(eqx.Module):
             recurrence,
             DeltaInputs(q[None], k[None], v[None], g[None], beta[None]),
             initial_state=None if h0 is None else h0[None],
-            output_final_state=return_state,
-            axis_name=axis_name,
-            layout=layout,
-            exchange=exchange,
+            cp=cp,
         )
         saved = None
         if checkpoint_every is not None:
             o, spread = o
             n, w = x.shape[0] // checkpoint_every, self.conv1d.history
             ends = checkpoint_every * jnp.arange(1, n + 1)
+            shape = self.init_state().recurrent.shape
             saved = GatedDeltaNetState(
                 conv=mixed[ends[:, None] - w + jnp.arange(w)[None, :]],
-                recurrent=checkpoints(spread, checkpoint_every, self.init_state().recurrent.shape)[
-                    0
-                ],
+                recurrent=checkpoints(spread, checkpoint_every, shape)[0],
             )
         out = self._finish(o[0], z).astype(x.dtype)
-        if not return_state:
-            return out, None, None
-        assert new_conv is not None and h is not None
         if conv_state is not None:
             new_conv = new_conv.astype(conv_state.dtype)
         return out, GatedDeltaNetState(conv=new_conv, recurrent=h[0]), saved
@@ -441,7 +391,7 @@ class GatedDeltaNet(eqx.Module):
 
         - `x`: the new token's input, `(hidden,)`.
         - `state`: the state before it (from [`deltanet_cp.nn.GatedDeltaNet.init_state`][],
-            a prefill `__call__(..., return_state=True)`, or the previous `step`).
+            a `prefill`, or the previous `step`).
 
         **Returns:**
 
@@ -450,7 +400,7 @@ class GatedDeltaNet(eqx.Module):
         """
         self._check_input(x, one_token=True)
         mixed, z, b, a = self._project(x[None])
-        mixed, new_conv = self.conv1d(mixed, state.conv, return_state=True)
+        mixed, new_conv = self.conv1d(mixed, state.conv)
         q, k, v, z, g, beta = self._split(jax.nn.silu(mixed), z, b, a)
         o, h = recurrent_gated_delta_rule(
             q[None],
@@ -459,10 +409,8 @@ class GatedDeltaNet(eqx.Module):
             g[None],
             beta[None],
             initial_state=state.recurrent[None],
-            output_final_state=True,
             use_qk_l2norm=True,
         )
-        assert new_conv is not None and h is not None
         y = self._finish(o[0], z)[0].astype(x.dtype)
         new_state = GatedDeltaNetState(
             conv=new_conv.astype(state.conv.dtype), recurrent=h[0].astype(state.recurrent.dtype)

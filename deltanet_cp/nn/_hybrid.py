@@ -6,11 +6,12 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._exchange import AbstractExchange, ExchangeName
-from .._layout import check_layout, Contiguous, Layout
+from .._parallel import ContextParallel
 from .._validate import as_positive_index
-from ._attention import CausalSelfAttention, KVExchange
+from ._attention import CausalSelfAttention
+from ._context import check_cp
 from ._gated_delta_net import GatedDeltaNet
+from ._schedule import KVExchange
 
 
 class SwiGLU(eqx.Module):
@@ -81,17 +82,15 @@ class HybridBlock(eqx.Module):
         self,
         x: Float[Array, "seq hidden"],
         *,
-        axis_name: str | None = None,
-        layout: Layout = Contiguous(),
-        exchange: AbstractExchange | ExchangeName = "allgather",
+        cp: ContextParallel | None = None,
         kv_exchange: KVExchange = "allgather",
     ) -> Float[Array, "seq hidden"]:
         """**Arguments:** as for [`deltanet_cp.nn.HybridLM`][], on hidden states."""
         h = jax.vmap(self.mixer_norm)(x)
         if isinstance(self.mixer, GatedDeltaNet):
-            h = self.mixer(h, axis_name=axis_name, layout=layout, exchange=exchange)
+            h = self.mixer(h, cp=cp)
         else:
-            h = self.mixer(h, axis_name=axis_name, layout=layout, kv_exchange=kv_exchange)
+            h = self.mixer(h, cp=cp, kv_exchange=kv_exchange)
         x = x + h
         return x + jax.vmap(lambda y: self.mlp(self.mlp_norm(y)))(x)
 
@@ -119,9 +118,10 @@ class HybridLM(eqx.Module):
     Embedding; `num_layers` residual blocks whose token mixer is a Gated DeltaNet, except
     every `attention_every`-th one, which is causal softmax attention; SwiGLU MLPs; a final
     RMSNorm; an untied LM head. Every layer is context parallel: call it inside
-    `jax.shard_map` with `axis_name` and this rank's shard of the tokens, under either
-    layout. With [`deltanet_cp.Zigzag`][] every layer (Gated DeltaNet, its convolution,
-    attention) runs on the same zigzag shards, with no reordering between layers.
+    `jax.shard_map` with a [`deltanet_cp.ContextParallel`][] `cp` and this rank's shard of
+    the tokens, under either layout. With [`deltanet_cp.Zigzag`][] every layer (Gated
+    DeltaNet, its convolution, attention) runs on the same zigzag shards, with no
+    reordering between layers.
     """
 
     embed: eqx.nn.Embedding
@@ -205,22 +205,20 @@ class HybridLM(eqx.Module):
         self,
         tokens: Int[Array, " seq"],
         *,
-        axis_name: str | None = None,
-        layout: Layout = Contiguous(),
-        exchange: AbstractExchange | ExchangeName = "allgather",
+        cp: ContextParallel | None = None,
         kv_exchange: KVExchange = "allgather",
     ) -> Float[Array, "seq vocab"]:
         """**Arguments:**
 
-        - `tokens`: one sequence of token ids; with `axis_name`, this rank's shard of it
-            under `layout`.
-        - `axis_name`: the `shard_map` axis that time is sharded over, or `None`.
-        - `layout`: [`deltanet_cp.Contiguous`][] (the default) or
+        - `tokens`: one sequence of token ids; with `cp`, this rank's shard of it under
+            `cp.layout`.
+        - `cp`: a [`deltanet_cp.ContextParallel`][] without `mesh` (the call is made inside
+            `jax.shard_map`, time sharded over `cp.axis_name`), or `None` on one device.
+            Its `layout`: [`deltanet_cp.Contiguous`][] (the default) or
             [`deltanet_cp.Zigzag`][] (put the tokens in that order with
-            [`deltanet_cp.to_zigzag`][]; the logits come out in it too). Zigzag balances
-            the attention layers' causal work across ranks.
-        - `exchange`: the Gated DeltaNet layers' state exchange (see
-            [`deltanet_cp.chunk_gated_delta_rule_cp`][]).
+            `cp.layout.to_layout`; the logits come out in it too), which balances the
+            attention layers' causal work across ranks. Its `exchange`: the Gated DeltaNet
+            layers' state exchange.
         - `kv_exchange`: how the attention layers get the other ranks' keys and values:
             `"allgather"` or `"ring"` (see [`deltanet_cp.nn.CausalSelfAttention`][]).
 
@@ -235,7 +233,7 @@ class HybridLM(eqx.Module):
         through `equinox.error_if`: an `EquinoxRuntimeError` eagerly, an error when the
         computation runs under `jax.jit`.
         """
-        check_layout(layout, "HybridLM")
+        cp = check_cp(cp, "HybridLM")
         dtype = getattr(tokens, "dtype", None)
         if dtype is None or not jnp.issubdtype(dtype, jnp.integer) or tokens.ndim != 1:
             raise ValueError(
@@ -246,11 +244,5 @@ class HybridLM(eqx.Module):
         tokens = _check_ids(tokens, self.embed.num_embeddings)
         x = jax.vmap(self.embed)(tokens)
         for block in self.blocks:
-            x = block(
-                x,
-                axis_name=axis_name,
-                layout=layout,
-                exchange=exchange,
-                kv_exchange=kv_exchange,
-            )
+            x = block(x, cp=cp, kv_exchange=kv_exchange)
         return jax.vmap(lambda y: self.lm_head(self.norm(y)))(x)

@@ -1,5 +1,6 @@
 """The tile schedules of blockwise causal attention: which (query block, key block) tiles
-each rank computes, as static tables, for one device and both context-parallel layouts."""
+each rank computes, as static tables, derived from the pieces each rank holds (one device is
+one rank holding one piece)."""
 
 from typing import Literal
 
@@ -7,15 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from .._layout import Contiguous, Layout, Zigzag, zigzag_half
+from .._parallel import AbstractLayout
 
 
 _KV_EXCHANGES = ("allgather", "ring")
 KVExchange = Literal["allgather", "ring"]
-
-
-def _unrolled(unroll: bool | int) -> bool:
-    return unroll is True or (not isinstance(unroll, bool) and unroll > 1)
 
 
 def _triangle(m: int, q0: int = 0, k0: int = 0) -> list[tuple[int, int]]:
@@ -68,68 +65,62 @@ class _Schedule:
         return jnp.asarray(self.tiles), row, count
 
 
-def _zigzag_slot(piece: int, cp: int) -> int:
-    """Where global piece `piece` of `2 cp` lies in the rank-order concatenation of shards."""
-    return 2 * piece if piece < cp else 2 * (2 * cp - 1 - piece) + 1
+Held = tuple[tuple[int, ...], ...]
+"""Per rank, the global pieces its shard holds, in local order (`AbstractLayout.held`)."""
 
 
-def _allgather_schedule(layout: Layout, cp: int, m: int) -> _Schedule:
+def _piece_tiles(p: int, q: int, qi: int, kj: int, m: int) -> list[tuple[int, int]]:
+    """The tiles of queries of global piece `p` (local blocks from `qi`) against keys of
+    global piece `q` (key blocks from `kj`), `m` blocks a piece: all of them if `q` is
+    wholly in `p`'s past, a causal diagonal if it is the same piece, none if in its future."""
+    if q < p:
+        return _rect(qi, m, kj, m)
+    if q == p:
+        return _triangle(m, qi, kj)
+    return []
+
+
+def _allgather_schedule(held: Held, m: int) -> _Schedule:
     """Tiles of local queries against the all-gathered keys, `m` blocks per piece.
 
-    Contiguous: rank `r` needs the key blocks of ranks `0 .. r - 1` whole and a causal
-    diagonal of its own, `m (m + 1) / 2 + r m^2` tiles. Zigzag: first piece `r` needs
-    pieces `0 .. r - 1` whole and its own diagonal, second piece `2 cp - 1 - r` needs pieces
-    `0 .. 2 cp - 2 - r` whole and its own diagonal: `(2 cp - 1) m^2 + m (m + 1)` tiles on
-    every rank.
+    The gathered keys are every rank's shard in rank order, so global piece `q` lies at
+    its slot in the concatenation of `held`. The local piece in slot `i` attends every
+    earlier piece whole and its own causally. Contiguous: rank `r` runs
+    `m (m + 1) / 2 + r m^2` tiles. Zigzag: `(2 cp - 1) m^2 + m (m + 1)` on every rank.
     """
-    per_rank = []
-    for r in range(cp):
-        if isinstance(layout, Contiguous):
-            tiles = _triangle(m, 0, r * m) + _rect(0, m, 0, r * m)
-        else:
-            tiles = []
-            for slot, piece in ((0, r), (1, 2 * cp - 1 - r)):
-                for p in range(piece):
-                    tiles += _rect(slot * m, m, _zigzag_slot(p, cp) * m, m)
-                tiles += _triangle(m, slot * m, _zigzag_slot(piece, cp) * m)
-        per_rank.append(tiles)
+    slots = [q for pieces in held for q in pieces]
+    per_rank = [
+        [
+            tile
+            for i, p in enumerate(pieces)
+            for j, q in enumerate(slots)
+            for tile in _piece_tiles(p, q, i * m, j * m, m)
+        ]
+        for pieces in held
+    ]
     return _Schedule.of(per_rank)
 
 
-def _ring_schedule(layout: Layout, cp: int, m: int, step: int) -> _Schedule:
+def _ring_schedule(held: Held, m: int, step: int) -> _Schedule:
     """Tiles of local queries against the keys held `step` ranks back around the ring.
 
-    Step 0 is the local causal diagonal. At step `i > 0` rank `r` holds the keys of source
-    `s = (r - i) mod cp`, all in its past if `s < r` (that is, `i <= r`), all in its future
-    otherwise. Contiguous: `m^2` tiles if `s < r`, none otherwise. Zigzag (the schedule of
-    ring-flash-attention): if `s < r` both local pieces attend to the source's first piece,
-    otherwise the local second piece attends to both source pieces; `2 m^2` tiles either way.
+    At step `i` rank `r` holds the shard of source `s = (r - i) mod cp` (step 0: its own,
+    the causal diagonals). Contiguous: `m^2` tiles if `s < r`, none otherwise. Zigzag (the
+    schedule of ring-flash-attention): if `s < r` both local pieces attend to the
+    source's first piece, otherwise the local second piece attends to both source pieces;
+    `2 m^2` tiles either way.
     """
-    contiguous = isinstance(layout, Contiguous)
-    per_rank = []
-    for r in range(cp):
-        if step == 0:
-            tiles = _triangle(m if contiguous else 2 * m)
-        elif contiguous:
-            tiles = _rect(0, m, 0, m) if step <= r else []
-        else:
-            tiles = _rect(0, 2 * m, 0, m) if step <= r else _rect(m, m, 0, 2 * m)
-        per_rank.append(tiles)
+    cp = len(held)
+    per_rank = [
+        [
+            tile
+            for i, p in enumerate(pieces)
+            for j, q in enumerate(held[(r - step) % cp])
+            for tile in _piece_tiles(p, q, i * m, j * m, m)
+        ]
+        for r, pieces in enumerate(held)
+    ]
     return _Schedule.of(per_rank)
-
-
-def _position_table(layout: Layout, length: int, cp: int) -> np.ndarray:
-    """The global positions of every rank's `length` local tokens, `(cp, length)` int32
-    (what [`deltanet_cp._layout.positions`][] computes for one rank at run time)."""
-    local = np.arange(length)
-    if isinstance(layout, Contiguous):
-        table = np.stack([r * length + local for r in range(cp)])
-    else:
-        half = length // 2
-        table = np.stack(
-            [np.where(local < half, r, 2 * cp - 1 - r) * half + local % half for r in range(cp)]
-        )
-    return table.astype(np.int32)
 
 
 def _block(block_size: int, piece: int, what: str) -> int:
@@ -154,28 +145,25 @@ def _check_kv_exchange(kv_exchange: object) -> None:
         )
 
 
-def _tiles(layout: Layout, cp: int, m: int, kv_exchange: str) -> list[list[_Schedule]]:
+def _tiles(held: Held, m: int, kv_exchange: str) -> list[list[_Schedule]]:
     """The tile loops of one attention's forward, in program order, each as the schedules
     of its successive runs: the all-gather's one loop, run once; the ring's loop over the
     local diagonal, run once, and its loop over one step's tiles, run once per step
     `1 .. cp - 1` inside the loop over steps. (The backward has a loop for each.)"""
     if kv_exchange == "allgather":
-        return [[_allgather_schedule(layout, cp, m)]]
-    ring = [_ring_schedule(layout, cp, m, step) for step in range(cp)]
+        return [[_allgather_schedule(held, m)]]
+    ring = [_ring_schedule(held, m, step) for step in range(len(held))]
     return [ring[:1], ring[1:]]
 
 
-def _check_unroll(loops: list[list[_Schedule]], unroll: bool | int) -> None:
-    if _unrolled(unroll) and not all(
-        s.uniform and s.counts[0] == s.tiles.shape[1] for loop in loops for s in loop
-    ):
-        raise ValueError("unroll needs the same, static number of tiles on every rank.")
-
-
-def _tiling(layout: Layout, length: int, block_size: int) -> tuple[int, int]:
+def _tiling(layout: AbstractLayout, length: int, cp: int, block_size: int) -> tuple[int, int]:
     """`(tile side, tiles per piece)` for `length` local tokens under `layout`."""
-    if isinstance(layout, Zigzag):
-        b = _block(block_size, zigzag_half(length), "each zigzag piece (half the local length)")
-        return b, length // (2 * b)
-    b = _block(block_size, length, "the local sequence length")
-    return b, length // b
+    piece = layout.piece_length(length, cp)
+    per_rank = length // piece
+    what = (
+        "the local sequence length"
+        if per_rank == 1
+        else f"each of a rank's {per_rank} pieces (the local length / {per_rank})"
+    )
+    b = _block(block_size, piece, what)
+    return b, piece // b

@@ -29,19 +29,17 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._affine import AffineMap
-from .._chunking import chunk_major
-from .._engine import AbstractRecurrence
-from ._helpers import (
-    check_arrays,
-    compute_dtype,
+from .._recurrence import AbstractRecurrence
+from ..chunkops import (
+    chunk_major,
     cumulative_decays,
     decayed_grams,
     einsum,
     l2norm,
-    lift,
     segment_sums,
     unit_lower_inverse,
 )
+from ._helpers import check_arrays, compute_dtype, lift
 
 
 # How a delta-rule recurrence decays its state: per head, per key channel, optionally per

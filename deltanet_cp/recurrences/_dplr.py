@@ -33,18 +33,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._affine import AffineMap
-from .._chunking import chunk_major
-from .._engine import AbstractRecurrence
+from .._recurrence import AbstractRecurrence
 from .._validate import as_chunk_size, as_scale
-from ._helpers import (
-    check_arrays,
-    compute_dtype,
-    cumulative_decays,
-    decayed_grams,
-    einsum,
-    lift,
-    unit_lower_inverse,
-)
+from ..chunkops import chunk_major, cumulative_decays, decayed_grams, einsum, unit_lower_inverse
+from ._helpers import check_arrays, compute_dtype, lift
 
 
 class DPLRInputs(eqx.Module):

@@ -9,15 +9,13 @@ One token, per value head (decay first, then the delta update):
 One chunk is an affine map of the incoming state, `h -> (gamma I - k~^T w) h + k~^T u`.
 """
 
-from typing import ClassVar, Literal, overload
+from typing import ClassVar
 
 import equinox as eqx
-import jax
 
 from .._custom_types import CuSeqlens, GateTensor, QKTensor, States, ValueTensor
-from .._engine import run, run_sharded
-from .._exchange import AbstractExchange, ExchangeName
-from .._layout import Contiguous, Layout
+from .._parallel import ContextParallel
+from .._run import run
 from .._validate import as_chunk_size, as_scale
 from ._delta_family import AbstractDeltaRule, DeltaInputs, GateKind
 
@@ -43,7 +41,6 @@ class GatedDeltaRule(AbstractDeltaRule):
     householder: ClassVar[bool] = False
 
 
-@overload
 def chunk_gated_delta_rule(
     q: QKTensor,
     k: QKTensor,
@@ -53,44 +50,11 @@ def chunk_gated_delta_rule(
     *,
     scale: float | None = None,
     initial_state: States | None = None,
-    output_final_state: Literal[True],
     use_qk_l2norm: bool = False,
     cu_seqlens: CuSeqlens | None = None,
     chunk_size: int = 64,
-) -> tuple[ValueTensor, States]: ...
-
-
-@overload
-def chunk_gated_delta_rule(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: GateTensor,
-    beta: GateTensor,
-    *,
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-) -> tuple[ValueTensor, States | None]: ...
-
-
-def chunk_gated_delta_rule(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: GateTensor,
-    beta: GateTensor,
-    *,
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-) -> tuple[ValueTensor, States | None]:
+    cp: ContextParallel | None = None,
+) -> tuple[ValueTensor, States]:
     r"""The gated delta rule in chunked (WY) form: the training path.
 
     Per token and value head: $h \leftarrow e^{g_t} h$, then
@@ -110,7 +74,6 @@ def chunk_gated_delta_rule(
         configuration. The outputs are linear in it, so under `jax.jit` a traced scale is
         `scale=1.0` and `o * scale`.
     - `initial_state`: the state before the first token, `(B, HV, K, V)`; zeros if `None`.
-    - `output_final_state`: also return the state after the last token.
     - `use_qk_l2norm`: L2-normalise `q` and `k` over `K` (eps `1e-6`) first.
     - `cu_seqlens`: packed documents (batch size 1): the document offsets
         `[0, len_0, len_0 + len_1, ..., T]`, a list or an int array of shape `(N + 1,)`
@@ -118,23 +81,26 @@ def chunk_gated_delta_rule(
         no chunk mixes two documents, and `initial_state` / the final state are per
         document, `(N, HV, K, V)`.
     - `chunk_size`: tokens per chunk.
+    - `cp`: context parallelism, a [`deltanet_cp.ContextParallel`][]: the sequence axis
+        (axis 1 of every per-token argument) sharded over `cp.axis_name`, each argument
+        this rank's shard inside `jax.shard_map`, or global arrays when `cp.mesh` is set;
+        `initial_state` is then replicated and the final state global. `None`: one device.
 
     **Returns:**
 
     `(o, final_state)`: `o` of shape `(B, T, HV, V)` in `v`'s dtype, and the final state
-    `(B, HV, K, V)` (float32; float64 for float64 inputs) if `output_final_state`, else
-    `None`.
+    `(B, HV, K, V)` (float32; float64 for float64 inputs) (with `cu_seqlens`, one
+    per document).
     """
     return run(
         GatedDeltaRule(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
         DeltaInputs(q, k, v, g, beta),
         initial_state=initial_state,
-        output_final_state=output_final_state,
         cu_seqlens=cu_seqlens,
+        cp=cp,
     )
 
 
-@overload
 def recurrent_gated_delta_rule(
     q: QKTensor,
     k: QKTensor,
@@ -144,41 +110,10 @@ def recurrent_gated_delta_rule(
     *,
     scale: float | None = None,
     initial_state: States | None = None,
-    output_final_state: Literal[True],
     use_qk_l2norm: bool = False,
     cu_seqlens: CuSeqlens | None = None,
-) -> tuple[ValueTensor, States]: ...
-
-
-@overload
-def recurrent_gated_delta_rule(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: GateTensor,
-    beta: GateTensor,
-    *,
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-) -> tuple[ValueTensor, States | None]: ...
-
-
-def recurrent_gated_delta_rule(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: GateTensor,
-    beta: GateTensor,
-    *,
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-) -> tuple[ValueTensor, States | None]:
+    cp: ContextParallel | None = None,
+) -> tuple[ValueTensor, States]:
     r"""The gated delta rule token by token: the decoding path.
 
     The same recurrence as [`deltanet_cp.chunk_gated_delta_rule`][], one token per step
@@ -189,207 +124,6 @@ def recurrent_gated_delta_rule(
         GatedDeltaRule(chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm),
         DeltaInputs(q, k, v, g, beta),
         initial_state=initial_state,
-        output_final_state=output_final_state,
         cu_seqlens=cu_seqlens,
-    )
-
-
-@overload
-def chunk_gated_delta_rule_cp(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: GateTensor,
-    beta: GateTensor,
-    *,
-    axis_name: str,
-    layout: Layout = Contiguous(),
-    exchange: AbstractExchange | ExchangeName = "allgather",
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: Literal[True],
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-) -> tuple[ValueTensor, States]: ...
-
-
-@overload
-def chunk_gated_delta_rule_cp(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: GateTensor,
-    beta: GateTensor,
-    *,
-    axis_name: str,
-    layout: Layout = Contiguous(),
-    exchange: AbstractExchange | ExchangeName = "allgather",
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-) -> tuple[ValueTensor, States | None]: ...
-
-
-def chunk_gated_delta_rule_cp(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: GateTensor,
-    beta: GateTensor,
-    *,
-    axis_name: str,
-    layout: Layout = Contiguous(),
-    exchange: AbstractExchange | ExchangeName = "allgather",
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-) -> tuple[ValueTensor, States | None]:
-    r"""[`deltanet_cp.chunk_gated_delta_rule`][] with context parallelism, inside `jax.shard_map`.
-
-    The sequence axis (axis 1 of every per-token argument) is sharded over `axis_name`,
-    rank `r` holding its shard under `layout`; each argument here is this rank's shard (any number
-    of tokens per rank). Ranks exchange one `(K, K)` + `(K, V)` map per batch element and value head
-    (or less, depending on `exchange`): the payload does not grow with the sequence length.
-
-    **Arguments:**
-
-    - `q, k, v, g, beta`, `scale`, `use_qk_l2norm`, `chunk_size`: as in
-        [`deltanet_cp.chunk_gated_delta_rule`][], for this rank's tokens.
-    - `initial_state`: the state before the first token of the whole sequence, replicated;
-        zeros if `None`.
-    - `output_final_state`: also return the state after the last token of the sequence
-        (the same on every rank).
-    - `cu_seqlens`: packed documents: the *global* document offsets, the same on every rank;
-        documents may cross rank boundaries.
-    - `axis_name`: the mesh axis the sequence is sharded over.
-    - `layout`: [`deltanet_cp.Contiguous`][] (the default: rank `r` holds tokens
-        `[r S / cp, (r + 1) S / cp)`) or [`deltanet_cp.Zigzag`][] (rank `r` holds pieces
-        `r` and `2 cp - 1 - r` of `2 cp`, in that order; an even number of tokens per
-        rank), the load-balanced layout of the attention layers of a hybrid model.
-    - `exchange`: how ranks exchange their maps: [`deltanet_cp.AllGather`][] (the default),
-        [`deltanet_cp.PPermute`][], [`deltanet_cp.Ring`][], [`deltanet_cp.Auto`][], or their
-        shorthands `"allgather"`, `"ppermute"`, `"ring"`, `"auto"`.
-
-    **Returns:**
-
-    `(o, final_state)`: this rank's outputs `(B, T_local, HV, V)` in `v`'s dtype, and the
-    global final state or `None`.
-    """
-    return run(
-        GatedDeltaRule(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
-        DeltaInputs(q, k, v, g, beta),
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        axis_name=axis_name,
-        layout=layout,
-        exchange=exchange,
-    )
-
-
-@overload
-def chunk_gated_delta_rule_sharded(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: GateTensor,
-    beta: GateTensor,
-    *,
-    mesh: jax.sharding.Mesh,
-    axis_name: str,
-    batch_axis: str | None = None,
-    layout: Layout = Contiguous(),
-    exchange: AbstractExchange | ExchangeName = "allgather",
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: Literal[True],
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-) -> tuple[ValueTensor, States]: ...
-
-
-@overload
-def chunk_gated_delta_rule_sharded(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: GateTensor,
-    beta: GateTensor,
-    *,
-    mesh: jax.sharding.Mesh,
-    axis_name: str,
-    batch_axis: str | None = None,
-    layout: Layout = Contiguous(),
-    exchange: AbstractExchange | ExchangeName = "allgather",
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-) -> tuple[ValueTensor, States | None]: ...
-
-
-def chunk_gated_delta_rule_sharded(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: GateTensor,
-    beta: GateTensor,
-    *,
-    mesh: jax.sharding.Mesh,
-    axis_name: str,
-    batch_axis: str | None = None,
-    layout: Layout = Contiguous(),
-    exchange: AbstractExchange | ExchangeName = "allgather",
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-) -> tuple[ValueTensor, States | None]:
-    r"""[`deltanet_cp.chunk_gated_delta_rule_cp`][] on global arrays: does the `shard_map`.
-
-    Shards the sequence axis over `axis_name` of `mesh` (and optionally the batch over
-    `batch_axis`), runs the context-parallel kernel and returns global arrays. Compiled
-    once per input shapes and mesh. Use it at the top level; inside your own `shard_map`,
-    call `chunk_gated_delta_rule_cp`.
-
-    **Arguments:**
-
-    - `q, k, v, g, beta`, `scale`, `initial_state`, `output_final_state`, `use_qk_l2norm`,
-        `cu_seqlens`, `chunk_size`: as in [`deltanet_cp.chunk_gated_delta_rule`][],
-        global arrays in sequence order whatever the layout. The sequence length must be
-        divisible by the size of `axis_name` (by twice it under `Zigzag`).
-    - `mesh`: a `jax.sharding.Mesh` with an axis named `axis_name`, as `jax.make_mesh`
-        gives. Outside a mesh context (`jax.set_mesh`) its `Explicit` axes are used as
-        `Auto`, so that eager `jax.grad` works through the call.
-    - `axis_name`: the mesh axis to shard the sequence over.
-    - `batch_axis`: optionally, a mesh axis to shard the batch over (data parallelism).
-    - `layout`, `exchange`: as in [`deltanet_cp.chunk_gated_delta_rule_cp`][].
-
-    **Returns:**
-
-    `(o, final_state)` as global arrays.
-    """
-    return run_sharded(
-        GatedDeltaRule(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
-        DeltaInputs(q, k, v, g, beta),
-        mesh=mesh,
-        axis_name=axis_name,
-        batch_axis=batch_axis,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        layout=layout,
-        exchange=exchange,
+        cp=cp,
     )

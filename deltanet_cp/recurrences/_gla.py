@@ -11,21 +11,19 @@ The transition is diagonal, so one chunk is the map `h -> diag(gamma) h + k~^T v
 instead of a dense map's `K (K + V)`.
 """
 
-from typing import Literal, overload
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._affine import DiagonalAffineMap
-from .._chunking import chunk_major
 from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, States, ValueTensor
-from .._engine import AbstractRecurrence, run, run_sharded
-from .._exchange import AbstractExchange, ExchangeName
-from .._layout import Contiguous, Layout
+from .._parallel import ContextParallel
+from .._recurrence import AbstractRecurrence
+from .._run import run
 from .._validate import as_chunk_size, as_scale
-from ._helpers import check_arrays, compute_dtype, cumulative_decays, decayed_gram, einsum, l2norm
+from ..chunkops import chunk_major, cumulative_decays, decayed_gram, einsum, l2norm
+from ._helpers import check_arrays, compute_dtype
 
 
 class GLAInputs(eqx.Module):
@@ -136,7 +134,6 @@ class GatedLinearAttention(
         return outputs.astype(inputs.v.dtype)
 
 
-@overload
 def chunk_gla(
     q: QKTensor,
     k: QKTensor,
@@ -145,50 +142,16 @@ def chunk_gla(
     *,
     scale: float | None = None,
     initial_state: States | None = None,
-    output_final_state: Literal[True],
     use_qk_l2norm: bool = False,
     cu_seqlens: CuSeqlens | None = None,
     chunk_size: int = 64,
-) -> tuple[ValueTensor, States]: ...
-
-
-@overload
-def chunk_gla(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: GateTensor | KeyGateTensor,
-    *,
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-) -> tuple[ValueTensor, States | None]: ...
-
-
-def chunk_gla(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: GateTensor | KeyGateTensor,
-    *,
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-) -> tuple[ValueTensor, States | None]:
+    cp: ContextParallel | None = None,
+) -> tuple[ValueTensor, States]:
     r"""Gated linear attention / Mamba-2 in chunked (WY) form: the training path.
 
     $h \leftarrow \mathrm{diag}(e^{g_t}) h + k_t v_t^\top$, $o_t = h^\top (s\, q_t)$, with a
     decay per key channel (GLA) or one per head (Mamba-2). For Mamba-2's SSD, pass
     `q = C`, `k = B * dt`, `v = x`, `g = dt * A` (per head) and `scale=1.0`.
-
-    Any sequence length works (the last chunk is padded with identity steps). The state and
-    the chunk algebra run in float32 (float64 for float64 inputs).
 
     **Arguments:**
 
@@ -197,33 +160,24 @@ def chunk_gla(
         reads key head `j // (HV // H)`.
     - `g`: natural-log decays $\le 0$: shape `(B, T, HV)` for one per head, or
         `(B, T, HV, K)` for one per key channel.
-    - `scale`: query scale, default `K ** -0.5`.
-    - `initial_state`: the state before the first token, `(B, HV, K, V)`; zeros if `None`.
-    - `output_final_state`: also return the state after the last token.
-    - `use_qk_l2norm`: L2-normalise `q` and `k` over `K` (eps `1e-6`) first.
-    - `cu_seqlens`: packed documents (batch size 1): the document offsets
-        `[0, len_0, len_0 + len_1, ..., T]`, a list or an int array of shape `(N + 1,)`
-        (the flash-linear-attention convention). The state resets at each document start,
-        no chunk mixes two documents, and `initial_state` / the final state are per
-        document, `(N, HV, K, V)`.
-    - `chunk_size`: tokens per chunk.
+    - `scale`, `initial_state`, `use_qk_l2norm`, `cu_seqlens`, `chunk_size`, `cp`: as in
+        [`deltanet_cp.chunk_gated_delta_rule`][].
 
     **Returns:**
 
     `(o, final_state)`: `o` of shape `(B, T, HV, V)` in `v`'s dtype, and the final state
-    `(B, HV, K, V)` (float32; float64 for float64 inputs) if `output_final_state`, else
-    `None`.
+    `(B, HV, K, V)` (float32; float64 for float64 inputs) (with `cu_seqlens`, one
+    per document).
     """
     return run(
         GatedLinearAttention(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
         GLAInputs(q, k, v, g),
         initial_state=initial_state,
-        output_final_state=output_final_state,
         cu_seqlens=cu_seqlens,
+        cp=cp,
     )
 
 
-@overload
 def recurrent_gla(
     q: QKTensor,
     k: QKTensor,
@@ -232,39 +186,10 @@ def recurrent_gla(
     *,
     scale: float | None = None,
     initial_state: States | None = None,
-    output_final_state: Literal[True],
     use_qk_l2norm: bool = False,
     cu_seqlens: CuSeqlens | None = None,
-) -> tuple[ValueTensor, States]: ...
-
-
-@overload
-def recurrent_gla(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: GateTensor | KeyGateTensor,
-    *,
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-) -> tuple[ValueTensor, States | None]: ...
-
-
-def recurrent_gla(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: GateTensor | KeyGateTensor,
-    *,
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-) -> tuple[ValueTensor, States | None]:
+    cp: ContextParallel | None = None,
+) -> tuple[ValueTensor, States]:
     r"""Gated linear attention / Mamba-2 token by token: the decoding path.
 
     The same recurrence as [`deltanet_cp.chunk_gla`][], one token per step
@@ -275,200 +200,6 @@ def recurrent_gla(
         GatedLinearAttention(chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm),
         GLAInputs(q, k, v, g),
         initial_state=initial_state,
-        output_final_state=output_final_state,
         cu_seqlens=cu_seqlens,
-    )
-
-
-@overload
-def chunk_gla_cp(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: GateTensor | KeyGateTensor,
-    *,
-    axis_name: str,
-    layout: Layout = Contiguous(),
-    exchange: AbstractExchange | ExchangeName = "allgather",
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: Literal[True],
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-) -> tuple[ValueTensor, States]: ...
-
-
-@overload
-def chunk_gla_cp(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: GateTensor | KeyGateTensor,
-    *,
-    axis_name: str,
-    layout: Layout = Contiguous(),
-    exchange: AbstractExchange | ExchangeName = "allgather",
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-) -> tuple[ValueTensor, States | None]: ...
-
-
-def chunk_gla_cp(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: GateTensor | KeyGateTensor,
-    *,
-    axis_name: str,
-    layout: Layout = Contiguous(),
-    exchange: AbstractExchange | ExchangeName = "allgather",
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-) -> tuple[ValueTensor, States | None]:
-    r"""[`deltanet_cp.chunk_gla`][] with context parallelism, inside `jax.shard_map`.
-
-    The sequence axis (axis 1 of every per-token argument) is sharded over `axis_name`,
-    rank `r` holding its shard under `layout`; each argument here is this rank's shard (any number
-    of tokens per rank). Ranks exchange one diagonal map, `K + K V` numbers per batch
-    element and value head (or less, depending on `exchange`): the payload does not grow
-    with the sequence length.
-
-    **Arguments:**
-
-    - `q, k, v, g`, `scale`, `use_qk_l2norm`, `chunk_size`: as in
-        [`deltanet_cp.chunk_gla`][], for this rank's tokens.
-    - `initial_state`: the state before the first token of the whole sequence, replicated;
-        zeros if `None`.
-    - `output_final_state`: also return the state after the last token of the sequence
-        (the same on every rank).
-    - `cu_seqlens`: packed documents: the *global* document offsets, the same on every rank;
-        documents may cross rank boundaries.
-    - `axis_name`: the mesh axis the sequence is sharded over.
-    - `layout`: [`deltanet_cp.Contiguous`][] (the default: rank `r` holds tokens
-        `[r S / cp, (r + 1) S / cp)`) or [`deltanet_cp.Zigzag`][] (rank `r` holds pieces
-        `r` and `2 cp - 1 - r` of `2 cp`, in that order; an even number of tokens per
-        rank), the load-balanced layout of the attention layers of a hybrid model.
-    - `exchange`: how ranks exchange their maps: [`deltanet_cp.AllGather`][] (the default),
-        [`deltanet_cp.PPermute`][], [`deltanet_cp.Ring`][], [`deltanet_cp.Auto`][], or their
-        shorthands `"allgather"`, `"ppermute"`, `"ring"`, `"auto"`.
-
-    **Returns:**
-
-    `(o, final_state)`: this rank's outputs `(B, T_local, HV, V)` in `v`'s dtype, and the
-    global final state or `None`.
-    """
-    return run(
-        GatedLinearAttention(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
-        GLAInputs(q, k, v, g),
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        axis_name=axis_name,
-        layout=layout,
-        exchange=exchange,
-    )
-
-
-@overload
-def chunk_gla_sharded(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: GateTensor | KeyGateTensor,
-    *,
-    mesh: jax.sharding.Mesh,
-    axis_name: str,
-    batch_axis: str | None = None,
-    layout: Layout = Contiguous(),
-    exchange: AbstractExchange | ExchangeName = "allgather",
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: Literal[True],
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-) -> tuple[ValueTensor, States]: ...
-
-
-@overload
-def chunk_gla_sharded(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: GateTensor | KeyGateTensor,
-    *,
-    mesh: jax.sharding.Mesh,
-    axis_name: str,
-    batch_axis: str | None = None,
-    layout: Layout = Contiguous(),
-    exchange: AbstractExchange | ExchangeName = "allgather",
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-) -> tuple[ValueTensor, States | None]: ...
-
-
-def chunk_gla_sharded(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: GateTensor | KeyGateTensor,
-    *,
-    mesh: jax.sharding.Mesh,
-    axis_name: str,
-    batch_axis: str | None = None,
-    layout: Layout = Contiguous(),
-    exchange: AbstractExchange | ExchangeName = "allgather",
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-) -> tuple[ValueTensor, States | None]:
-    r"""[`deltanet_cp.chunk_gla_cp`][] on global arrays: does the `shard_map`.
-
-    Shards the sequence axis over `axis_name` of `mesh` (and optionally the batch over
-    `batch_axis`), runs the context-parallel kernel and returns global arrays. Compiled
-    once per input shapes and mesh. Use it at the top level; inside your own `shard_map`,
-    call `chunk_gla_cp`.
-
-    **Arguments:**
-
-    - `q, k, v, g`, `scale`, `initial_state`, `output_final_state`, `use_qk_l2norm`,
-        `cu_seqlens`, `chunk_size`: as in [`deltanet_cp.chunk_gla`][],
-        global arrays in sequence order whatever the layout. The sequence length must be
-        divisible by the size of `axis_name` (by twice it under `Zigzag`).
-    - `mesh`: a `jax.sharding.Mesh` with an axis named `axis_name`.
-    - `axis_name`: the mesh axis to shard the sequence over.
-    - `batch_axis`: optionally, a mesh axis to shard the batch over (data parallelism).
-    - `layout`, `exchange`: as in [`deltanet_cp.chunk_gla_cp`][].
-
-    **Returns:**
-
-    `(o, final_state)` as global arrays.
-    """
-    return run_sharded(
-        GatedLinearAttention(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
-        GLAInputs(q, k, v, g),
-        mesh=mesh,
-        axis_name=axis_name,
-        batch_axis=batch_axis,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        layout=layout,
-        exchange=exchange,
+        cp=cp,
     )

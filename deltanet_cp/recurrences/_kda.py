@@ -11,15 +11,13 @@ with `gamma = exp(G_C)` a vector over the key channels. transformers' and
 flash-linear-attention's call shapes are in `deltanet_cp.interop`.
 """
 
-from typing import ClassVar, Literal, overload
+from typing import ClassVar
 
 import equinox as eqx
-import jax
 
 from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, States, ValueTensor
-from .._engine import run, run_sharded
-from .._exchange import AbstractExchange, ExchangeName
-from .._layout import Contiguous, Layout
+from .._parallel import ContextParallel
+from .._run import run
 from .._validate import as_chunk_size, as_scale
 from ._delta_family import AbstractDeltaRule, DeltaInputs, GateKind
 
@@ -48,7 +46,6 @@ class KimiDeltaAttention(AbstractDeltaRule):
     householder: ClassVar[bool] = False
 
 
-@overload
 def chunk_kimi_delta_attention(
     q: QKTensor,
     k: QKTensor,
@@ -58,51 +55,15 @@ def chunk_kimi_delta_attention(
     *,
     scale: float | None = None,
     initial_state: States | None = None,
-    output_final_state: Literal[True],
     use_qk_l2norm: bool = False,
     cu_seqlens: CuSeqlens | None = None,
     chunk_size: int = 64,
-) -> tuple[ValueTensor, States]: ...
-
-
-@overload
-def chunk_kimi_delta_attention(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: KeyGateTensor,
-    beta: GateTensor,
-    *,
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-) -> tuple[ValueTensor, States | None]: ...
-
-
-def chunk_kimi_delta_attention(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: KeyGateTensor,
-    beta: GateTensor,
-    *,
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-) -> tuple[ValueTensor, States | None]:
+    cp: ContextParallel | None = None,
+) -> tuple[ValueTensor, States]:
     r"""Kimi Delta Attention in chunked (WY) form: the training path.
 
     Per token and value head: $h \leftarrow \mathrm{diag}(e^{g_t}) h$, then
     $h \leftarrow h + k_t (\beta_t (v_t - h^\top k_t))^\top$, $o_t = h^\top (s\, q_t)$.
-
-    Any sequence length works (the last chunk is padded with identity steps). The state and
-    the chunk algebra run in float32 (float64 for float64 inputs).
 
     **Arguments:**
 
@@ -111,35 +72,24 @@ def chunk_kimi_delta_attention(
         reads key head `j // (HV // H)`.
     - `g`: natural-log decays per key channel, $\le 0$, shape `(B, T, HV, K)`.
     - `beta`: step sizes in $[0, 1]$, shape `(B, T, HV)`.
-    - `scale`: query scale, default `K ** -0.5`: a Python float, part of the static
-        configuration. The outputs are linear in it, so under `jax.jit` a traced scale is
-        `scale=1.0` and `o * scale`.
-    - `initial_state`: the state before the first token, `(B, HV, K, V)`; zeros if `None`.
-    - `output_final_state`: also return the state after the last token.
-    - `use_qk_l2norm`: L2-normalise `q` and `k` over `K` (eps `1e-6`) first.
-    - `cu_seqlens`: packed documents (batch size 1): the document offsets
-        `[0, len_0, len_0 + len_1, ..., T]`, a list or an int array of shape `(N + 1,)`
-        (the flash-linear-attention convention). The state resets at each document start,
-        no chunk mixes two documents, and `initial_state` / the final state are per
-        document, `(N, HV, K, V)`.
-    - `chunk_size`: tokens per chunk.
+    - `scale`, `initial_state`, `use_qk_l2norm`, `cu_seqlens`, `chunk_size`, `cp`: as in
+        [`deltanet_cp.chunk_gated_delta_rule`][].
 
     **Returns:**
 
     `(o, final_state)`: `o` of shape `(B, T, HV, V)` in `v`'s dtype, and the final state
-    `(B, HV, K, V)` (float32; float64 for float64 inputs) if `output_final_state`, else
-    `None`.
+    `(B, HV, K, V)` (float32; float64 for float64 inputs) (with `cu_seqlens`, one
+    per document).
     """
     return run(
         KimiDeltaAttention(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
         DeltaInputs(q, k, v, g, beta),
         initial_state=initial_state,
-        output_final_state=output_final_state,
         cu_seqlens=cu_seqlens,
+        cp=cp,
     )
 
 
-@overload
 def recurrent_kimi_delta_attention(
     q: QKTensor,
     k: QKTensor,
@@ -149,41 +99,10 @@ def recurrent_kimi_delta_attention(
     *,
     scale: float | None = None,
     initial_state: States | None = None,
-    output_final_state: Literal[True],
     use_qk_l2norm: bool = False,
     cu_seqlens: CuSeqlens | None = None,
-) -> tuple[ValueTensor, States]: ...
-
-
-@overload
-def recurrent_kimi_delta_attention(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: KeyGateTensor,
-    beta: GateTensor,
-    *,
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-) -> tuple[ValueTensor, States | None]: ...
-
-
-def recurrent_kimi_delta_attention(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: KeyGateTensor,
-    beta: GateTensor,
-    *,
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-) -> tuple[ValueTensor, States | None]:
+    cp: ContextParallel | None = None,
+) -> tuple[ValueTensor, States]:
     r"""Kimi Delta Attention token by token: the decoding path.
 
     The same recurrence as [`deltanet_cp.chunk_kimi_delta_attention`][], one token per step
@@ -194,207 +113,6 @@ def recurrent_kimi_delta_attention(
         KimiDeltaAttention(chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm),
         DeltaInputs(q, k, v, g, beta),
         initial_state=initial_state,
-        output_final_state=output_final_state,
         cu_seqlens=cu_seqlens,
-    )
-
-
-@overload
-def chunk_kimi_delta_attention_cp(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: KeyGateTensor,
-    beta: GateTensor,
-    *,
-    axis_name: str,
-    layout: Layout = Contiguous(),
-    exchange: AbstractExchange | ExchangeName = "allgather",
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: Literal[True],
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-) -> tuple[ValueTensor, States]: ...
-
-
-@overload
-def chunk_kimi_delta_attention_cp(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: KeyGateTensor,
-    beta: GateTensor,
-    *,
-    axis_name: str,
-    layout: Layout = Contiguous(),
-    exchange: AbstractExchange | ExchangeName = "allgather",
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-) -> tuple[ValueTensor, States | None]: ...
-
-
-def chunk_kimi_delta_attention_cp(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: KeyGateTensor,
-    beta: GateTensor,
-    *,
-    axis_name: str,
-    layout: Layout = Contiguous(),
-    exchange: AbstractExchange | ExchangeName = "allgather",
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-) -> tuple[ValueTensor, States | None]:
-    r"""[`deltanet_cp.chunk_kimi_delta_attention`][] with context parallelism (in `shard_map`).
-
-    The sequence axis (axis 1 of every per-token argument) is sharded over `axis_name`,
-    rank `r` holding its shard under `layout`; each argument here is this rank's shard (any number
-    of tokens per rank). Ranks exchange one `(K, K)` + `(K, V)` map per batch element and value head
-    (or less, depending on `exchange`): the payload does not grow with the sequence length.
-
-    **Arguments:**
-
-    - `q, k, v, g, beta`, `scale`, `use_qk_l2norm`, `chunk_size`: as in
-        [`deltanet_cp.chunk_kimi_delta_attention`][], for this rank's tokens.
-    - `initial_state`: the state before the first token of the whole sequence, replicated;
-        zeros if `None`.
-    - `output_final_state`: also return the state after the last token of the sequence
-        (the same on every rank).
-    - `cu_seqlens`: packed documents: the *global* document offsets, the same on every rank;
-        documents may cross rank boundaries.
-    - `axis_name`: the mesh axis the sequence is sharded over.
-    - `layout`: [`deltanet_cp.Contiguous`][] (the default: rank `r` holds tokens
-        `[r S / cp, (r + 1) S / cp)`) or [`deltanet_cp.Zigzag`][] (rank `r` holds pieces
-        `r` and `2 cp - 1 - r` of `2 cp`, in that order; an even number of tokens per
-        rank), the load-balanced layout of the attention layers of a hybrid model.
-    - `exchange`: how ranks exchange their maps: [`deltanet_cp.AllGather`][] (the default),
-        [`deltanet_cp.PPermute`][], [`deltanet_cp.Ring`][], [`deltanet_cp.Auto`][], or their
-        shorthands `"allgather"`, `"ppermute"`, `"ring"`, `"auto"`.
-
-    **Returns:**
-
-    `(o, final_state)`: this rank's outputs `(B, T_local, HV, V)` in `v`'s dtype, and the
-    global final state or `None`.
-    """
-    return run(
-        KimiDeltaAttention(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
-        DeltaInputs(q, k, v, g, beta),
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        axis_name=axis_name,
-        layout=layout,
-        exchange=exchange,
-    )
-
-
-@overload
-def chunk_kimi_delta_attention_sharded(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: KeyGateTensor,
-    beta: GateTensor,
-    *,
-    mesh: jax.sharding.Mesh,
-    axis_name: str,
-    batch_axis: str | None = None,
-    layout: Layout = Contiguous(),
-    exchange: AbstractExchange | ExchangeName = "allgather",
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: Literal[True],
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-) -> tuple[ValueTensor, States]: ...
-
-
-@overload
-def chunk_kimi_delta_attention_sharded(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: KeyGateTensor,
-    beta: GateTensor,
-    *,
-    mesh: jax.sharding.Mesh,
-    axis_name: str,
-    batch_axis: str | None = None,
-    layout: Layout = Contiguous(),
-    exchange: AbstractExchange | ExchangeName = "allgather",
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-) -> tuple[ValueTensor, States | None]: ...
-
-
-def chunk_kimi_delta_attention_sharded(
-    q: QKTensor,
-    k: QKTensor,
-    v: ValueTensor,
-    g: KeyGateTensor,
-    beta: GateTensor,
-    *,
-    mesh: jax.sharding.Mesh,
-    axis_name: str,
-    batch_axis: str | None = None,
-    layout: Layout = Contiguous(),
-    exchange: AbstractExchange | ExchangeName = "allgather",
-    scale: float | None = None,
-    initial_state: States | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: CuSeqlens | None = None,
-    chunk_size: int = 64,
-) -> tuple[ValueTensor, States | None]:
-    r"""[`deltanet_cp.chunk_kimi_delta_attention_cp`][] on global arrays: does the `shard_map`.
-
-    Shards the sequence axis over `axis_name` of `mesh` (and optionally the batch over
-    `batch_axis`), runs the context-parallel kernel and returns global arrays. Compiled
-    once per input shapes and mesh. Use it at the top level; inside your own `shard_map`,
-    call `chunk_kimi_delta_attention_cp`.
-
-    **Arguments:**
-
-    - `q, k, v, g, beta`, `scale`, `initial_state`, `output_final_state`, `use_qk_l2norm`,
-        `cu_seqlens`, `chunk_size`: as in [`deltanet_cp.chunk_kimi_delta_attention`][],
-        global arrays in sequence order whatever the layout. The sequence length must be
-        divisible by the size of `axis_name` (by twice it under `Zigzag`).
-    - `mesh`: a `jax.sharding.Mesh` with an axis named `axis_name`, as `jax.make_mesh`
-        gives. Outside a mesh context (`jax.set_mesh`) its `Explicit` axes are used as
-        `Auto`, so that eager `jax.grad` works through the call.
-    - `axis_name`: the mesh axis to shard the sequence over.
-    - `batch_axis`: optionally, a mesh axis to shard the batch over (data parallelism).
-    - `layout`, `exchange`: as in [`deltanet_cp.chunk_kimi_delta_attention_cp`][].
-
-    **Returns:**
-
-    `(o, final_state)` as global arrays.
-    """
-    return run_sharded(
-        KimiDeltaAttention(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
-        DeltaInputs(q, k, v, g, beta),
-        mesh=mesh,
-        axis_name=axis_name,
-        batch_axis=batch_axis,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        layout=layout,
-        exchange=exchange,
+        cp=cp,
     )

@@ -1,9 +1,9 @@
 """Checked by pyright in `tests/test_typecheck.py`, never run.
 
-The engine, `run_contiguous`, accepts only a contiguous layout, so the line marked
-"expect-error" below must be reported by pyright and nothing else may be: the public
-context-parallel functions accept `Contiguous | Zigzag`. This folder has its own pyright
-config, so the repository's pyright run does not see the deliberate error.
+The engine's walk, `run_contiguous`, accepts only `ContextParallel[Contiguous]`, so the
+lines marked "expect-error" below must be reported by pyright and nothing else may be: the
+public functions and `run` accept a `ContextParallel` of either layout. This folder has its
+own pyright config, so the repository's pyright run does not see the deliberate errors.
 """
 
 from jaxtyping import Array
@@ -12,29 +12,37 @@ import deltanet_cp as dcp
 
 
 def contiguous(q: Array, k: Array, v: Array, g: Array, beta: Array):
-    return dcp.chunk_gated_delta_rule_cp(q, k, v, g, beta, axis_name="cp", layout=dcp.Contiguous())
+    cp = dcp.ContextParallel("cp", layout=dcp.Contiguous())
+    return dcp.chunk_gated_delta_rule(q, k, v, g, beta, cp=cp)
 
 
 def default(q: Array, k: Array, v: Array, g: Array, beta: Array):
-    return dcp.chunk_gated_delta_rule_cp(q, k, v, g, beta, axis_name="cp")
+    return dcp.chunk_gated_delta_rule(q, k, v, g, beta, cp=dcp.ContextParallel("cp"))
 
 
 def zigzag(q: Array, k: Array, v: Array, g: Array, beta: Array):
-    return dcp.chunk_gated_delta_rule_cp(q, k, v, g, beta, axis_name="cp", layout=dcp.Zigzag())
+    cp = dcp.ContextParallel("cp", layout=dcp.Zigzag(), exchange="ring")
+    return dcp.chunk_gated_delta_rule(q, k, v, g, beta, cp=cp)
 
 
 def run_zigzag(inputs: dcp.DeltaInputs):
-    return dcp.run(dcp.GatedDeltaRule(), inputs, axis_name="cp", layout=dcp.Zigzag())
+    return dcp.run(dcp.GatedDeltaRule(), inputs, cp=dcp.ContextParallel("cp", layout=dcp.Zigzag()))
+
+
+def engine_default(inputs: dcp.DeltaInputs):
+    return dcp.run_contiguous(dcp.GatedDeltaRule(), inputs, cp=dcp.ContextParallel("cp"))
 
 
 def engine_contiguous(inputs: dcp.DeltaInputs):
-    return dcp.run_contiguous(dcp.GatedDeltaRule(), inputs, axis_name="cp", layout=dcp.Contiguous())
+    cp = dcp.ContextParallel("cp", layout=dcp.Contiguous(), exchange=dcp.PPermute())
+    return dcp.run_contiguous(dcp.GatedDeltaRule(), inputs, cp=cp)
 
 
 def engine_zigzag(inputs: dcp.DeltaInputs):
-    return dcp.run_contiguous(
-        dcp.GatedDeltaRule(),
-        inputs,
-        axis_name="cp",
-        layout=dcp.Zigzag(),  # expect-error
-    )
+    cp = dcp.ContextParallel("cp", layout=dcp.Zigzag())
+    return dcp.run_contiguous(dcp.GatedDeltaRule(), inputs, cp=cp)  # expect-error
+
+
+def engine_zigzag_inline(inputs: dcp.DeltaInputs):
+    z, rule = dcp.Zigzag(), dcp.GatedDeltaRule()
+    return dcp.run_contiguous(rule, inputs, cp=dcp.ContextParallel("cp", layout=z))  # expect-error

@@ -1,0 +1,455 @@
+"""The engine's entry points: `run` (validation once, then dispatch) and the walk over one
+contiguous slice, `run_contiguous`.
+
+A recurrence is a static configuration; its inputs are a PyTree handed to `run` beside it,
+the way `lineax.linear_solve(operator, vector, solver)` keeps the solver apart from the
+problem. One entry serves one device, packed documents and context parallelism; padding,
+chunking and packing happen here, once. The passes themselves are in `_passes.py`.
+"""
+
+import dataclasses
+from typing import Any, cast
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, PyTree
+
+from ._chunking import num_chunks, split_chunks
+from ._exchange import _position
+from ._mesh import mesh_to_run_on
+from ._packing import as_cu_seqlens, pack, segments, unpack
+from ._parallel import ContextParallel, Contiguous, contiguous, ContiguousParallel
+from ._passes import Blocks, context_parallel, local
+from ._recurrence import AbstractRecurrence
+from ._validate import check_inputs
+
+
+def run(
+    recurrence: AbstractRecurrence,
+    inputs: PyTree,
+    *,
+    initial_state: Array | None = None,
+    cu_seqlens: Any = None,
+    cp: ContextParallel | None = None,
+    block_size: int | None = None,
+) -> tuple[PyTree, Array]:
+    """Run a chunked recurrence: on one device, over packed documents, context-parallel.
+
+    On one device (`cp=None`) this is one pass over the chunks. With a
+    [`deltanet_cp.ContextParallel`][] `cp`, it runs the three phases of context
+    parallelism:
+
+    1. a local pass from a zero state, composing the chunks into this rank's map;
+    2. the exchange of maps: the state entering this rank;
+    3. a local pass again from the true incoming state, emitting outputs.
+
+    Without `cp.mesh` the call is made inside `jax.shard_map` and `inputs` hold this
+    rank's shard; with `cp.mesh` the arrays are global, in sequence order, and `run` does
+    the `shard_map` itself (compiled once per shapes, configuration and mesh).
+
+    The phases run in [`deltanet_cp.run_contiguous`][], over contiguous, in-order slices
+    only: the layout hands it its walks ([`deltanet_cp.Contiguous`][]: the shard;
+    [`deltanet_cp.Zigzag`][]: the first pieces in rank order, then the second pieces in
+    reverse rank order from the state the first walk ends in).
+
+    Differentiated by hand: the forward keeps one state per chunk, and the backward is
+    three phases again, the exchange walking the ranks the other way (see the concept
+    page "The three phases").
+
+    **Arguments:**
+
+    - `recurrence`: the configuration, an [`deltanet_cp.AbstractRecurrence`][].
+    - `inputs`: a PyTree of arrays with batch on axis 0 and time on axis 1 (`None` leaves
+        are allowed).
+    - `initial_state`: the state before the first token (replicated under context
+        parallelism); zeros if `None`. With `cu_seqlens`, one per document, stacked.
+    - `cu_seqlens`: packed documents (batch size 1): the *global* document offsets
+        `[0, len_0, len_0 + len_1, ..., T]`, in sequence order whatever the layout, a list
+        or an int array of shape `(N + 1,)`, the same on every rank. The state resets at
+        each document start, no chunk mixes two documents, documents may cross rank and
+        piece boundaries, and the initial and final states are per document.
+    - `cp`: how the call is sharded, a [`deltanet_cp.ContextParallel`][], or `None` on
+        one device.
+    - `block_size`: tokens whose chunk factors are formed together (rounded down to whole
+        chunks). Larger blocks mean fewer, larger batched operations and fewer sequential
+        steps outside the state recursion; smaller blocks bound the memory of the factors.
+        A slice of at most `block_size` tokens is one block with no loop around its factor
+        work. `None` takes [`deltanet_cp.default_block_size`][].
+
+    **Returns:**
+
+    `(outputs, final_state)`: outputs in the recurrence's public layout (this rank's tokens,
+    in the layout's order, under context parallelism without a mesh), and the state after
+    the last token (with `cu_seqlens`, one per document; under context parallelism the
+    global one, on every rank). An unused final state costs nothing: XLA drops its
+    computation and its collectives.
+    """
+    check_inputs(recurrence, inputs)
+    if cp is not None and not isinstance(cp, ContextParallel):
+        raise TypeError(f"`cp` must be a deltanet_cp.ContextParallel or None; got {cp!r}.")
+    _check_block_size(block_size)
+    if cp is not None and cp.mesh is not None:
+        return _run_global(recurrence, inputs, initial_state, cu_seqlens, cp, block_size)
+    if cu_seqlens is not None:
+        batch, length = _batch_and_length(inputs)
+        total = length if cp is None else length * jax.lax.axis_size(cp.axis_name)
+        cu_seqlens = as_cu_seqlens(cu_seqlens, batch, total)
+    return _per_rank(recurrence, inputs, initial_state, cu_seqlens, cp, block_size)
+
+
+def _per_rank(
+    recurrence: AbstractRecurrence,
+    inputs: PyTree,
+    initial_state: Array | None,
+    cu_seqlens: Array | None,
+    cp: ContextParallel | None,
+    block_size: int | None,
+) -> tuple[PyTree, Array]:
+    """`run` on this rank's shard, its arguments checked: the layout's walks in chain order."""
+    packed = cu_seqlens is not None
+    # With packed documents, `initial_state` holds the documents' initial states.
+    state, doc_h0 = (None, initial_state) if packed else (initial_state, None)
+    length = _batch_and_length(inputs)[1]
+    cp_size = 1 if cp is None else jax.lax.axis_size(cp.axis_name)
+    walks = Contiguous().walks(length, 1) if cp is None else cp.layout.walks(length, cp_size)
+    outputs, finals = [], None
+    for walk in walks:
+        out, state, f = _run(
+            recurrence,
+            jax.tree.map(lambda x: x[:, walk.local], inputs),
+            state,
+            cu_seqlens,
+            doc_h0,
+            axis_name=None if cp is None else cp.axis_name,
+            exchange=None if cp is None else cp.exchange,
+            start=walk.start,
+            reverse=walk.reverse,
+            block_size=block_size,
+        )
+        outputs.append(out)
+        finals = f if finals is None or f is None else finals + f
+    if len(outputs) > 1:
+        outputs = [jax.tree.map(lambda *parts: jnp.concatenate(parts, axis=1), *outputs)]
+    if not packed:
+        return outputs[0], cast(Array, state)
+    if cp is not None:
+        finals = jax.lax.psum(finals, cp.axis_name)
+    return outputs[0], cast(Array, finals)
+
+
+def run_contiguous(
+    recurrence: AbstractRecurrence,
+    inputs: PyTree,
+    *,
+    cp: ContiguousParallel | None = None,
+    initial_state: Array | None = None,
+    cu_seqlens: Any = None,
+    document_states: Array | None = None,
+    start: int = 0,
+    reverse: bool = False,
+    block_size: int | None = None,
+) -> tuple[PyTree, Array, Array | None]:
+    """The engine's walk: the three phases over one contiguous, in-order slice per rank.
+
+    Every call of the library ends here, once per walk of a shard: once for a
+    [`deltanet_cp.Contiguous`][] shard, twice for a [`deltanet_cp.Zigzag`][] one (see
+    [`deltanet_cp.run`][]). It takes a `ContextParallel[Contiguous]` only: a zigzag one is
+    a pyright error and a `ValueError`, since reading a zigzag shard as one slice would
+    compose its two pieces as if they were adjacent.
+
+    The ranks' slices, in rank order (or in reverse rank order with `reverse=True`), are
+    consecutive tokens `[start, start + cp * length)` of the sequence.
+
+    **Arguments:**
+
+    - `recurrence`, `inputs`, `block_size`: as in [`deltanet_cp.run`][].
+    - `cp`: a [`deltanet_cp.ContextParallel`][] with the [`deltanet_cp.Contiguous`][]
+        layout and no mesh (inside `jax.shard_map`), or `None` on one device.
+    - `initial_state`: the state entering the first slice (replicated); zeros if `None`.
+    - `cu_seqlens`: packed documents, as in [`deltanet_cp.run`][]: the global offsets of
+        the whole sequence (which may extend past this run of slices).
+    - `document_states`: with `cu_seqlens`, the documents' initial states, stacked
+        `(num_docs, *state.shape[1:])`; zeros if `None`.
+    - `start`: the sequence position of the first slice's first token.
+    - `reverse`: the last rank holds the first slice and rank 0 the last.
+
+    **Returns:**
+
+    `(outputs, final_state, document_finals)`: this rank's outputs; the state after the
+    last token of the last slice; and, with `cu_seqlens`, the final states of the
+    documents that end in this rank's slice, `(num_docs, *state.shape[1:])`, zeros for the
+    others (sum them over ranks for every document's), else `None`.
+    """
+    check_inputs(recurrence, inputs)
+    if cp is not None:
+        cp = contiguous(cp)
+        if cp.mesh is not None:
+            raise ValueError(
+                "run_contiguous runs inside jax.shard_map on this rank's slice: pass a "
+                "ContextParallel without `mesh` (deltanet_cp.run takes global arrays)."
+            )
+    if not isinstance(start, int) or start < 0:
+        raise ValueError(f"`start` must be a non-negative int; got {start!r}.")
+    _check_block_size(block_size)
+    axis_name = None if cp is None else cp.axis_name
+    if cu_seqlens is not None:
+        batch, length = _batch_and_length(inputs)
+        walk = length if axis_name is None else length * jax.lax.axis_size(axis_name)
+        cu_seqlens = as_cu_seqlens(cu_seqlens, batch, start + walk, at_least=True)
+    elif document_states is not None:
+        raise ValueError("`document_states` are per document: pass `cu_seqlens` too.")
+    outputs, final, finals = _run(
+        recurrence,
+        inputs,
+        initial_state,
+        cu_seqlens,
+        document_states,
+        axis_name=axis_name,
+        exchange=None if cp is None else cp.exchange,
+        start=start,
+        reverse=reverse,
+        block_size=block_size,
+    )
+    return outputs, cast(Array, final), finals
+
+
+@eqx.filter_jit
+def _run(
+    recurrence: AbstractRecurrence,
+    inputs: PyTree,
+    initial_state: Array | None,
+    cu_seqlens: Array | None,
+    document_states: Array | None,
+    *,
+    axis_name: str | None,
+    exchange: Any,
+    start: int,
+    reverse: bool,
+    block_size: int | None,
+) -> tuple[PyTree, Array | None, Array | None]:
+    state = recurrence.state(inputs)
+    _, length = _batch_and_length(inputs)
+    # A chunk longer than the slice only pads: cap it at the slice rounded up to a power of
+    # two (T = 50 with chunk_size=16384 forms chunks of 64, not of 16384 mostly padding).
+    c = min(recurrence.chunk_size, 1 << max(0, length - 1).bit_length())
+    h0 = _initial_state(state, initial_state)
+    per_block = _chunks_per_block(block_size, c)
+    # A non-finite input must not reach earlier tokens through the chunk's products (a zero
+    # times NaN is NaN): the chunk is formed from zeros there, and NaN is added back to the
+    # outputs from the first such token of the chunk on and to the state leaving it.
+    log_decays = _log_decay_leaves(inputs)
+    bad = _non_finite(inputs, log_decays)
+    if cu_seqlens is None:
+        seg, doc_states = None, None
+        blocks = Blocks.of(num_chunks(length, c), c, per_block, log_decays)
+        chunks = _split(inputs, blocks.padded, c)
+        bad = _split(bad, blocks.padded, c)
+        marks = None
+    else:
+        offset = start
+        if axis_name is not None:
+            offset = offset + _position(axis_name, reverse) * length
+        seg = segments(cu_seqlens, length, c, offset)
+        doc_states = _doc_states(state, seg.num_docs, document_states)
+        blocks = Blocks.of(seg.num_chunks, c, per_block, log_decays)
+        chunks = _split(jax.tree.map(lambda x: pack(x, seg), inputs), blocks.padded, c)
+        bad = _split(pack(bad, seg), blocks.padded, c)
+        pad = (0, blocks.padded - blocks.n)
+        marks = (
+            jnp.pad(seg.start_doc, pad, constant_values=-1),
+            jnp.pad(seg.end_doc, pad, constant_values=-1),
+            seg.empty_doc,
+        )
+    diff, static = eqx.partition(chunks, eqx.is_inexact_array)
+    nan = jnp.asarray(jnp.nan, state.dtype)
+    zero = jnp.zeros((), state.dtype)
+    poison = jnp.where(jnp.any(bad, axis=2).T, nan, zero)  # (chunks, B)
+    if axis_name is None:
+        out = local(recurrence, blocks, diff, static, h0, marks, doc_states, poison)
+    else:
+        out = context_parallel(
+            recurrence,
+            blocks,
+            exchange,
+            axis_name,
+            True,
+            reverse,
+            diff,
+            static,
+            h0,
+            marks,
+            doc_states,
+            poison,
+        )
+    outputs, final, finals = cast(tuple[PyTree, Any, Any], out)
+    after_bad = (jnp.cumsum(bad, axis=2) > 0).reshape(bad.shape[0], -1)  # (B, padded * C)
+
+    def poisoned(y):
+        mask = after_bad.reshape(after_bad.shape + (1,) * (y.ndim - 2))
+        return jnp.where(mask, jnp.asarray(jnp.nan, y.dtype), y)
+
+    outputs = jax.tree.map(poisoned, outputs)
+    if seg is None:
+        outputs = jax.tree.map(lambda y: y[:, :length], outputs)
+    else:
+        outputs = jax.tree.map(lambda y: unpack(y, seg), outputs)
+        finals = finals[:, 0]
+    outputs = recurrence.finalize(outputs, inputs)
+    return outputs, final, finals
+
+
+def default_block_size() -> int:
+    """The tokens per block [`deltanet_cp.run`][] uses when `block_size` is `None`.
+
+    Chosen per backend from measurements of the training step at Qwen3-Next's head sizes
+    (see the benchmarks page): the largest block whose factor memory stays within the
+    temporaries budget.
+    """
+    return _DEFAULT_BLOCK_SIZE.get(jax.default_backend(), _DEFAULT_BLOCK_SIZE["cpu"])
+
+
+_DEFAULT_BLOCK_SIZE = {"cpu": 1024, "gpu": 1024, "tpu": 1024}
+
+
+def _check_block_size(block_size: int | None) -> None:
+    if block_size is not None and (
+        not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1
+    ):
+        raise ValueError(f"`block_size` must be a positive int or None; got {block_size!r}.")
+
+
+def _chunks_per_block(block_size: int | None, chunk_size: int) -> int:
+    return max(1, (default_block_size() if block_size is None else block_size) // chunk_size)
+
+
+def _batch_and_length(inputs: PyTree) -> tuple[int, int]:
+    leaves = jax.tree.leaves(inputs)
+    if not leaves or any(getattr(x, "ndim", 0) < 2 for x in leaves):
+        raise ValueError("The inputs must be arrays with the batch on axis 0 and time on axis 1.")
+    sizes = {x.shape[:2] for x in leaves}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"Every input must have the same (batch, seq) on axes 0 and 1; got {sorted(sizes)}."
+        )
+    (batch, length) = sizes.pop()
+    return batch, length
+
+
+def _non_finite(inputs: PyTree, log_decays: tuple[bool, ...]) -> Array:
+    """`(B, T)`: whether any floating input of the token is NaN or infinite (`-inf` in a
+    log decay excepted: a decay of zero, which the recurrences take as it is).
+
+    A field of an inputs module declared with `eqx.field(metadata={"log_decay": True})` is
+    a log decay.
+    """
+    batch, length = _batch_and_length(inputs)
+    bad = jnp.zeros((batch, length), bool)
+    for x, decay in zip(jax.tree.leaves(inputs), log_decays):
+        if eqx.is_inexact_array(x):
+            wrong = jnp.isnan(x) | (x == jnp.inf)
+            if not decay:
+                wrong = wrong | (x == -jnp.inf)
+            bad = bad | jnp.any(wrong.reshape(batch, length, -1), axis=2)
+    return bad
+
+
+def _log_decay_leaves(inputs: PyTree) -> tuple[bool, ...]:
+    """Per leaf of `inputs` (flattened), whether its field is declared a log decay."""
+    leaves = jax.tree.leaves(inputs)
+    if not dataclasses.is_dataclass(inputs):
+        return (False,) * len(leaves)
+    flags = []
+    for f in dataclasses.fields(inputs):
+        n = len(jax.tree.leaves(getattr(inputs, f.name)))
+        flags += [bool(f.metadata.get("log_decay", False))] * n
+    if len(flags) != len(leaves):  # not a plain module of array fields: no log decays
+        return (False,) * len(leaves)
+    return tuple(flags)
+
+
+def _split(inputs: PyTree, n: int, c: int) -> PyTree:
+    return jax.tree.map(lambda x: split_chunks(x, n, c), inputs)
+
+
+def _initial_state(state: jax.ShapeDtypeStruct, initial_state: Array | None) -> Array:
+    if initial_state is None:
+        return jnp.zeros(state.shape, state.dtype)
+    if initial_state.shape != state.shape:
+        raise ValueError(
+            f"`initial_state` must have shape {state.shape} (batch, value heads, K, V); got "
+            f"{initial_state.shape}."
+        )
+    return initial_state.astype(state.dtype)
+
+
+def _doc_states(state: jax.ShapeDtypeStruct, num_docs: int, initial_state: Array | None):
+    """Each document's initial state, `(num_docs, 1, *state[1:])`."""
+    shape = (num_docs, *state.shape)
+    if initial_state is None:
+        return jnp.zeros(shape, state.dtype)
+    if initial_state.shape != (num_docs, *state.shape[1:]):
+        raise ValueError(
+            f"With `cu_seqlens` the initial states are per document: `initial_state` must "
+            f"have shape {(num_docs, *state.shape[1:])}; got {initial_state.shape}."
+        )
+    return initial_state[:, None].astype(state.dtype)
+
+
+def _run_global(recurrence, inputs, initial_state, cu_seqlens, cp: ContextParallel, block_size):
+    """`run` on global arrays: place them, then the `shard_map` (compiled once)."""
+    assert cp.mesh is not None
+    mesh = mesh_to_run_on(cp.mesh)
+    batch, length = _batch_and_length(inputs)
+    n = mesh.shape[cp.axis_name]
+    pieces = cp.layout.pieces(n)
+    if length % pieces:
+        raise ValueError(
+            f"The sequence length ({length}) must be divisible by {pieces} (mesh axis "
+            f"{cp.axis_name!r} has {n} devices, and layout={cp.layout!r} cuts the sequence "
+            f"into {pieces} pieces): pad the sequence to a multiple of {pieces} (for example "
+            "with g = 0, beta = 0 and zero q, k, v, which leaves the state unchanged) or pick "
+            "a cp that divides it."
+        )
+    if cu_seqlens is not None:
+        if cp.batch_axis is not None:
+            raise ValueError(
+                "`cu_seqlens` packs documents into a batch of one: it cannot be combined with "
+                "`batch_axis`."
+            )
+        cu_seqlens = as_cu_seqlens(cu_seqlens, batch, length)
+    P = jax.sharding.PartitionSpec
+    seq = P(cp.batch_axis, cp.axis_name)
+    state = P(cp.batch_axis if cu_seqlens is None else None)
+
+    def place(tree, spec):
+        return jax.tree.map(
+            lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec)), tree
+        )
+
+    per_rank = ContextParallel(cp.axis_name, layout=cp.layout, exchange=cp.exchange)
+    return _sharded(
+        recurrence,
+        place(inputs, seq),
+        place(initial_state, state),
+        place(cu_seqlens, P()),
+        mesh=mesh,
+        specs=(seq, state),
+        cp=per_rank,
+        block_size=block_size,
+    )
+
+
+@eqx.filter_jit
+def _sharded(recurrence, inputs, initial_state, cu_seqlens, *, mesh, specs, cp, block_size):
+    seq, state = specs
+    n = mesh.shape[cp.axis_name]
+
+    def per_rank(inputs, initial_state, cu_seqlens):
+        return _per_rank(recurrence, inputs, initial_state, cu_seqlens, cp, block_size)
+
+    P = jax.sharding.PartitionSpec
+    fn = jax.shard_map(per_rank, mesh=mesh, in_specs=(seq, state, P()), out_specs=(seq, state))
+    inputs = jax.tree.map(lambda x: cp.layout.to_layout(x, n, axis=1), inputs)
+    outputs, final = fn(inputs, initial_state, cu_seqlens)
+    return jax.tree.map(lambda y: cp.layout.from_layout(y, n, axis=1), outputs), final

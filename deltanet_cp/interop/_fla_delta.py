@@ -1,0 +1,293 @@
+"""flash-linear-attention's call shapes for the gated delta rule, the delta rule and Gated
+DeltaProduct: each builds the recurrence and its inputs and calls the engine (`_convert.call`).
+"""
+
+from typing import Any
+
+from jaxtyping import Array, Float
+
+from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, ValueTensor
+from .._parallel import ContextParallel
+from ..recurrences._delta import DeltaRule
+from ..recurrences._delta_family import DeltaInputs
+from ..recurrences._delta_product import GatedDeltaProduct
+from ..recurrences._gated_delta import GatedDeltaRule
+from ..recurrences._kda import KimiDeltaAttention
+from ._convert import call, FLAStates, ones_if_none
+from ._fla_options import check_options
+
+
+# Gated DeltaProduct's per-step tensors in FLA's flat layout: the `num_householder` steps of
+# token t are rows t * num_householder, ..., (t + 1) * num_householder - 1 of axis 1.
+FlatKeyTensor = Float[Array, "batch seq_steps heads k"]
+FlatValueTensor = Float[Array, "batch seq_steps vheads v"]
+FlatBetaTensor = Float[Array, "batch seq_steps vheads"]
+
+
+def chunk_gated_delta_rule(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    g: GateTensor,
+    beta: GateTensor,
+    scale: float | None = None,
+    initial_state: FLAStates | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    *,
+    state_v_first: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+    cp: ContextParallel | None = None,
+    **options: Any,
+) -> tuple[ValueTensor, FLAStates | None]:
+    """FLA's `fla.ops.gated_delta_rule.chunk_gated_delta_rule` (also `chunk_gdn`).
+
+    Mirrors `chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
+    output_final_state=False, use_qk_l2norm_in_kernel=False, ..., state_v_first=False,
+    cu_seqlens=None, ...)` and runs [`deltanet_cp.GatedDeltaRule`][], the recurrence of
+    [`deltanet_cp.chunk_gated_delta_rule`][]. The arguments after `use_qk_l2norm_in_kernel`
+    are keyword-only here.
+
+    **Arguments:**
+
+    - `q`, `k`: `(B, T, H, K)`; `v`: `(B, T, HV, V)`.
+    - `g`: log decays, `(B, T, HV)`; `beta`: step sizes, `(B, T, HV)`.
+    - `scale`: query scale, default `K ** -0.5`.
+    - `initial_state`: `(N, HV, K, V)` (`(N, HV, V, K)` with `state_v_first`), `N` the batch
+        size or the number of documents; zeros if `None`.
+    - `output_final_state`: also return the final state.
+    - `use_qk_l2norm_in_kernel`: L2-normalise `q` and `k` first.
+    - `state_v_first`: the initial and final states are `(..., V, K)`.
+    - `cu_seqlens`: packed documents (batch size 1), `[0, ..., T]`.
+    - `chunk_size`: tokens per chunk (FLA takes it through `**kwargs`).
+    - `cp`: context parallelism (what FLA's `cp_context` is for), a
+        [`deltanet_cp.ContextParallel`][] as in [`deltanet_cp.chunk_gated_delta_rule`][];
+        `None`: one device.
+    - `**options`: FLA's other options. `cu_seqlens_cpu` and `chunk_indices` are accepted
+        and unused; `use_gate_in_kernel`, `A_log`, `dt_bias`, `use_beta_sigmoid_in_kernel`,
+        `allow_neg_eigval`, `cp_context` and `head_first` raise a `ValueError` unless at their
+        defaults.
+
+    **Returns:**
+
+    `(o, final_state)`: `o` `(B, T, HV, V)`, and the final state or `None`.
+    """
+    check_options(
+        "chunk_gated_delta_rule",
+        options,
+        (
+            "use_beta_sigmoid_in_kernel",
+            "allow_neg_eigval",
+            "use_gate_in_kernel",
+            "A_log",
+            "dt_bias",
+            "cp_context",
+            "head_first",
+            "cu_seqlens_cpu",
+            "chunk_indices",
+        ),
+    )
+    config = GatedDeltaRule(
+        chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel
+    )
+    inputs = DeltaInputs(q, k, v, g, beta)
+    return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state, state_v_first)
+
+
+def fused_recurrent_gated_delta_rule(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    g: GateTensor | None = None,
+    gk: KeyGateTensor | None = None,
+    gv: Array | None = None,
+    beta: GateTensor | None = None,
+    scale: float | None = None,
+    initial_state: FLAStates | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    *,
+    state_v_first: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    cp: ContextParallel | None = None,
+    **options: Any,
+) -> tuple[ValueTensor, FLAStates | None]:
+    r"""FLA's `fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule` (also
+    `fused_recurrent_gdn`): token by token.
+
+    Mirrors `fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None,
+    scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+    ..., state_v_first=False, cu_seqlens=None)`. With `g` only it runs the recurrence of
+    [`deltanet_cp.recurrent_gated_delta_rule`][]; with `gk` (alone or with `g`, the decays
+    multiplied: $g_t + g^k_t$ per key channel) that of
+    [`deltanet_cp.recurrent_kimi_delta_attention`][]; with neither, that of
+    [`deltanet_cp.recurrent_delta_rule`][]. The arguments after `use_qk_l2norm_in_kernel`
+    are keyword-only here.
+
+    **Arguments:**
+
+    - `q`, `k`: `(B, T, H, K)`; `v`: `(B, T, HV, V)`.
+    - `g`: log decays per head, `(B, T, HV)`, or `None`.
+    - `gk`: log decays per key channel, `(B, T, HV, K)`, or `None`.
+    - `gv`: must be `None` (a decay per value channel is not supported).
+    - `beta`: step sizes, `(B, T, HV)`; ones if `None`.
+    - `scale`, `initial_state`, `output_final_state`, `use_qk_l2norm_in_kernel`,
+        `state_v_first`, `cu_seqlens`, `cp`: as in
+        [`deltanet_cp.interop.fla.chunk_gated_delta_rule`][].
+    - `**options`: `use_gate_in_kernel`, `A_log`, `dt_bias`, `use_beta_sigmoid_in_kernel` and
+        `allow_neg_eigval` raise a `ValueError` unless at their defaults.
+
+    **Returns:**
+
+    `(o, final_state)`: `o` `(B, T, HV, V)`, and the final state or `None`.
+    """
+    check_options(
+        "fused_recurrent_gated_delta_rule",
+        dict(options, gv=gv),
+        (
+            "gv",
+            "use_gate_in_kernel",
+            "A_log",
+            "dt_bias",
+            "use_beta_sigmoid_in_kernel",
+            "allow_neg_eigval",
+        ),
+    )
+    if gk is not None:
+        kind, g = KimiDeltaAttention, gk if g is None else gk + g[..., None]
+    else:
+        kind = DeltaRule if g is None else GatedDeltaRule
+    config = kind(chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel)
+    inputs = DeltaInputs(q, k, v, g, ones_if_none(beta, v))
+    return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state, state_v_first)
+
+
+def chunk_delta_rule(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    beta: GateTensor,
+    scale: float | None = None,
+    initial_state: FLAStates | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    *,
+    chunk_size: int = 64,
+    cp: ContextParallel | None = None,
+    **options: Any,
+) -> tuple[ValueTensor, FLAStates | None]:
+    """FLA's `fla.ops.delta_rule.chunk_delta_rule`.
+
+    Mirrors `chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None,
+    output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None, ...)` and runs
+    [`deltanet_cp.DeltaRule`][], the recurrence of [`deltanet_cp.chunk_delta_rule`][].
+
+    **Arguments:**
+
+    - `q`, `k`: `(B, T, H, K)`; `v`: `(B, T, HV, V)`; `beta`: step sizes, `(B, T, HV)`.
+    - `scale`, `initial_state` (`(N, HV, K, V)`), `output_final_state`,
+        `use_qk_l2norm_in_kernel`, `cu_seqlens`, `chunk_size`, `cp`: as in
+        [`deltanet_cp.interop.fla.chunk_gated_delta_rule`][].
+    - `**options`: `cu_seqlens_cpu` is accepted and unused; `head_first` raises a
+        `ValueError` unless `False`.
+
+    **Returns:**
+
+    `(o, final_state)`: `o` `(B, T, HV, V)`, and the final state or `None`.
+    """
+    check_options("chunk_delta_rule", options, ("cu_seqlens_cpu", "head_first"))
+    config = DeltaRule(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel)
+    inputs = DeltaInputs(q, k, v, None, beta)
+    return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state)
+
+
+def fused_recurrent_delta_rule(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    beta: GateTensor | None = None,
+    scale: float | None = None,
+    initial_state: FLAStates | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    *,
+    cp: ContextParallel | None = None,
+) -> tuple[ValueTensor, FLAStates | None]:
+    """FLA's `fla.ops.delta_rule.fused_recurrent_delta_rule`: token by token.
+
+    Mirrors `fused_recurrent_delta_rule(q, k, v, beta=None, scale=None, initial_state=None,
+    output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None)` and runs the
+    recurrence of [`deltanet_cp.recurrent_delta_rule`][]. `beta` defaults to ones; the
+    other arguments are as in [`deltanet_cp.interop.fla.chunk_delta_rule`][].
+    """
+    config = DeltaRule(chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel)
+    inputs = DeltaInputs(q, k, v, None, ones_if_none(beta, v))
+    return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state)
+
+
+def chunk_gated_delta_product(
+    q: QKTensor,
+    k: FlatKeyTensor,
+    v: FlatValueTensor,
+    g: GateTensor | None,
+    beta: FlatBetaTensor,
+    num_householder: int,
+    scale: float | None = None,
+    initial_state: FLAStates | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    *,
+    chunk_size: int = 64,
+    cp: ContextParallel | None = None,
+    **options: Any,
+) -> tuple[ValueTensor, FLAStates | None]:
+    """FLA's `fla.ops.gated_delta_product.chunk_gated_delta_product`, in FLA's flat layout.
+
+    Mirrors `chunk_gated_delta_product(q, k, v, g, beta, num_householder, scale=None,
+    initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None, cu_seqlens_cpu=None)` and runs [`deltanet_cp.GatedDeltaProduct`][], the
+    recurrence of [`deltanet_cp.chunk_gated_delta_product`][], with `k`, `v`, `beta`
+    reshaped to `(B, T, num_householder, ...)`: row `t * num_householder + j` of FLA's
+    axis 1 is step `j` of token `t`.
+
+    **Arguments:**
+
+    - `q`: `(B, T, H, K)`.
+    - `k`: `(B, T * num_householder, H, K)`; `v`: `(B, T * num_householder, HV, V)`.
+    - `g`: log decays, `(B, T, HV)`, applied once per token before its steps; or `None`.
+    - `beta`: step sizes, `(B, T * num_householder, HV)`.
+    - `num_householder`: the number of delta steps per token.
+    - `scale`, `initial_state` (`(N, HV, K, V)`), `output_final_state`,
+        `use_qk_l2norm_in_kernel`, `cu_seqlens` (offsets in tokens of `q`), `chunk_size`,
+        `cp`: as in [`deltanet_cp.interop.fla.chunk_gated_delta_rule`][].
+    - `**options`: `cu_seqlens_cpu` is accepted and unused.
+
+    **Returns:**
+
+    `(o, final_state)`: `o` `(B, T, HV, V)`, and the final state or `None`.
+    """
+    check_options("chunk_gated_delta_product", options, ("cu_seqlens_cpu",))
+    n = num_householder
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"`num_householder` must be a positive int; got {n!r}.")
+    b, t = q.shape[:2]
+    for name, x in (("k", k), ("v", v), ("beta", beta)):
+        if x.shape[:2] != (b, t * n):
+            raise ValueError(
+                f"`{name}` must have FLA's flat layout (B, T * num_householder, ...) = "
+                f"({b}, {t * n}, ...) for `q` of shape {tuple(q.shape)} and "
+                f"num_householder={n}; got {tuple(x.shape)}."
+            )
+
+    def steps(x):
+        return x.reshape(b, t, n, *x.shape[2:])
+
+    config = GatedDeltaProduct(
+        chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel
+    )
+    inputs = DeltaInputs(q, steps(k), steps(v), g, steps(beta))
+    return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state)

@@ -1,0 +1,36 @@
+"""The context-parallel argument of the layers: one `ContextParallel`, without a mesh."""
+
+import jax
+from jaxtyping import Array, Int
+
+from .._parallel import ContextParallel, Contiguous
+
+
+def check_cp(cp: object, where: str) -> ContextParallel | None:
+    """`cp` if it is `None` or a [`deltanet_cp.ContextParallel`][] without `mesh`; else a
+    `TypeError` / `ValueError` saying what to pass."""
+    if cp is None:
+        return None
+    if not isinstance(cp, ContextParallel):
+        raise TypeError(f"{where}: `cp` must be a deltanet_cp.ContextParallel or None; got {cp!r}.")
+    if cp.mesh is not None:
+        raise ValueError(
+            f"{where} runs inside your `jax.shard_map` on this rank's shard, so its `cp` "
+            "takes no `mesh`: pass ContextParallel(axis_name, layout=...) without `mesh` and "
+            "call the layer inside `jax.shard_map` over that mesh (the time axis sharded over "
+            "`axis_name`)."
+        )
+    return cp
+
+
+def local_positions(cp: ContextParallel | None, length: int) -> Int[Array, " length"]:
+    """The global sequence positions of this rank's `length` local tokens (`0 ..` without
+    `cp`)."""
+    if cp is None:
+        return Contiguous().positions(length, None)
+    return cp.layout.positions(length, cp.axis_name)
+
+
+def axis_size(cp: ContextParallel | None) -> int:
+    """The number of ranks of `cp` (1 without it)."""
+    return 1 if cp is None else jax.lax.axis_size(cp.axis_name)
