@@ -233,10 +233,20 @@ class ContextParallel(eqx.Module, Generic[_L]):
         self.batch_axis = batch_axis
 
 
+def check_cp(cp: object, where: str) -> None:
+    """A `TypeError` naming `where` unless `cp` is a `ContextParallel` or `None`."""
+    if cp is not None and not isinstance(cp, ContextParallel):
+        raise TypeError(f"{where}: `cp` must be a deltanet_cp.ContextParallel or None; got {cp!r}.")
+
+
+def axis_size(cp: "ContextParallel | None") -> int:
+    """The number of ranks of `cp` (inside `jax.shard_map`); 1 without it."""
+    return 1 if cp is None else jax.lax.axis_size(cp.axis_name)
+
+
 def contiguous(cp: "ContextParallel") -> "ContextParallel[Contiguous]":
     """`cp` itself if its layout is [`deltanet_cp.Contiguous`][], else a `ValueError`."""
-    if not isinstance(cp, ContextParallel):
-        raise TypeError(f"`cp` must be a deltanet_cp.ContextParallel or None; got {cp!r}.")
+    check_cp(cp, "run_contiguous")
     if isinstance(cp.layout, Contiguous):
         return cp  # pyright: ignore[reportReturnType]
     raise ValueError(

@@ -19,7 +19,14 @@ from ._chunking import num_chunks, split_chunks
 from ._exchange import _position
 from ._mesh import mesh_to_run_on
 from ._packing import as_cu_seqlens, pack, segments, unpack
-from ._parallel import ContextParallel, Contiguous, contiguous, ContiguousParallel
+from ._parallel import (
+    axis_size,
+    check_cp,
+    ContextParallel,
+    Contiguous,
+    contiguous,
+    ContiguousParallel,
+)
 from ._passes import Blocks, context_parallel, local
 from ._recurrence import AbstractRecurrence
 from ._validate import check_inputs
@@ -86,15 +93,13 @@ def run(
     computation and its collectives.
     """
     check_inputs(recurrence, inputs)
-    if cp is not None and not isinstance(cp, ContextParallel):
-        raise TypeError(f"`cp` must be a deltanet_cp.ContextParallel or None; got {cp!r}.")
+    check_cp(cp, "deltanet_cp.run")
     _check_block_size(block_size)
     if cp is not None and cp.mesh is not None:
         return _run_global(recurrence, inputs, initial_state, cu_seqlens, cp, block_size)
     if cu_seqlens is not None:
         batch, length = _batch_and_length(inputs)
-        total = length if cp is None else length * jax.lax.axis_size(cp.axis_name)
-        cu_seqlens = as_cu_seqlens(cu_seqlens, batch, total)
+        cu_seqlens = as_cu_seqlens(cu_seqlens, batch, length * axis_size(cp))
     return _per_rank(recurrence, inputs, initial_state, cu_seqlens, cp, block_size)
 
 
@@ -111,8 +116,7 @@ def _per_rank(
     # With packed documents, `initial_state` holds the documents' initial states.
     state, doc_h0 = (None, initial_state) if packed else (initial_state, None)
     length = _batch_and_length(inputs)[1]
-    cp_size = 1 if cp is None else jax.lax.axis_size(cp.axis_name)
-    walks = Contiguous().walks(length, 1) if cp is None else cp.layout.walks(length, cp_size)
+    walks = (Contiguous() if cp is None else cp.layout).walks(length, axis_size(cp))
     outputs, finals = [], None
     for walk in walks:
         out, state, f = _run(

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._parallel import ContextParallel
+from .._parallel import axis_size, ContextParallel
 from ..nn._attention import CausalSelfAttention, KVCache
-from ..nn._context import axis_size, check_cp, local_positions
+from ..nn._context import layer_cp, local_positions
 from ..nn._gated_delta_net import GatedDeltaNet, GatedDeltaNetState
 from ..nn._hybrid import SwiGLU
 from ..nn._norm import ZeroCenteredRMSNorm
@@ -263,7 +263,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
 
         The next-token logits, `(seq, vocab)`, in the parameters' dtype.
         """
-        cp = check_cp(cp, "Qwen3_5ForCausalLM")
+        cp = layer_cp(cp, "Qwen3_5ForCausalLM")
         x = jax.vmap(self.embed)(tokens)
         for layer in self.layers:
             x = layer(x, cp, kv_exchange)
@@ -345,7 +345,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
         `(logits, cache, checkpoints)`, a [`deltanet_cp.models.Qwen3_5Checkpoints`][]
         (under context parallelism each rank's own, in the layout's order).
         """
-        cp = check_cp(cp, "Qwen3_5ForCausalLM")
+        cp = layer_cp(cp, "Qwen3_5ForCausalLM")
         t = tokens.shape[0]
         total = t * axis_size(cp)
         if cache is None:

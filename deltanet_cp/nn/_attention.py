@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._parallel import ContextParallel
-from ._context import axis_size, check_cp, local_positions
+from .._parallel import axis_size, ContextParallel
+from ._context import layer_cp, local_positions
 from ._flash import _blockwise_attention, _flash, _group_queries, _to_blocks, _ungroup_queries
 from ._norm import ZeroCenteredRMSNorm
 from ._schedule import _check_kv_exchange, _Schedule, KVExchange
@@ -276,7 +276,7 @@ class CausalSelfAttention(eqx.Module):
         The output, `(seq, hidden)`.
         """
         _check_kv_exchange(kv_exchange)
-        cp = check_cp(cp, "CausalSelfAttention")
+        cp = layer_cp(cp, "CausalSelfAttention")
         rel = local_positions(cp, x.shape[0])
         q, k, v, gate = self._project(x, rel)
         out, _ = _blockwise_attention(
@@ -311,7 +311,7 @@ class CausalSelfAttention(eqx.Module):
         parallelism the new keys and values are all-gathered into it, in sequence order.
         """
         _check_kv_exchange(kv_exchange)
-        cp = check_cp(cp, "CausalSelfAttention")
+        cp = layer_cp(cp, "CausalSelfAttention")
         rel = local_positions(cp, x.shape[0])
         q, k, v, gate = self._project(x, rel + length)
         out, lse = _blockwise_attention(

@@ -1,18 +1,17 @@
 """The context-parallel argument of the layers: one `ContextParallel`, without a mesh."""
 
-import jax
 from jaxtyping import Array, Int
 
-from .._parallel import ContextParallel, Contiguous
+from .._parallel import check_cp, ContextParallel, Contiguous
 
 
-def check_cp(cp: object, where: str) -> ContextParallel | None:
+def layer_cp(cp: object, where: str) -> ContextParallel | None:
     """`cp` if it is `None` or a [`deltanet_cp.ContextParallel`][] without `mesh`; else a
     `TypeError` / `ValueError` saying what to pass."""
+    check_cp(cp, where)
     if cp is None:
         return None
-    if not isinstance(cp, ContextParallel):
-        raise TypeError(f"{where}: `cp` must be a deltanet_cp.ContextParallel or None; got {cp!r}.")
+    assert isinstance(cp, ContextParallel)
     if cp.mesh is not None:
         raise ValueError(
             f"{where} runs inside your `jax.shard_map` on this rank's shard, so its `cp` "
@@ -29,8 +28,3 @@ def local_positions(cp: ContextParallel | None, length: int) -> Int[Array, " len
     if cp is None:
         return Contiguous().positions(length, None)
     return cp.layout.positions(length, cp.axis_name)
-
-
-def axis_size(cp: ContextParallel | None) -> int:
-    """The number of ranks of `cp` (1 without it)."""
-    return 1 if cp is None else jax.lax.axis_size(cp.axis_name)

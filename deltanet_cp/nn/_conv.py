@@ -9,7 +9,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._parallel import ContextParallel
-from ._context import check_cp
+from ._context import layer_cp
 
 
 class CausalConv1d(eqx.Module):
@@ -114,7 +114,7 @@ class CausalConv1d(eqx.Module):
         state after the last token, `(kernel_size - 1, channels)`: the last
         `kernel_size - 1` inputs of the whole sequence (replicated across ranks).
         """
-        cp = check_cp(cp, "CausalConv1d")
+        cp = layer_cp(cp, "CausalConv1d")
         w = self.history
         t = x.shape[0]
         if state is None:

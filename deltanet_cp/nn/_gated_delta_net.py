@@ -12,7 +12,7 @@ from .._validate import as_positive_index
 from ..recurrences._delta_family import DeltaInputs
 from ..recurrences._gated_delta import GatedDeltaRule, recurrent_gated_delta_rule
 from ._checkpointed import Checkpointed, checkpoints
-from ._context import check_cp
+from ._context import layer_cp
 from ._conv import CausalConv1d
 from ._norm import GatedRMSNorm
 
@@ -253,7 +253,7 @@ class GatedDeltaNet(eqx.Module):
         self._check_input(x)
         mixed, z, b, a = self._project(x)
         conv_state = None if state is None else state.conv
-        mixed, _ = self.conv1d(mixed, conv_state, cp=check_cp(cp, "GatedDeltaNet"))
+        mixed, _ = self.conv1d(mixed, conv_state, cp=layer_cp(cp, "GatedDeltaNet"))
         return self._split(jax.nn.silu(mixed), z, b, a)
 
     def __call__(
@@ -350,7 +350,7 @@ class GatedDeltaNet(eqx.Module):
     def _forward(
         self, x, state, checkpoint_every, cp
     ) -> tuple[Array, GatedDeltaNetState, GatedDeltaNetState | None]:
-        cp = check_cp(cp, "GatedDeltaNet")
+        cp = layer_cp(cp, "GatedDeltaNet")
         self._check_input(x)
         if checkpoint_every is not None:
             self._check_checkpoints(checkpoint_every, x.shape[0], cp)

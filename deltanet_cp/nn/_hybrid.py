@@ -9,7 +9,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from .._parallel import ContextParallel
 from .._validate import as_positive_index
 from ._attention import CausalSelfAttention
-from ._context import check_cp
+from ._context import layer_cp
 from ._gated_delta_net import GatedDeltaNet
 from ._schedule import KVExchange
 
@@ -233,7 +233,7 @@ class HybridLM(eqx.Module):
         through `equinox.error_if`: an `EquinoxRuntimeError` eagerly, an error when the
         computation runs under `jax.jit`.
         """
-        cp = check_cp(cp, "HybridLM")
+        cp = layer_cp(cp, "HybridLM")
         dtype = getattr(tokens, "dtype", None)
         if dtype is None or not jnp.issubdtype(dtype, jnp.integer) or tokens.ndim != 1:
             raise ValueError(
