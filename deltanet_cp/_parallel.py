@@ -101,10 +101,15 @@ class AbstractLayout(eqx.Module):
     def positions(self, length: int, axis_name: str | None) -> Int[Array, " length"]:
         """The global sequence positions of this rank's `length` local tokens (inside
         `shard_map` over `axis_name`; `0 .. length - 1` if `axis_name` is `None`)."""
+        local = jnp.arange(length, dtype=jnp.int32)
         if axis_name is None:
-            return jnp.arange(length, dtype=jnp.int32)
-        table = self.position_table(length, jax.lax.axis_size(axis_name))
-        return jnp.asarray(table)[jax.lax.axis_index(axis_name)]
+            return local
+        cp = jax.lax.axis_size(axis_name)
+        n = self.piece_length(length, cp)
+        # Only the small table of pieces is a constant of the program, not one position per
+        # token and rank.
+        pieces = jnp.asarray(self.held(cp), jnp.int32)[jax.lax.axis_index(axis_name)]
+        return pieces[local // n] * n + local % n
 
 
 class Contiguous(AbstractLayout):

@@ -338,6 +338,9 @@ def test_position_table_matches_layout(cp, layout):
         )
     )()
     np.testing.assert_array_equal(np.asarray(got), layout.position_table(t, cp))
+    # Independently: the global order that sharding `to_layout`'s result hands each rank.
+    ordered = layout.to_layout(np.arange(cp * t)[None], cp)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ordered).reshape(cp, t))
 
 
 # ---------------------------------------------------------------------------------------
