@@ -101,11 +101,11 @@ def jax_forward(name: str, *, h: int, hv: int, d: int, chunk: int = 64, dtype="f
     peer, _ = load_peer(name, kw.get("wheels"))
     rep = hv // h
     if name == "ours":
+        rule = peer.GatedDeltaRule(chunk_size=chunk, use_qk_l2norm=True)
+        block_size = kw.get("block_size")  # None: the backend's default
 
         def forward(q, k, v, g, beta):
-            return peer.chunk_gated_delta_rule(
-                q, k, v, g, beta, use_qk_l2norm=True, chunk_size=chunk
-            )
+            return peer.run(rule, peer.DeltaInputs(q, k, v, g, beta), block_size=block_size)
 
     elif name == "maxtext":
 

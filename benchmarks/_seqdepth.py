@@ -127,3 +127,71 @@ def hlo_depth(hlo: str) -> Depth:
 def depth(compiled) -> Depth:
     """The `Depth` of a compiled JAX function (`jax.jit(f).lower(*args).compile()`)."""
     return hlo_depth(compiled.as_text())
+
+
+# ------------------------------------------------------------------ matmul FLOPs
+
+_SHAPE = re.compile(r"\b[a-z]\w*\[([\d,]*)\]")
+_DEF = re.compile(r"^(?:ROOT )?%?([\w.\-]+) = (\w+\[[\d,]*\])")
+
+
+def _shape(text: str) -> list[int]:
+    m = _SHAPE.search(text)
+    return [int(x) for x in m.group(1).split(",") if x] if m else []
+
+
+def _dot(line: str, shapes: dict[str, list[int]]) -> float:
+    """2 x output elements x contracted elements of one `dot` line."""
+    out = _shape(line.split("=", 1)[1])
+    operands = re.search(r"\bdot\(([^)]*)\)", line).group(1).split(",")
+    lhs_text = operands[0].strip()
+    lhs = _shape(lhs_text) if "[" in lhs_text else shapes.get(lhs_text.lstrip("%"), [])
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+    contracted = 1
+    for i in contracting.group(1).split(",") if contracting and contracting.group(1) else []:
+        contracted *= lhs[int(i)]
+    n = 1
+    for d in out:
+        n *= d
+    return 2.0 * n * contracted
+
+
+def _flops(computations, name, memo) -> float:
+    if name in memo:
+        return memo[name]
+    shapes = {}
+    for line in computations.get(name, []):
+        m = _DEF.match(line)
+        if m:
+            shapes[m.group(1)] = _shape(m.group(2))
+    total = 0.0
+    for line in computations.get(name, []):
+        m = _OPCODE.match(line)
+        op = m.group(1) if m else None
+        if op == "dot":
+            total += _dot(line, shapes)
+        elif op == "while":
+            body = re.search(r"body=%?([\w.\-]+)", line).group(1)
+            total += _trips(line, computations) * _flops(computations, body, memo)
+        else:
+            for callee in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", line):
+                total += _flops(computations, callee, memo)
+            branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+            if branches:
+                names = re.findall(r"%?([\w.\-]+)", branches.group(1))
+                total += max((_flops(computations, b, memo) for b in names), default=0.0)
+    memo[name] = total
+    return total
+
+
+def hlo_matmul_flops(hlo: str) -> float:
+    """Matmul FLOPs of a compiled module's HLO text: every `dot` (inside fusions and called
+    computations too) as 2 x output elements x contracted elements, a `while` body times
+    its trips (XLA's own `cost_analysis` counts a loop body once)."""
+    computations, entry = _computations(hlo)
+    return _flops(computations, entry, {})
+
+
+def matmul_flops(compiled) -> float:
+    """`hlo_matmul_flops` of a compiled JAX function."""
+    return hlo_matmul_flops(compiled.as_text())

@@ -10,6 +10,13 @@ Nothing is executed: every program is compiled (`jax.jit(f).lower(...).compile()
   must not change: a count that grows with T would mean a loop unrolled over chunks.
 - **Compiled temporaries**: `memory_analysis().temp_size_in_bytes` per token, one device
   and, under CP, per device per local token, beside one device at the same local length.
+- **Matmul FLOPs** (`_seqdepth.matmul_flops`): every `dot` of the compiled HLO, inside
+  fusions too, a loop body counted times its trips; one device.
+
+Ours is compiled at the backend's default block size and at each `--blocks` size (tokens
+whose factors are formed together): a block bounds the memory, and what the backward forms
+again (the block's factors and chunk states) costs matmul FLOPs; a sequence in one block is
+formed once (XLA merges the two).
 
 Implementations (`_impls.py`): ours (`deltanet_cp.chunk_gated_delta_rule`; under CP with
 `cp=ContextParallel("cp", exchange=..., mesh=mesh)`, each exchange), MaxText's JAX kernel
@@ -43,7 +50,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from _common import machine_line, print_table  # noqa: E402
 from _impls import jax_forward, jax_forward_cp, load_peer, pullback  # noqa: E402
-from _seqdepth import depth  # noqa: E402
+from _seqdepth import depth, matmul_flops  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 
@@ -73,7 +80,8 @@ def abstract_args(b, t, h, hv, d, sharding=None, replicated=None):
 
 
 def measure(forward, args, cot) -> dict:
-    """`{pass: (Depth, temp bytes, compile seconds)}` for the forward and its pullback."""
+    """`{pass: (Depth, temp bytes, compile seconds, matmul FLOPs)}` for the forward and its
+    pullback."""
     out = {}
     for p, fn, a in [("fwd", forward, args), ("fwd+bwd", pullback(forward), (args, cot))]:
         start = time.perf_counter()
@@ -81,7 +89,7 @@ def measure(forward, args, cot) -> dict:
         seconds = time.perf_counter() - start
         memory = compiled.memory_analysis()
         temp = None if memory is None else memory.temp_size_in_bytes
-        out[p] = (depth(compiled), temp, seconds)
+        out[p] = (depth(compiled), temp, seconds, matmul_flops(compiled))
     return out
 
 
@@ -92,6 +100,9 @@ def main() -> int:
     parser.add_argument("--only", default=None, help="comma-separated implementations")
     parser.add_argument("--no-cp", action="store_true", help="one device only")
     parser.add_argument("--wheels", default=None, help="a directory with the peers' wheels")
+    parser.add_argument(
+        "--blocks", default="4096", help="comma-separated extra block sizes for ours ('' none)"
+    )
     args = parser.parse_args()
 
     shape = dict(QUICK if args.quick else FULL)
@@ -129,6 +140,11 @@ def main() -> int:
         for length in (t, local):
             results[(n, 1, "", length)] = measure(forward, *abstract_args(b, length, h, hv, d))
             print(f"  {n}, one device, T={length}: compiled", flush=True)
+    blocks = [int(x) for x in args.blocks.split(",") if x] if "ours" in names else []
+    for size in blocks:
+        forward = jax_forward("ours", block_size=size, **dims)
+        results[(f"ours, block {size}", 1, "", t)] = measure(forward, *abstract_args(b, t, h, hv, d))
+        print(f"  ours, block {size}: compiled", flush=True)
     cp_ok = not args.no_cp and len(jax.devices()) >= CP
     if cp_ok:
         auto = (jax.sharding.AxisType.Auto,)  # jla slices its sharded final states
@@ -165,11 +181,22 @@ def main() -> int:
     for (n, devices, exchange, tokens), r in results.items():
         if devices == 1 and tokens != t:
             continue
-        row = [where(n, devices, exchange), tokens]
+        row = [where(n, devices, exchange), tokens]  # depth
         for p in PASSES:
             dp = r[p][0]
             row += [f"{dp.inside / tokens:.2f}", dp.loops_text()]
         depth_rows.append(row)
+    flop_rows = []
+    reference = results.get(("MaxText", 1, "", t))
+    for (n, devices, exchange, tokens), r in results.items():
+        if devices != 1 or tokens != t:
+            continue
+        fwd, both = r["fwd"][3] / 1e9, r["fwd+bwd"][3] / 1e9
+        row = [n, f"{fwd:.2f}", f"{both:.2f}", f"{both / fwd:.2f}"]
+        if reference is not None:
+            row += [f"{fwd / (reference['fwd'][3] / 1e9):.2f}x"]
+            row += [f"{both / (reference['fwd+bwd'][3] / 1e9):.2f}x"]
+        flop_rows.append(row)
     for n in names:
         long, short = results[(n, 1, "", t)], results[(n, 1, "", local)]
         outside_rows.append(
@@ -202,6 +229,13 @@ def main() -> int:
         depth_rows,
         title=f"Sequential depth at T={t}: ops inside while loops x trips, per token of a "
         "device (XLA's optimized HLO; a fusion is one op)",
+    )
+    print_table(
+        ["implementation", "fwd GFLOP", "fwd+bwd GFLOP", "fwd+bwd / fwd"]
+        + (["fwd vs MaxText", "fwd+bwd vs MaxText"] if reference is not None else []),
+        flop_rows,
+        title=f"Matmul FLOPs at T={t}, one device: every dot of the compiled HLO, loop bodies "
+        "times their trips",
     )
     print_table(
         ["implementation"]

@@ -6,12 +6,14 @@ by one. Blocks bound the working set: the factors of one block exist at a time, 
 that fits in one block has no loop around its factor work at all.
 
 - forward: per block, the factors; then a scan of `step` over the block's chunks, keeping
-  the state entering each chunk for the backward.
-- backward: per block (in reverse), the factors again and the VJP of `prepare`; a reverse
-  scan that carries only the state's cotangent (the VJP of `step` in `h`, which does not
-  depend on `h` since `step` is affine in it); then every factor's cotangent batched over
-  the block (the VJP of `step` in its factors, from the kept states and the cotangents the
-  scan emitted), pulled back through `prepare`.
+  the state entering each block (not each chunk) for the backward.
+- backward: per block (in reverse), the factors again and the VJP of `prepare`; the state
+  entering each chunk again, from the block's (the state recursion alone); a reverse scan
+  that carries only the state's cotangent (the VJP of `step` in `h`, which does not depend
+  on `h` since `step` is affine in it); then every factor's cotangent batched over the
+  block (`factor_cotangents`, from the states and the cotangents the scan emitted), pulled
+  back through `prepare`. What the backward holds grows with the sequence by one state per
+  block; the rest is one block's working set.
 - the chunk maps (context parallelism's phase 1): per block, the factors; then `compose`
   over the block's chunks.
 
@@ -61,24 +63,25 @@ class Blocks(eqx.Module):
             lambda x: jax.lax.dynamic_slice_in_dim(x, i * self.size, self.size, axis), tree
         )
 
-    def to_time(self, tree: PyTree) -> PyTree:
-        """Per-chunk outputs `(count, size, B, C, ...)` -> `(B, padded * C, ...)`."""
+    def read(self, tree: PyTree, i) -> PyTree:
+        """Block `i` of per-token values `(B, padded * C, ...)` as `(size, B, C, ...)`."""
+        n = self.size * self.c
 
         def one(x):
-            x = x.reshape(self.padded, *x.shape[2:])  # (N, B, C, ...)
-            x = jnp.moveaxis(x, 0, 1)
-            return x.reshape(x.shape[0], self.padded * self.c, *x.shape[3:])
+            x = jax.lax.dynamic_slice_in_dim(x, i * n, n, 1)
+            return jnp.moveaxis(x.reshape(x.shape[0], self.size, self.c, *x.shape[2:]), 1, 0)
 
         return jax.tree.map(one, tree)
 
-    def to_chunks(self, tree: PyTree) -> PyTree:
-        """Inverse of `to_time`: `(B, padded * C, ...)` -> `(count, size, B, C, ...)`."""
+    def write(self, tree: PyTree, block: PyTree, i) -> PyTree:
+        """`tree` `(B, padded * C, ...)` with block `i` set to `block` `(size, B, C, ...)`."""
 
-        def one(x):
-            x = x.reshape(x.shape[0], self.count, self.size, self.c, *x.shape[2:])
-            return jnp.moveaxis(x, 0, 2)
+        def one(x, y):
+            y = jnp.moveaxis(y, 0, 1)
+            y = y.reshape(y.shape[0], self.size * self.c, *y.shape[3:])
+            return jax.lax.dynamic_update_slice_in_dim(x, y, i * self.size * self.c, 1)
 
-        return jax.tree.map(one, tree)
+        return jax.tree.map(one, tree, block)
 
 
 def _over_blocks(body, carry, count: int, *, reverse: bool = False):
@@ -114,7 +117,8 @@ def factors(recurrence, blocks: Blocks, diff: PyTree, static: PyTree) -> PyTree:
 def steps(recurrence, f, carry, marks, doc_states, poison, *, keep_states: bool):
     """The state recursion over one block's chunks.
 
-    `carry = (h, finals)`: the state and the documents' final states (or `None`). `poison`
+    `carry = (h, finals)`: the state and the documents' final states (`None` without packed
+    documents, or when they are not wanted). `poison`
     holds per chunk and batch row 0, or NaN where the chunk holds a non-finite input (its
     factors were formed from zeros there), added to the state leaving it. Returns the
     carry after the block and, per chunk, the outputs and (with `keep_states`) the state
@@ -128,7 +132,7 @@ def steps(recurrence, f, carry, marks, doc_states, poison, *, keep_states: bool)
             h = jnp.where(m[0] >= 0, doc_states[jnp.maximum(m[0], 0)], h)
         h_next, out = recurrence.step(f_c, h)
         h_next = h_next + p.reshape(p.shape + (1,) * (h_next.ndim - 1))
-        if m is not None:
+        if m is not None and finals is not None:
             e = m[1]
             slot = jnp.maximum(e, 0)
             finals = finals.at[slot].set(jnp.where(e >= 0, h_next, finals[slot]))
@@ -167,14 +171,14 @@ def state_cotangents(recurrence, f, states, d_outputs, carry, marks, d_finals):
     return jax.lax.scan(body, carry, (f, states, d_outputs, marks), reverse=True)
 
 
-def factor_cotangents(recurrence, f, states, d_next, d_outputs):
-    """Every chunk's factors' cotangents, batched over the block's chunks."""
+def chunk_states(recurrence, f, h, marks, doc_states, poison):
+    """The state entering each of a block's chunks, from the state entering the block.
 
-    def one(f_c, h, d_next, d_out):
-        _, pull = jax.vjp(lambda f_c: recurrence.step(f_c, h), f_c)
-        return pull((d_next, d_out))[0]
-
-    return jax.vmap(one)(f, states, d_next, d_outputs)
+    The backward's recomputation: the forward keeps one state per block, and the state
+    recursion is a small share of the work (its outputs are not formed again).
+    """
+    _, (_, states) = steps(recurrence, f, (h, None), marks, doc_states, poison, keep_states=True)
+    return states
 
 
 def composes(recurrence, f, running: AbstractAffineMap, marks, doc_states, poison):
@@ -203,34 +207,65 @@ def composes(recurrence, f, running: AbstractAffineMap, marks, doc_states, poiso
 # ---------------------------------------------------------------------------------------
 # The whole slice: a pass over all blocks, and the three phases of context parallelism.
 # Inputs arrive as `(B, padded, C, ...)` (split by `eqx.partition`), outputs leave as
-# `(B, padded * C, ...)`, kept states as `(count, size, *state)`; `marks` holds the
-# per-chunk `(start, end)`, `(padded,)` each, and the per-document `empty`.
+# `(B, padded * C, ...)`, kept states as `(count, *state)`; `marks` holds the per-chunk
+# `(start, end)`, `(padded,)` each, and the per-document `empty`; `poison` is the pair
+# `(per chunk (padded, B): 0 or NaN added to the state leaving it, per token
+# (B, padded * C): whether the output is NaN)`.
 
 
 def _marks(marks):
     return None if marks is None else marks[:2]
 
 
+def _masked(tree: PyTree, mask, value) -> PyTree:
+    """`value` where `mask` `(size, B, C)` is set, else `tree`'s `(size, B, C, ...)` leaves."""
+
+    def one(x):
+        m = mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim))
+        return jnp.where(m, jnp.asarray(value, x.dtype), x)
+
+    return jax.tree.map(one, tree)
+
+
 def forward(recurrence, blocks, diff, static, h0, marks, doc_states, poison, *, keep_states: bool):
-    """All blocks from `h0`: `((h, finals, outputs), states)`."""
+    """All blocks from `h0`: `((h, finals, outputs), states)`, `states` the state entering
+    each block (`(count, *state)`; `None` without `keep_states`).
+
+    Each block's outputs are written into the outputs `(B, padded * C, ...)` in place, NaN
+    where `poison[1]` says a non-finite input came before them in their chunk.
+    """
     finals = None
     if marks is not None:
         empty = marks[2].reshape((-1,) + (1,) * (doc_states.ndim - 1))
         finals = jnp.where(empty, doc_states, jnp.zeros((), doc_states.dtype))
 
+    def chunk_outputs(d, s, h):
+        f = factors(recurrence, blocks, *blocks.block((d, s), 0))
+        return recurrence.step(_chunk(f, 0), h)[1]
+
+    shapes = eqx.filter_eval_shape(chunk_outputs, diff, static, h0)
+    length = blocks.padded * blocks.c
+    outputs = jax.tree.map(lambda s: jnp.zeros((s.shape[0], length, *s.shape[2:]), s.dtype), shapes)
+    outputs = varying(outputs, diff)
+
     def body(carry, i):
+        (h, finals), outputs = carry
         f = factors(recurrence, blocks, *blocks.block((diff, static), i))
-        m, p = blocks.block((_marks(marks), poison), i, axis=0)
-        return steps(recurrence, f, carry, m, doc_states, p, keep_states=keep_states)
+        m, p = blocks.block((_marks(marks), poison[0]), i, axis=0)
+        (h_next, finals), (out, _) = steps(
+            recurrence, f, (h, finals), m, doc_states, p, keep_states=False
+        )
+        out = _masked(out, blocks.read(poison[1], i), jnp.nan)
+        return ((h_next, finals), blocks.write(outputs, out, i)), (h if keep_states else None)
 
-    (h, finals), (outputs, states) = _over_blocks(body, (h0, finals), blocks.count)
-    return (h, finals, blocks.to_time(outputs)), states
+    ((h, finals), outputs), states = _over_blocks(body, ((h0, finals), outputs), blocks.count)
+    return (h, finals, outputs), states
 
 
-def backward(recurrence, blocks, diff, static, states, marks, doc_states, cts):
-    """The cotangents of `(diff, h0, doc_states)` given those of `(outputs, h, finals)`."""
+def backward(recurrence, blocks, diff, static, states, marks, doc_states, poison, cts):
+    """The cotangents of `(diff, h0, doc_states)` given those of `(outputs, h, finals)`;
+    `states` the state entering each block."""
     d_outputs, d_h, d_finals = cts
-    d_outputs = blocks.to_chunks(d_outputs)
     d_docs = None
     if marks is not None:
         empty = marks[2].reshape((-1,) + (1,) * (d_h.ndim))
@@ -241,14 +276,15 @@ def backward(recurrence, blocks, diff, static, states, marks, doc_states, cts):
         dh, d_docs, d_diff = carry
         d, s = blocks.block((diff, static), i)
         f, pull = jax.vjp(lambda d: factors(recurrence, blocks, d, s), d)
-        h, d_out = states[i], _chunk(d_outputs, i)
-        m = blocks.block(_marks(marks), i, axis=0)
+        m, p = blocks.block((_marks(marks), poison[0]), i, axis=0)
+        h = chunk_states(recurrence, f, states[i], m, doc_states, p)
+        d_out = _masked(blocks.read(d_outputs, i), blocks.read(poison[1], i), 0)
         (dh, d_docs), d_next = state_cotangents(recurrence, f, h, d_out, (dh, d_docs), m, d_finals)
-        d_f = factor_cotangents(recurrence, f, h, d_next, d_out)
+        d_f = recurrence.factor_cotangents(f, h, d_next, d_out)
         d_diff = jax.tree.map(
             lambda b, x: jax.lax.dynamic_update_slice_in_dim(b, x, i * blocks.size, 1),
             d_diff,
-            pull(d_f)[0],
+            pull(summed_like(d_f, f))[0],
         )
         return (dh, d_docs, d_diff), None
 
@@ -257,21 +293,25 @@ def backward(recurrence, blocks, diff, static, states, marks, doc_states, cts):
     return d_diff, dh0, d_docs
 
 
-def state_cotangent_in(recurrence, blocks, diff, static, states, marks, d_outputs, d_finals):
+def state_cotangent_in(
+    recurrence, blocks, diff, static, states, marks, doc_states, poison, d_outputs, d_finals
+):
     """What the outputs (and documents' finals) ask of the state entering the slice.
 
     The backward's first reverse scan under context parallelism: the cotangent of the
     incoming state with nothing asked of the slice's final state. No factor cotangents.
     """
-    d_outputs = blocks.to_chunks(d_outputs)
-    zero = jnp.zeros_like(states[0, 0])
+    zero = jnp.zeros_like(states[0])
     d_docs = None if marks is None else jnp.zeros_like(d_finals)
 
     def body(dh, i):
         f = factors(recurrence, blocks, *blocks.block((diff, static), i))
         m = blocks.block(_marks(marks), i, axis=0)
-        d_out = _chunk(d_outputs, i)
-        (dh, _), _ = state_cotangents(recurrence, f, states[i], d_out, (dh, d_docs), m, d_finals)
+        # `step` is affine in the state: its VJP in the state does not depend on where it is
+        # taken, so no chunk state is formed again here.
+        h = jnp.broadcast_to(states[i], (blocks.size, *states.shape[1:]))
+        d_out = _masked(blocks.read(d_outputs, i), blocks.read(poison[1], i), 0)
+        (dh, _), _ = state_cotangents(recurrence, f, h, d_out, (dh, d_docs), m, d_finals)
         return dh, None
 
     dh, _ = _over_blocks(body, zero, blocks.count, reverse=True)
@@ -285,7 +325,7 @@ def local_map(
 
     def body(running, i):
         f = factors(recurrence, blocks, *blocks.block((diff, static), i))
-        m, p = blocks.block((_marks(marks), poison), i, axis=0)
+        m, p = blocks.block((_marks(marks), poison[0]), i, axis=0)
         return composes(recurrence, f, running, m, doc_states, p), None
 
     running, _ = _over_blocks(body, identity, blocks.count)
@@ -315,6 +355,24 @@ def varying(tree: PyTree, like: PyTree) -> PyTree:
     return jax.tree.map(cast, tree)
 
 
+def summed_like(cotangents: PyTree, like: PyTree) -> PyTree:
+    """Sum each cotangent over the mesh axes it varies over and its primal in `like` does
+    not (the transpose of JAX's implicit cast of a replicated value to a per-rank one).
+
+    A factor that reads no per-rank input (DeltaNet's decay of one) is the same on every
+    rank; a hand-written `factor_cotangents` gives it a per-rank cotangent.
+    """
+
+    def axes(x):
+        return set(jax.typeof(x).manual_axis_type.varying)
+
+    def one(ct, x):
+        extra = tuple(sorted(axes(ct) - axes(x), key=str))
+        return jax.lax.psum(ct, extra) if extra else ct
+
+    return jax.tree.map(one, cotangents, like)
+
+
 # ---------------------------------------------------------------------------------------
 # The custom VJPs: one device (a pass), and context parallelism (three phases).
 
@@ -331,14 +389,16 @@ def _local_fwd(recurrence, blocks, diff, static, h0, marks, doc_states, poison, 
     (h, finals, outputs), states = forward(
         recurrence, blocks, diff, static, h0, marks, doc_states, poison, keep_states=keep
     )
-    return (outputs, h, finals), (diff, static, states, marks, doc_states)
+    return (outputs, h, finals), (diff, static, states, marks, doc_states, poison)
 
 
 def _local_bwd(recurrence, blocks, res, cts):
-    diff, static, states, marks, doc_states = res
+    diff, static, states, marks, doc_states, poison = res
     d_outputs, d_h, d_finals = cts
     cts = (d_outputs, varying(d_h, diff), d_finals)
-    d_diff, dh0, d_docs = backward(recurrence, blocks, diff, static, states, marks, doc_states, cts)
+    d_diff, dh0, d_docs = backward(
+        recurrence, blocks, diff, static, states, marks, doc_states, poison, cts
+    )
     return d_diff, None, dh0, None, d_docs, None
 
 
@@ -407,7 +467,7 @@ def _context_parallel_fwd(
 ):
     walk = (recurrence, blocks, exchange, axis_name, need_final, reverse)
     out, (mine, states) = _three_phases(walk, diff, static, h0, marks, doc_states, poison)
-    return out, (diff, static, states, marks, doc_states, mine, h0)
+    return out, (diff, static, states, marks, doc_states, poison, mine, h0)
 
 
 def _context_parallel_bwd(recurrence, blocks, exchange, axis_name, need_final, reverse, res, cts):
@@ -416,9 +476,11 @@ def _context_parallel_bwd(recurrence, blocks, exchange, axis_name, need_final, r
     # affine map of lambda_{r+1}, so the exchange composes these maps walking the ranks the
     # other way, starting from the final state's cotangent. Nothing per chunk is kept but
     # the states of phase 3.
-    diff, static, states, marks, doc_states, mine, h0 = res
+    diff, static, states, marks, doc_states, poison, mine, h0 = res
     d_outputs, d_final, d_finals = cts
-    g = state_cotangent_in(recurrence, blocks, diff, static, states, marks, d_outputs, d_finals)
+    g = state_cotangent_in(
+        recurrence, blocks, diff, static, states, marks, doc_states, poison, d_outputs, d_finals
+    )
     start = d_final if need_final else jnp.zeros_like(h0)
     lam_next, lam0 = exchange(
         mine.adjoint(g),
@@ -428,7 +490,9 @@ def _context_parallel_bwd(recurrence, blocks, exchange, axis_name, need_final, r
         reverse=not reverse,
     )
     cts = (d_outputs, varying(lam_next, diff), d_finals)
-    d_diff, _, d_docs = backward(recurrence, blocks, diff, static, states, marks, doc_states, cts)
+    d_diff, _, d_docs = backward(
+        recurrence, blocks, diff, static, states, marks, doc_states, poison, cts
+    )
     d_docs = None if d_docs is None else jax.lax.psum(d_docs, axis_name)
     return d_diff, None, lam0, None, d_docs, None
 

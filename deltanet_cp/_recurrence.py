@@ -31,13 +31,17 @@ class AbstractRecurrence(eqx.Module, Generic[_Inputs, _Factors, _Map]):
     - `compose(factors, running)`: a chunk appended to a running map; the default forms
         `chunk_map`, a recurrence overrides it where a cheaper form exists;
     - `finalize(outputs, inputs)`: the assembled outputs in the public layout;
-    - `check(inputs)`: optional input validation (the default checks nothing).
+    - `check(inputs)`: optional input validation (the default checks nothing);
+    - `factor_cotangents(factors, states, d_next, d_outputs)`: the cotangents `step` sends
+        to a block's factors; the default differentiates `step`, a recurrence overrides
+        it with the products written out.
 
-    The engine differentiates the passes by hand: it keeps the state entering each chunk,
-    and in the backward forms each block's factors again, walks the chunks in reverse
-    carrying only the state's cotangent (`step`'s VJP in `h`), and then forms every
-    factor's cotangent batched over the block (`step`'s VJP in its factors) and pulls it
-    back through `prepare`. So `step` must be affine in `h`; what it does with the
+    The engine differentiates the passes by hand: it keeps the state entering each block,
+    and in the backward forms each block's factors again, walks the block's chunks forward
+    once more for the state entering each (the state recursion only, no outputs), walks
+    them in reverse carrying only the state's cotangent (`step`'s VJP in `h`), and then
+    forms every factor's cotangent batched over the block (`factor_cotangents`) and pulls
+    it back through `prepare`. So `step` must be affine in `h`; what it does with the
     factors is free.
 
     The engine pads the time axis with zeros to whole chunks: a token whose inputs are all
@@ -123,6 +127,32 @@ class AbstractRecurrence(eqx.Module, Generic[_Inputs, _Factors, _Map]):
         The map of the chunks before it and this one, of the same type as `running`.
         """
         return running.then(self.chunk_map(factors))  # pyright: ignore[reportReturnType]
+
+    def factor_cotangents(
+        self, factors: _Factors, states: Array, d_next: Array, d_outputs: PyTree
+    ) -> _Factors:
+        """The cotangents of a block's factors from `step`, batched over the block's chunks.
+
+        The default is `step`'s VJP in its factors, mapped over the chunks; override it
+        where the products can be written as a few batched matmuls.
+
+        **Arguments:**
+
+        - `factors`: a block's factors, as `prepare` returned them (chunk axis first).
+        - `states`: the state entering each chunk, `(N, *state)`.
+        - `d_next`: the cotangent of the state leaving each chunk, `(N, *state)`.
+        - `d_outputs`: the cotangents of each chunk's outputs (chunk axis first).
+
+        **Returns:**
+
+        The cotangents of `factors`, of the same structure.
+        """
+
+        def one(f, h, d_h, d_out):
+            _, pull = jax.vjp(lambda f: self.step(f, h), f)
+            return pull((d_h, d_out))[0]
+
+        return jax.vmap(one)(factors, states, d_next, d_outputs)
 
     @abc.abstractmethod
     def finalize(self, outputs: PyTree, inputs: _Inputs) -> PyTree:

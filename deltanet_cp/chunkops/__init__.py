@@ -41,6 +41,7 @@ from ._ops import (
     from_chunk_major as from_chunk_major,
     l2norm as l2norm,
     unit_lower_inverse as unit_lower_inverse,
+    unit_lower_solve as unit_lower_solve,
 )
 
 
@@ -55,4 +56,5 @@ __all__ = [
     "l2norm",
     "segment_sums",
     "unit_lower_inverse",
+    "unit_lower_solve",
 ]

@@ -146,6 +146,54 @@ def _unit_lower_inverse_bwd(t, ct):
 unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
 
 
+@jax.custom_vjp
+def unit_lower_solve(
+    a: Float[Array, "*batch c c"], b: Float[Array, "*batch c d"]
+) -> Float[Array, "*batch c d"]:
+    r"""$(I + a)^{-1} b$ for a strictly lower-triangular `a`: the WY form's $T b$.
+
+    The forward is [`unit_lower_inverse`][deltanet_cp.chunkops.unit_lower_inverse] and a
+    product. The VJP never differentiates the inverse: with $x = (I + a)^{-1} b$ and its
+    cotangent $ar x$, $ar b = T^	op ar x$ and $ar a = -ar b\, x^	op$ on the
+    strict lower triangle, two products of the forward product's size.
+
+    **Arguments:**
+
+    - `a`: strictly lower-triangular matrices `(*batch, C, C)`, as for
+        `unit_lower_inverse`.
+    - `b`: right-hand sides `(*batch, C, D)` (the batch axes broadcast against `a`'s).
+
+    **Returns:**
+
+    $x = (I + a)^{-1} b$, `(*batch, C, D)`, in the operands' dtype with float32 products.
+    """
+    return einsum("...ij,...jd->...id", unit_lower_inverse(a), b)
+
+
+def _unit_lower_solve_fwd(a, b):
+    t = unit_lower_inverse(a)
+    x = einsum("...ij,...jd->...id", t, b)
+    return x, (t, x, b.shape)
+
+
+def _unit_lower_solve_bwd(res, ct):
+    t, x, b_shape = res
+    db = einsum("...ji,...jd->...id", t, ct)
+    da = -einsum("...id,...jd->...ij", db, x)
+    return _reduce_to(jnp.tril(da, k=-1), t.shape), _reduce_to(db, b_shape)
+
+
+unit_lower_solve.defvjp(_unit_lower_solve_fwd, _unit_lower_solve_bwd)
+
+
+def _reduce_to(x: Array, shape: tuple[int, ...]) -> Array:
+    """Sum a broadcast cotangent back to an operand's `shape`."""
+    lead = x.ndim - len(shape)
+    x = jnp.sum(x, axis=tuple(range(lead))) if lead else x
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
 def _inverse_pow2(a: Array) -> Array:
     n = a.shape[-1]
     if n <= 2:  # exact: a strictly lower 2 x 2 `a` has a @ a = 0

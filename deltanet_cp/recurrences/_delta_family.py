@@ -14,10 +14,15 @@ outputs, one chunk is an affine map of the incoming state:
     w      = T (b * exp(G) * k),   u = T (w_gate * v)
     attn   = tril_inclusive(sum_c q_ic k_jc exp(G_ic - G_jc)),   q_g = q * exp(G)
     v_new  = u - w h
-    o      = q_g h + attn v_new = (q_g - attn w) h + attn u
+    o      = q_g h + attn v_new
     h_next = diag(gamma) h + k~^T v_new,   gamma = exp(G_C),   k~ = k * exp(G_C - G)
 
-$T$ comes from [`unit_lower_inverse`](recursive blocking, batched matmuls), the decays
+The chunk step forms `w h` and `q_g h` in one product and `attn v_new` beside it, as
+flash-linear-attention does: no `attn w` or `attn u` is formed ahead of the state, which
+saves a `C x C x (K + V)` product per chunk in the forward and two in the backward.
+
+$T$ comes from [`unit_lower_solve`][deltanet_cp.chunkops.unit_lower_solve] (recursive
+blocking, batched matmuls; its VJP never differentiates the inverse), the decays
 from direct segment sums (per token) or the blocked exact Gram (per channel).
 """
 
@@ -37,7 +42,7 @@ from ..chunkops import (
     einsum,
     l2norm,
     segment_sums,
-    unit_lower_inverse,
+    unit_lower_solve,
 )
 from ._helpers import check_arrays, compute_dtype, lift
 
@@ -77,18 +82,18 @@ class DeltaFactors(eqx.Module):
     Every field has leading axes `(n_chunks, batch, value_heads)`. A chunk makes `s` delta
     updates (its tokens; for Gated DeltaProduct `n_h` per token) and emits `c` outputs.
 
-    - `wq`: $w$ (rows `:s`) stacked over $q e^{G} - \mathrm{attn}\, w$ (rows `s:`), so one
-        product with the state gives both $w h$ and the state's share of the outputs.
+    - `wq`: $w$ (rows `:s`) stacked over $q_g = q e^{G}$ (rows `s:`), so one product with
+        the state gives both $w h$ and the state's direct share of the outputs.
     - `u`: $u$, so that $v_\text{new} = u - w h$.
-    - `o_intra`: $\mathrm{attn}\, u$, the outputs' share that does not depend on the state,
-        in the outputs' layout `(n_chunks, batch, c, value_heads, v)`.
+    - `attn`: the masked decayed $q k^\top$, `(..., c, s)`, so that
+        $o = q_g h + \mathrm{attn}\, v_\text{new}$.
     - `k_decayed_t`: $\tilde k^\top = (k e^{G_C - G})^\top$, shape `(..., K, s)`.
     - `gamma`: $e^{G_C}$, the decay over the whole chunk per key channel.
     """
 
     wq: Float[Array, "n b h sc k"]
     u: Float[Array, "n b h s v"]
-    o_intra: Float[Array, "n b c h v"]
+    attn: Float[Array, "n b h c s"]
     k_decayed_t: Float[Array, "n b h k s"]
     gamma: Float[Array, "n b h k"]
 
@@ -183,9 +188,10 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
     def step(self, factors: DeltaFactors, h: Float[Array, "b h k v"]) -> tuple[Array, Array]:
         f = factors
         s = f.u.shape[-2]
-        y = einsum("bhck,bhkv->bhcv", f.wq, h)  # [w h; (q_g - attn w) h]
+        y = einsum("bhck,bhkv->bhcv", f.wq, h)  # [w h; q_g h]
         v_new = f.u - y[..., :s, :]
-        o = jnp.swapaxes(y[..., s:, :], 1, 2) + f.o_intra  # (B, C, HV, V)
+        o = y[..., s:, :] + einsum("bhcs,bhsv->bhcv", f.attn, v_new)
+        o = jnp.swapaxes(o, 1, 2)  # (B, C, HV, V)
         h_next = f.gamma[..., None] * h + einsum("bhks,bhsv->bhkv", f.k_decayed_t, v_new)
         return h_next, o
 
@@ -206,6 +212,30 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
         rhs = rhs - einsum("bhsk,bhkd->bhsd", f.w, mu)
         mu = f.gamma[..., None] * mu + einsum("bhks,bhsd->bhkd", f.k_decayed_t, rhs)
         return AffineMap(mu[..., :dk], mu[..., dk:])
+
+    def factor_cotangents(
+        self,
+        factors: DeltaFactors,
+        states: Float[Array, "n b h k v"],
+        d_next: Float[Array, "n b h k v"],
+        d_outputs: Float[Array, "n b c h v"],
+    ) -> DeltaFactors:
+        # `step`'s VJP in its factors as batched products over the block's chunks: v_new =
+        # u - w h again, then d v_new = k~ d_next + attn^T d o, d[w; q_g] = [-d v_new; d o] h^T,
+        # d attn = d o v_new^T, d k~^T = d_next v_new^T.
+        f = factors
+        v_new = f.u - einsum("nbhsk,nbhkv->nbhsv", f.w, states)
+        d_o = jnp.swapaxes(d_outputs, 2, 3)  # (N, B, HV, C, V)
+        d_v_new = einsum("nbhks,nbhkv->nbhsv", f.k_decayed_t, d_next)
+        d_v_new = d_v_new + einsum("nbhcs,nbhcv->nbhsv", f.attn, d_o)
+        d_y = jnp.concatenate([-d_v_new, d_o], axis=-2)
+        return DeltaFactors(
+            wq=einsum("nbhcv,nbhkv->nbhck", d_y, states),
+            u=d_v_new,
+            attn=einsum("nbhcv,nbhsv->nbhcs", d_o, v_new),
+            k_decayed_t=einsum("nbhkv,nbhsv->nbhks", d_next, v_new),
+            gamma=jnp.sum(d_next * states, axis=-1),
+        )
 
     def finalize(self, outputs: Float[Array, "b t h v"], inputs: DeltaInputs) -> Array:
         return outputs.astype(inputs.v.dtype)
@@ -265,18 +295,18 @@ def _factors(q, k, v, g, beta, write, *, rows: slice) -> DeltaFactors:
             bk = (beta * decay_in)[..., None] * kr
             gamma = jnp.broadcast_to(decay_in[..., -1:], (*lead, dk))
     rhs = jnp.concatenate([bk, _gated(v, write)], axis=-1)  # (N, B, H, r, S, K + V)
-    wu = einsum("...ij,...jd->...id", unit_lower_inverse(a), rhs)
-    a_wu = einsum("...ij,...jd->...id", attn, wu)  # [attn w | attn u]
-    q_out = jnp.broadcast_to(q_decayed, (*lead, *q_decayed.shape[-2:])) - a_wu[..., :dk]
+    wu = unit_lower_solve(a, rhs)
+    q_decayed = jnp.broadcast_to(q_decayed, (*lead, *q_decayed.shape[-2:]))
+    attn = jnp.broadcast_to(attn, (*lead, *attn.shape[-2:]))
     k_decayed = jnp.broadcast_to(k_decayed, (*lead, s, dk))
 
     def heads(x):  # (N, B, H, r, ...) -> (N, B, HV, ...); value head j reads key head j // r
         return x.reshape(x.shape[:2] + (x.shape[2] * r,) + x.shape[4:])
 
     return DeltaFactors(
-        wq=heads(jnp.concatenate([wu[..., :dk], q_out], axis=-2)),
+        wq=heads(jnp.concatenate([wu[..., :dk], q_decayed], axis=-2)),
         u=heads(wu[..., dk:]),
-        o_intra=jnp.swapaxes(heads(a_wu[..., dk:]), 2, 3),
+        attn=heads(attn),
         k_decayed_t=heads(jnp.swapaxes(k_decayed, -1, -2)),
         gamma=heads(gamma),
     )

@@ -1,0 +1,59 @@
+"""The hand-written pieces of the backward against `jax.vjp` of the autodiff path they
+replace, in float32 and float64.
+
+The gradients of every recurrence against the float64 loops are in tests/test_recurrences.py
+and tests/test_cp.py; here each hand-written cotangent is compared with what JAX's autodiff
+of the same function gives, so a wrong formula is caught where it is written.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import deltanet_cp as dcp
+
+from .helpers import rel_err
+from .registry import DELTA_FAMILIES, FAMILIES
+
+
+def _block(family, dtype, *, n=3, c=8):
+    """A recurrence, a block of `n` chunks' factors, and random states and cotangents."""
+    args, _ = family.make(0, b=2, t=n * c, h=2, hv=4, dk=8, dv=6, dtype=dtype)
+    recurrence = family.configuration(c)
+    inputs = family.inputs(*args)
+    chunks = jax.tree.map(lambda x: x.reshape(x.shape[0], n, c, *x.shape[2:]), inputs)
+    factors = recurrence.prepare(chunks)
+    state = recurrence.state(inputs)
+    rng = np.random.default_rng(1)
+
+    def normal(*shape):
+        return jnp.asarray(rng.normal(size=shape), dtype)
+
+    one = jax.tree.map(lambda x: x[0], factors)
+    h = normal(n, *state.shape)
+    _, out = recurrence.step(one, h[0])
+    d_next = normal(n, *state.shape)
+    d_out = jax.tree.map(lambda o: normal(n, *o.shape), out)
+    return recurrence, factors, h, d_next, d_out
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("family", FAMILIES, ids=repr)
+def test_factor_cotangents_match_autodiff(family, dtype):
+    # A recurrence's own `factor_cotangents` (hand-written for the delta family) against the
+    # default, `step`'s VJP in its factors mapped over the chunks.
+    with jax.enable_x64(dtype == jnp.float64):
+        recurrence, f, h, d_next, d_out = _block(family, dtype)
+        got = recurrence.factor_cotangents(f, h, d_next, d_out)
+        want = dcp.AbstractRecurrence.factor_cotangents(recurrence, f, h, d_next, d_out)
+        tol = 1e-5 if dtype == jnp.float32 else 1e-12
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            assert rel_err(g, w) <= tol
+
+
+def test_delta_family_overrides_factor_cotangents():
+    for family in DELTA_FAMILIES:
+        cls = type(family.configuration(8))
+        assert cls.factor_cotangents is not dcp.AbstractRecurrence.factor_cotangents, family
