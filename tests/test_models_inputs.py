@@ -19,8 +19,8 @@ import jax.random as jr
 import pytest
 
 from deltanet_cp.interop import gated_delta_net_from_hf, transformers as hf
-from deltanet_cp.models import Qwen3_5Cache, Qwen3_5Config, Qwen3_5ForCausalLM
-from deltanet_cp.nn import HybridLM
+from deltanet_cp.models import Qwen3_5Config, Qwen3_5ForCausalLM
+from deltanet_cp.nn import GatedDeltaNetState, HybridLM, KVCache
 
 
 DATA = pathlib.Path(__file__).resolve().parent / "data"
@@ -138,11 +138,11 @@ def test_transformers_flags_are_bools(without_runtime_typecheck):
     g = beta = jnp.zeros((1, 4, 1))
     for fn in (hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule):
         with pytest.raises(ValueError, match="`use_qk_l2norm_in_kernel` must be True or False"):
-            fn(q, k, v, g, beta, use_qk_l2norm_in_kernel="no")
+            fn(q, k, v, g, beta, use_qk_l2norm_in_kernel="no")  # pyright: ignore
         with pytest.raises(ValueError, match="`output_final_state` must be True or False"):
-            fn(q, k, v, g, beta, output_final_state="yes")
+            fn(q, k, v, g, beta, output_final_state="yes")  # pyright: ignore
     with pytest.raises(ValueError, match="`use_qk_l2norm_in_kernel` must be True or False"):
-        hf.chunk_kimi_delta_attention(q, k, v, q, beta, use_qk_l2norm_in_kernel="no")
+        hf.chunk_kimi_delta_attention(q, k, v, q, beta, use_qk_l2norm_in_kernel="no")  # pyright: ignore
 
 
 def test_layer_config_eps_is_a_number(without_runtime_typecheck):
@@ -178,19 +178,20 @@ def test_cache_of_another_model_is_refused(without_runtime_typecheck):
     as_ints = eqx.tree_at(lambda c: c.length, as_ints, cache.length)
     with pytest.raises(ValueError, match=r"floating-point"):
         model.decode_step(token, as_ints)
-    half = eqx.tree_at(
-        lambda c: c.layers[0].recurrent, cache, cache.layers[0].recurrent.astype(jnp.float16)
-    )
+    state = cache.layers[0]
+    assert isinstance(state, GatedDeltaNetState)
+    half = eqx.tree_at(lambda c: c.layers[0].recurrent, cache, state.recurrent.astype(jnp.float16))
     with pytest.raises(ValueError, match=r"`cache.layers\[0\].recurrent` has dtype float16"):
         model.decode_step(token, half)
     with pytest.raises(ValueError, match="`cache` must be a Qwen3_5Cache"):
-        model.decode_step(token, cache.layers)
+        model.decode_step(token, cache.layers)  # pyright: ignore[reportArgumentType]
     batched = jax.tree.map(lambda a: a[None], cache)
     with pytest.raises(ValueError, match=r"`cache.length` must be a 0-d .*`jax.vmap`"):
         model.decode_step(token, batched)
     # A cache of this model in another dtype is fine.
-    wide = model.init_cache(16, jnp.float64) if jax.config.jax_enable_x64 else None
-    assert wide is None or isinstance(model.decode_step(token, wide)[1], Qwen3_5Cache)
+    _, bf16 = model.decode_step(token, model.init_cache(16, jnp.bfloat16))
+    kv = bf16.layers[1]
+    assert isinstance(kv, KVCache) and kv.k.dtype == jnp.bfloat16
 
 
 # ---------------------------------------------------------------------------------------
@@ -232,7 +233,7 @@ def test_checkpoint_every_longer_than_the_prompt(without_runtime_typecheck):
     with pytest.raises(ValueError, match=r"`checkpoint_every` \(96\) is more than the 8 tokens"):
         model.prefill(tokens, checkpoint_every=96)
     with pytest.raises(TypeError, match="`checkpoint_every` must be an int"):
-        model.prefill(tokens, checkpoint_every=4.0)  # pyright: ignore[reportArgumentType]
+        model.prefill(tokens, checkpoint_every=4.0)  # pyright: ignore
 
 
 def test_default_capacity_leaves_room_to_decode(without_runtime_typecheck):
@@ -295,7 +296,7 @@ def _sharded(tmp_path) -> pathlib.Path:
     return path
 
 
-def _point(path: pathlib.Path, name: str, file: str) -> None:
+def _point(path: pathlib.Path, name: str, file: object) -> None:
     index = json.loads((path / "model.safetensors.index.json").read_text())
     index["weight_map"][name] = file
     (path / "model.safetensors.index.json").write_text(json.dumps(index))

@@ -28,9 +28,10 @@ DECODE_ROOM = 256
 
 def _concrete(x: Any) -> Any:
     """`x` as a NumPy value if it is known now (not traced), else `None`."""
-    if isinstance(x, jax.core.Tracer):
+    try:
+        return np.asarray(x)
+    except jax.errors.TracerArrayConversionError:
         return None
-    return np.asarray(x)
 
 
 def _describe(tree: Any) -> str:

@@ -51,8 +51,11 @@ def check_tokens(tokens, vocab: int, name: str = "tokens", *, ndim: int = 1) -> 
             f"{'' if dtype is None else f' of dtype {dtype}'}."
         )
     message = f"`{name}` must be ids in [0, vocab_size = {vocab})"
-    if not isinstance(tokens, jax.core.Tracer):
+    try:
         values = np.asarray(tokens)
+    except jax.errors.TracerArrayConversionError:
+        values = None
+    if values is not None:
         bad = np.argwhere((values < 0) | (values >= vocab))
         if len(bad):
             at = tuple(int(i) for i in bad[0])
@@ -62,7 +65,8 @@ def check_tokens(tokens, vocab: int, name: str = "tokens", *, ndim: int = 1) -> 
                 "embedding lookup would silently clamp it: fix the ids (the tokenizer's "
                 "vocabulary must fit the model's `vocab_size`)."
             )
-        return jnp.asarray(tokens, jnp.int32) if isinstance(tokens, np.ndarray) else tokens
+        return jnp.asarray(tokens)
+    assert isinstance(tokens, jax.Array)
     bad = jnp.any((tokens < 0) | (tokens >= vocab))
     axes = tuple(sorted(jax.typeof(bad).manual_axis_type.varying, key=str))
     if axes:
