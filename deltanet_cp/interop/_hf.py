@@ -55,6 +55,20 @@ def _config_int(config: Any, name: str, default: Any = None) -> int:
         ) from None
 
 
+def _config_float(config: Any, name: str, default: float) -> float:
+    """A float field of the config: a number (an int too), never a bool or a string."""
+    value = _config_value(config, name, default)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (int, float, np.integer, np.floating)
+    ):
+        raise ValueError(
+            f"The config's `{name}` must be a number; got {value!r} of type {type(value).__name__}."
+        )
+    if not math.isfinite(value):
+        raise ValueError(f"The config's `{name}` must be finite; got {value!r}.")
+    return float(value)
+
+
 def _text_config(config: Any) -> Any:
     # Qwen3.5's top-level config nests the language model's fields in `text_config`.
     if _config_value(config, "hidden_size") is None:
@@ -118,9 +132,18 @@ class _Reader:
             return
         assert files is not None
         for file in files:
-            with safe_open(str(file), framework="numpy") as f:
-                for name in f.keys():
-                    self._files.setdefault(name, []).append(file)
+            for name in self._keys(file):
+                self._files.setdefault(name, []).append(file)
+
+    def _keys(self, file: Path) -> list[str]:
+        try:
+            with self._safe_open(str(file), framework="numpy") as f:
+                return list(f.keys())
+        except Exception as e:  # safetensors' own errors name no file
+            raise ValueError(
+                f"Cannot read the safetensors file {str(file)!r} (corrupt or truncated?): "
+                f"{type(e).__name__}: {e}"
+            ) from None
 
     def keys(self) -> list[str]:
         if self._mapping is not None:
@@ -148,10 +171,16 @@ class _Reader:
         return x
 
     def _read(self, file: Path, name: str) -> Any:
-        with self._safe_open(str(file), framework="numpy") as f:
-            if name not in f.keys():
-                raise ValueError(f"Tensor {name!r} is not in {str(file)!r}, as the index says.")
-            return f.get_tensor(name)
+        if name not in self._keys(file):
+            raise ValueError(f"Tensor {name!r} is not in {str(file)!r}, as the index says.")
+        try:
+            with self._safe_open(str(file), framework="numpy") as f:
+                return f.get_tensor(name)
+        except Exception as e:  # safetensors' own errors name no file
+            raise ValueError(
+                f"Cannot read tensor {name!r} of the safetensors file {str(file)!r} (corrupt "
+                f"or truncated?): {type(e).__name__}: {e}"
+            ) from None
 
 
 def _read_index(index: Path) -> dict[str, list[Path]]:
@@ -167,12 +196,18 @@ def _read_index(index: Path) -> dict[str, list[Path]]:
     ):
         raise ValueError(f"The `weight_map` of {str(index)!r} must map tensor names to file names.")
     files = {}
+    folder = index.parent.resolve()
     for name, file in weight_map.items():
         path = index.parent / file
-        if Path(file).name != file or path.suffix != ".safetensors":
+        if (
+            Path(file).name != file
+            or path.suffix != ".safetensors"
+            or path.resolve().parent != folder
+        ):
             raise ValueError(
                 f"The index {str(index)!r} puts {name!r} in {file!r}: expected the name of a "
-                "`.safetensors` file next to it."
+                "`.safetensors` file next to it (no other folder, absolute path or link out "
+                "of it)."
             )
         if not path.is_file():
             raise FileNotFoundError(
@@ -271,7 +306,7 @@ def gated_delta_net_from_hf(
                 f"`dtype` must be a floating-point dtype (jnp.float32, jnp.bfloat16, ...) or "
                 f"None; got {dtype!r}."
             )
-    eps = float(_config_value(config, "rms_norm_eps", 1e-6))
+    eps = _config_float(config, "rms_norm_eps", 1e-6)
     if hv % h != 0:
         raise ValueError(
             f"`linear_num_value_heads` ({hv}) must be a multiple of `linear_num_key_heads` ({h})."

@@ -1,12 +1,25 @@
 """transformers' torch kernels for Kimi Linear and Qwen3-Next: each builds the recurrence
 and its inputs and calls the engine (`_convert.call`), the output in `query`'s dtype."""
 
+import numpy as np
+
 from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, States, ValueTensor
 from .._parallel import ContextParallel
 from ..recurrences._delta_family import DeltaInputs
 from ..recurrences._gated_delta import GatedDeltaRule
 from ..recurrences._kda import KimiDeltaAttention
 from ._convert import call
+
+
+def _flags(use_qk_l2norm_in_kernel: object, output_final_state: object) -> None:
+    """A `ValueError` naming the flag unless both are bools: a string such as `"no"` (true
+    in Python) must not switch normalisation on."""
+    for name, value in (
+        ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
+        ("output_final_state", output_final_state),
+    ):
+        if not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"`{name}` must be True or False; got {value!r}.")
 
 
 def chunk_kimi_delta_attention(
@@ -52,6 +65,7 @@ def chunk_kimi_delta_attention(
     for float64 inputs, where transformers stays float32) or `None`. The query scale is
     always `K ** -0.5`: transformers' function has no `scale` argument.
     """
+    _flags(use_qk_l2norm_in_kernel, output_final_state)
     config = KimiDeltaAttention(chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm_in_kernel)
     inputs = DeltaInputs(query, key, value, g, beta)
     return call(
@@ -81,6 +95,7 @@ def recurrent_kimi_delta_attention(
     `output_final_state` have defaults here (`None`, `False`); arguments and results as in
     [`deltanet_cp.interop.transformers.chunk_kimi_delta_attention`][], without `chunk_size`.
     """
+    _flags(use_qk_l2norm_in_kernel, output_final_state)
     config = KimiDeltaAttention(chunk_size=1, use_qk_l2norm=use_qk_l2norm_in_kernel)
     inputs = DeltaInputs(query, key, value, g, beta)
     return call(
@@ -125,6 +140,7 @@ def torch_chunk_gated_delta_rule(
     the final state or `None`. The query scale is always `K ** -0.5`. `query` and `key` are
     normalised in float32 (float64 for float64 inputs).
     """
+    _flags(use_qk_l2norm_in_kernel, output_final_state)
     config = GatedDeltaRule(chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm_in_kernel)
     inputs = DeltaInputs(query, key, value, g, beta)
     return call(
@@ -154,6 +170,7 @@ def torch_recurrent_gated_delta_rule(
     [`deltanet_cp.interop.transformers.torch_chunk_gated_delta_rule`][], without
     `chunk_size`.
     """
+    _flags(use_qk_l2norm_in_kernel, output_final_state)
     config = GatedDeltaRule(chunk_size=1, use_qk_l2norm=use_qk_l2norm_in_kernel)
     inputs = DeltaInputs(query, key, value, g, beta)
     return call(

@@ -2,14 +2,51 @@
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
 
 LayerType = Literal["linear_attention", "full_attention"]
 _LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def _bool(name: str, value: Any) -> bool:
+    """A bool field: only a bool (JSON `true` / `false`), never a string or a number."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ValueError(
+        f"The config's `{name}` must be a bool (JSON true or false); got {value!r} of type "
+        f"{type(value).__name__}."
+    )
+
+
+def _int(name: str, value: Any) -> int:
+    """A positive int field: an int (or a NumPy integer), never a bool, float or string."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(
+            f"The config's `{name}` must be an int; got {value!r} of type {type(value).__name__}."
+        )
+    if value < 1:
+        raise ValueError(f"The config's `{name}` must be a positive int; got {value}.")
+    return int(value)
+
+
+def _float(name: str, value: Any) -> float:
+    """A finite float field: a float or an int, never a bool or a string."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (int, float, np.integer, np.floating)
+    ):
+        raise ValueError(
+            f"The config's `{name}` must be a number; got {value!r} of type {type(value).__name__}."
+        )
+    if not math.isfinite(value):
+        raise ValueError(f"The config's `{name}` must be finite; got {value!r}.")
+    return float(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +69,11 @@ class Qwen3_5Config:
         of each head's features it turns.
     - `tie_word_embeddings`: the LM head is the embedding's transpose.
     - `layer_types`: `"linear_attention"` or `"full_attention"` per layer.
+
+    Every field is typed: the sizes are positive ints (not bools, floats or strings), the
+    floats numbers, `tie_word_embeddings` a bool (not the string `"false"`, which would
+    read as true); a field of the wrong type or out of range raises a `ValueError` naming
+    it.
     """
 
     vocab_size: int
@@ -54,6 +96,29 @@ class Qwen3_5Config:
     full_attention_interval: int = 4
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type is int:
+                value = _int(f.name, value)
+            elif f.type is float:
+                value = _float(f.name, value)
+            elif f.type is bool:
+                value = _bool(f.name, value)
+            elif isinstance(value, str) or not isinstance(value, (list, tuple)):
+                raise ValueError(
+                    f"The config's `{f.name}` must be a list of layer types; got {value!r}."
+                )
+            object.__setattr__(self, f.name, value)
+        if self.rms_norm_eps < 0 or self.rope_theta <= 0:
+            raise ValueError(
+                f"The config's `rms_norm_eps` ({self.rms_norm_eps}) must be at least 0 and "
+                f"`rope_theta` ({self.rope_theta}) positive."
+            )
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(
+                "The config's `partial_rotary_factor` must be in (0, 1]; got "
+                f"{self.partial_rotary_factor}."
+            )
         if not self.layer_types:
             interval = self.full_attention_interval
             types = tuple(
@@ -66,7 +131,7 @@ class Qwen3_5Config:
                 f"`layer_types` has {len(self.layer_types)} entries for "
                 f"{self.num_hidden_layers} layers."
             )
-        unknown = sorted(set(self.layer_types) - set(_LAYER_TYPES))
+        unknown = sorted({repr(t) for t in self.layer_types if t not in _LAYER_TYPES})
         if unknown:
             raise ValueError(f"Unknown layer types {unknown}; expected {list(_LAYER_TYPES)}.")
         if self.rotary_dim % 2 or self.rotary_dim < 2:
@@ -88,14 +153,24 @@ class Qwen3_5Config:
 
         **Raises:**
 
-        `ValueError` naming the field if one is missing or asks for what is not
-        supported (an activation other than SiLU, attention biases, a rotary scaling).
+        `ValueError` naming the field if one is missing, of the wrong type (a bool must be
+        a JSON bool, a size a JSON int) or asks for what is not supported (an activation
+        other than SiLU, attention biases, a rotary scaling).
         """
+        if not isinstance(config, Mapping):
+            raise ValueError(
+                f"The config must be a mapping (a JSON object); got {type(config).__name__}."
+            )
         top = config
         text = config.get("text_config") or config
+        if not isinstance(text, Mapping):
+            raise ValueError(f"The config's `text_config` must be a mapping; got {text!r}.")
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in text.items() if k in fields}
-        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        if not isinstance(rope, Mapping):
+            raise ValueError(f"The config's `rope_parameters` must be a mapping; got {rope!r}.")
+        rope = dict(rope)
         for name in ("rope_theta", "partial_rotary_factor"):
             if name in rope:
                 kwargs[name] = rope[name]
@@ -111,10 +186,11 @@ class Qwen3_5Config:
             kwargs["tie_word_embeddings"] = top["tie_word_embeddings"]
         if text.get("hidden_act", "silu") not in ("silu", "swish"):
             raise ValueError(f"Only hidden_act='silu' is supported; got {text['hidden_act']!r}.")
-        if text.get("attention_bias", False):
+        if _bool("attention_bias", text.get("attention_bias", False)):
             raise ValueError("Attention biases (attention_bias=True) are not supported.")
-        if "head_dim" not in kwargs and "num_attention_heads" in kwargs:
-            kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+        if "head_dim" not in kwargs and "num_attention_heads" in kwargs and "hidden_size" in kwargs:
+            heads = _int("num_attention_heads", kwargs["num_attention_heads"])
+            kwargs["head_dim"] = _int("hidden_size", kwargs["hidden_size"]) // heads
         required = [
             f.name
             for f in dataclasses.fields(cls)
@@ -122,7 +198,7 @@ class Qwen3_5Config:
         ]
         if required:
             raise ValueError(f"The config is missing {', '.join(f'`{n}`' for n in required)}.")
-        if "layer_types" in kwargs:
+        if isinstance(kwargs.get("layer_types"), list):
             kwargs["layer_types"] = tuple(kwargs["layer_types"])
         return cls(**kwargs)
 
@@ -132,4 +208,11 @@ class Qwen3_5Config:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        return cls.from_hf(json.loads(path.read_text()))
+        try:
+            config = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"Cannot read {str(path)!r} as JSON: {e}.") from None
+        try:
+            return cls.from_hf(config)
+        except ValueError as e:
+            raise ValueError(f"In {str(path)!r}: {e}") from None

@@ -1,22 +1,41 @@
 """The Qwen3.5 dense text model (`Qwen3_5ForCausalLM`), built from deltanet_cp's layers."""
 
 import os
-from typing import overload
+from typing import Any, overload
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._parallel import axis_size, ContextParallel
+from .._validate import as_index, as_positive_index
 from ..nn._attention import CausalSelfAttention, KVCache
 from ..nn._context import layer_cp, local_positions
 from ..nn._gated_delta_net import GatedDeltaNet, GatedDeltaNetState
 from ..nn._hybrid import SwiGLU
 from ..nn._norm import ZeroCenteredRMSNorm
 from ..nn._schedule import KVExchange
+from ..nn._tokens import check_tokens
 from ._config import Qwen3_5Config
+
+
+# The default room `prefill` leaves after the prompt for the tokens to decode.
+DECODE_ROOM = 256
+
+
+def _concrete(x: Any) -> Any:
+    """`x` as a NumPy value if it is known now (not traced), else `None`."""
+    try:
+        return np.asarray(x)
+    except jax.errors.TracerArrayConversionError:
+        return None
+
+
+def _describe(tree: Any) -> str:
+    return str(jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", tree))
 
 
 class Qwen3_5Cache(eqx.Module):
@@ -261,9 +280,20 @@ class Qwen3_5ForCausalLM(eqx.Module):
 
         **Returns:**
 
-        The next-token logits, `(seq, vocab)`, in the parameters' dtype.
+        The next-token logits, `(seq, vocab)`, in the parameters' dtype; `(0, vocab)` for
+        an empty `tokens`.
+
+        **Raises:**
+
+        `ValueError` if `tokens` is not a 1-D integer array, or holds an id outside
+        `[0, vocab_size)` (an embedding lookup would silently clamp it). Traced ids (under
+        `jax.jit`) are checked through `equinox.error_if`: the computation fails when it
+        runs.
         """
         cp = layer_cp(cp, "Qwen3_5ForCausalLM")
+        tokens = check_tokens(tokens, self.config.vocab_size)
+        if tokens.shape[0] == 0:
+            return jnp.zeros((0, self.config.vocab_size), self.embed.weight.dtype)
         x = jax.vmap(self.embed)(tokens)
         for layer in self.layers:
             x = layer(x, cp, kv_exchange)
@@ -279,6 +309,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
         - `dtype`: the dtype of the conv states and keys/values; the parameters' if `None`
             (the recurrent states are float32).
         """
+        capacity = as_positive_index(capacity, "capacity")
         layers = tuple(
             layer.mixer.init_state(dtype)
             if isinstance(layer.mixer, GatedDeltaNet)
@@ -286,6 +317,62 @@ class Qwen3_5ForCausalLM(eqx.Module):
             for layer in self.layers
         )
         return Qwen3_5Cache(layers, jnp.zeros((), jnp.int32))
+
+    def _check_cache(self, cache: Any, name: str = "cache") -> None:
+        """A `ValueError` naming `name` and what differs if `cache` is not a cache of this
+        model (its layers, their kinds, shapes and dtypes)."""
+        if not isinstance(cache, Qwen3_5Cache):
+            raise ValueError(
+                f"`{name}` must be a Qwen3_5Cache (from `init_cache`, `prefill` or "
+                f"`decode_step`); got {type(cache).__name__}."
+            )
+        length = cache.length
+        if (
+            not (hasattr(length, "dtype") and jnp.issubdtype(length.dtype, jnp.integer))
+            or jnp.ndim(length) != 0
+        ):
+            raise ValueError(
+                f"`{name}.length` must be a 0-d integer array (one sequence: `jax.vmap` over "
+                f"a batch of caches); got {getattr(length, 'shape', length)!r}."
+            )
+        kinds = self.config.layer_types
+        if len(cache.layers) != len(self.layers):
+            raise ValueError(
+                f"`{name}` has {len(cache.layers)} layers; this model has {len(self.layers)} "
+                f"({', '.join(kinds)}). Was it made by another model? Make it with this "
+                "model's `init_cache` or `prefill`."
+            )
+        capacities = {c.k.shape[0] for c in cache.layers if isinstance(c, KVCache)}
+        capacity = capacities.pop() if len(capacities) == 1 else 1
+        if capacities:
+            raise ValueError(
+                f"The attention layers of `{name}` hold different numbers of tokens "
+                f"({sorted(capacities | {capacity})}); make it with this model's `init_cache`."
+            )
+        want = jax.eval_shape(lambda: self.init_cache(capacity))
+        for i, (got, expected, kind) in enumerate(zip(cache.layers, want.layers, kinds)):
+            if type(got) is not type(expected):
+                raise ValueError(
+                    f"Layer {i} of this model is {kind!r} and takes a "
+                    f"{type(expected).__name__}; `{name}.layers[{i}]` is a "
+                    f"{type(got).__name__}. Was the cache made by another model?"
+                )
+            shapes = [tuple(getattr(a, "shape", ())) for a in jax.tree.leaves(got)]
+            if shapes != [a.shape for a in jax.tree.leaves(expected)] or not all(
+                jnp.issubdtype(a.dtype, jnp.floating) for a in jax.tree.leaves(got)
+            ):
+                raise ValueError(
+                    f"`{name}.layers[{i}]` ({kind}) is {_describe(got)}; this model's is "
+                    f"{_describe(expected)} (floating-point, any dtype). Was the cache made "
+                    "by another config, or does it carry a batch axis (`jax.vmap` over it)?"
+                )
+            if isinstance(got, GatedDeltaNetState):
+                rdt = jnp.float64 if got.conv.dtype == jnp.float64 else jnp.float32
+                if got.recurrent.dtype != rdt:
+                    raise ValueError(
+                        f"`{name}.layers[{i}].recurrent` has dtype {got.recurrent.dtype}; the "
+                        f"recurrent states are {jnp.dtype(rdt)} (see `init_cache`)."
+                    )
 
     @overload
     def prefill(
@@ -335,7 +422,9 @@ class Qwen3_5ForCausalLM(eqx.Module):
             every `L` tokens of `tokens` (for prefix caching), computed in the same pass
             (see [`deltanet_cp.nn.GatedDeltaNet.prefill`][] for what `L` must divide).
         - `capacity`: with `cache=None`, the most tokens the new cache holds (prompt and
-            generated); the whole prompt's length if `None`.
+            generated); if `None`, the whole prompt's length plus 256, room for 256 tokens
+            of `decode_step` (pass `capacity` for longer generations). Only without a
+            `cache` (whose own capacity holds).
         - `cp`, `kv_exchange`: as for `__call__`.
 
         **Returns:**
@@ -344,15 +433,66 @@ class Qwen3_5ForCausalLM(eqx.Module):
         and the cache after them, the same on every rank; with `checkpoint_every`,
         `(logits, cache, checkpoints)`, a [`deltanet_cp.models.Qwen3_5Checkpoints`][]
         (under context parallelism each rank's own, in the layout's order).
+
+        **Raises:**
+
+        `ValueError` naming the argument: `tokens` empty, not a 1-D integer array or with
+        an id outside `[0, vocab_size)` (traced ids fail the computation through
+        `equinox.error_if`); a `cache` of another model or config, or without room for
+        `tokens`; `capacity` with a `cache`, or too small for the prompt;
+        `checkpoint_every` more than the tokens (no checkpoint would fall in them).
         """
         cp = layer_cp(cp, "Qwen3_5ForCausalLM")
+        tokens = check_tokens(tokens, self.config.vocab_size)
         t = tokens.shape[0]
+        if t == 0:
+            raise ValueError(
+                "`tokens` is empty: `prefill` needs at least one token (the cache before the "
+                "first token is `init_cache(capacity)`)."
+            )
+        if checkpoint_every is not None:
+            checkpoint_every = as_positive_index(checkpoint_every, "checkpoint_every")
+            if checkpoint_every > t:
+                where = "" if cp is None else " on this rank"
+                raise ValueError(
+                    f"`checkpoint_every` ({checkpoint_every}) is more than the {t} tokens of "
+                    f"`tokens`{where}: no checkpoint would fall in them. Pass at most {t}, or "
+                    "`checkpoint_every=None` for no checkpoints."
+                )
         total = t * axis_size(cp)
         if cache is None:
-            cache = self.init_cache(total if capacity is None else capacity)
-        if total > cache.capacity:
-            raise ValueError(f"The cache holds {cache.capacity} tokens; the prompt has {total}.")
+            capacity = (
+                total + DECODE_ROOM if capacity is None else as_positive_index(capacity, "capacity")
+            )
+            if capacity < total:
+                raise ValueError(
+                    f"`capacity` ({capacity}) is less than the prompt's {total} tokens; pass at "
+                    "least the prompt's length plus the tokens to generate."
+                )
+            cache = self.init_cache(capacity)
+        else:
+            if capacity is not None:
+                raise ValueError(
+                    "`capacity` is for a new cache (`cache=None`); this `cache` holds "
+                    f"{cache.capacity} tokens. Pass one or the other."
+                )
+            self._check_cache(cache)
         length = cache.length
+        room = f"the cache holds {cache.capacity} tokens"
+        seen = _concrete(length)
+        if seen is not None and int(seen) + total > cache.capacity:
+            raise ValueError(
+                f"`cache` has no room for `tokens`: {room}, {int(seen)} seen and {total} "
+                "more. Make a larger cache (`init_cache(capacity)` or `prefill(..., "
+                "capacity=...)`)."
+            )
+        if seen is None:
+            length = eqx.error_if(
+                length,
+                length + total > cache.capacity,
+                f"`cache` has no room for `tokens` ({total} tokens): {room}. Make a larger "
+                "cache (`init_cache(capacity)` or `prefill(..., capacity=...)`).",
+            )
         x = jax.vmap(self.embed)(tokens)
         states, saved = [], []
         for layer, state in zip(self.layers, cache.layers):
@@ -377,13 +517,84 @@ class Qwen3_5ForCausalLM(eqx.Module):
         - `cache`: a cache of the same sequence, at or past the checkpoint.
         - `checkpoints`: from `prefill(..., checkpoint_every=L)` (gathered, in sequence
             order, under context parallelism).
-        - `index`: which checkpoint.
+        - `index`: which checkpoint, `0` to `n - 1` (the `n` of `checkpoints.lengths`;
+            negative indices are refused).
+
+        **Raises:**
+
+        `ValueError` if `index` is not one of the checkpoints (naming those there are), if
+        `cache` is before the checkpoint, or if `cache` or `checkpoints` is not of this
+        model; for a traced `index` or cache length, the computation fails through
+        `equinox.error_if`.
         """
+        self._check_cache(cache)
+        if not isinstance(checkpoints, Qwen3_5Checkpoints) or len(checkpoints.layers) != len(
+            self.layers
+        ):
+            raise ValueError(
+                "`checkpoints` must be the Qwen3_5Checkpoints of this model's `prefill(..., "
+                f"checkpoint_every=L)`, one entry per layer ({len(self.layers)})."
+            )
+        lengths = checkpoints.lengths
+        n = lengths.shape[0] if jnp.ndim(lengths) == 1 else -1
+        for i, (state, saved) in enumerate(zip(cache.layers, checkpoints.layers)):
+            if isinstance(state, KVCache) != (saved is None) or (
+                saved is not None
+                and [a.shape for a in jax.tree.leaves(saved)]
+                != [(n, *a.shape) for a in jax.tree.leaves(state)]
+            ):
+                raise ValueError(
+                    f"`checkpoints.layers[{i}]` does not fit layer {i} of this model "
+                    f"({self.config.layer_types[i]}): expected "
+                    f"{'None' if saved is None else f'{n} states like the cache'}. Were the "
+                    "checkpoints made by another model?"
+                )
+        if n <= 0:
+            raise ValueError("`checkpoints` holds no checkpoint (`lengths` is empty).")
+        known = _concrete(lengths)
+        available = (
+            f"{n} checkpoint(s), index 0 to {n - 1}"
+            if known is None
+            else f"{n} checkpoint(s): "
+            + ", ".join(f"{j} (after {int(e)} tokens)" for j, e in enumerate(known))
+        )
+        if (
+            isinstance(index, (bool, np.bool_))
+            or not (
+                isinstance(index, (int, np.integer))
+                or (hasattr(index, "dtype") and jnp.issubdtype(index.dtype, jnp.integer))
+            )
+            or jnp.ndim(index) != 0
+        ):
+            raise ValueError(f"`index` must be an int, one of {available}; got {index!r}.")
+        at = _concrete(index)
+        if at is not None:
+            at = int(at)
+            if not 0 <= at < n:
+                raise ValueError(f"`index` {at} is not a checkpoint; there are {available}.")
+            index = at
+        else:
+            index = eqx.error_if(
+                index, (index < 0) | (index >= n), f"`index` must be one of {available}."
+            )
+        end = lengths[index]
+        seen = _concrete(cache.length)
+        if seen is not None and known is not None and int(seen) < int(end):
+            raise ValueError(
+                f"`cache` has seen {int(seen)} tokens, fewer than checkpoint {index}'s "
+                f"{int(end)}: pass a cache of the same sequence at or past the checkpoint."
+            )
+        end = eqx.error_if(
+            end,
+            cache.length < end,
+            "`cache` has seen fewer tokens than the checkpoint: pass a cache of the same "
+            "sequence at or past it.",
+        )
         layers = tuple(
             c if saved is None else jax.tree.map(lambda a: a[index], saved)
             for c, saved in zip(cache.layers, checkpoints.layers)
         )
-        return Qwen3_5Cache(layers, checkpoints.lengths[index])
+        return Qwen3_5Cache(layers, end)
 
     @eqx.filter_jit
     def decode_step(
@@ -400,8 +611,22 @@ class Qwen3_5ForCausalLM(eqx.Module):
         **Returns:**
 
         `(logits, cache)`: the next-token logits `(vocab,)` and the cache after `token`.
+
+        **Raises:**
+
+        `ValueError` if `cache` is not a cache of this model (naming what differs) or
+        `token` is not one integer id; an id outside `[0, vocab_size)` or a full cache fail
+        the computation through `equinox.error_if`.
         """
-        cache = eqx.error_if(cache, cache.length >= cache.capacity, "The cache is full.")
+        self._check_cache(cache)
+        token = check_tokens(token, self.config.vocab_size, "token", ndim=0)
+        cache = eqx.error_if(
+            cache,
+            cache.length >= cache.capacity,
+            f"The cache is full: it holds {cache.capacity} tokens. Make room for the tokens "
+            "to generate: `prefill(tokens, capacity=len(tokens) + max_new_tokens)` or "
+            "`init_cache(capacity)`.",
+        )
         x = self.embed(token)
         states = []
         for layer, state in zip(self.layers, cache.layers):
@@ -423,7 +648,18 @@ class Qwen3_5ForCausalLM(eqx.Module):
         **Returns:**
 
         The generated token ids, `(max_new_tokens,)`.
+
+        **Raises:**
+
+        `ValueError` as for `prefill` (an empty prompt, bad ids); `TypeError` /
+        `ValueError` naming `max_new_tokens` unless it is an int at least 0.
         """
+        max_new_tokens = as_index(max_new_tokens, "max_new_tokens")
+        if max_new_tokens < 0:
+            raise ValueError(f"`max_new_tokens` must be at least 0; got {max_new_tokens}.")
+        tokens = check_tokens(tokens, self.config.vocab_size)
+        if tokens.shape[0] == 0:
+            raise ValueError("`tokens` is empty: `generate` needs a prompt of at least one token.")
         return _generate(self, tokens, max_new_tokens)
 
 

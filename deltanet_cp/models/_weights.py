@@ -52,19 +52,82 @@ _ATTENTION: list[_Entry] = [
 ]
 
 
+def _header(file: Path) -> dict[str, TensorInfo]:
+    """`read_header`, its errors naming the file (a corrupt or truncated header)."""
+    try:
+        return read_header(file)
+    except OSError as e:
+        raise ValueError(f"Cannot read the safetensors file {str(file)!r}: {e}") from None
+    except (ValueError, KeyError, TypeError, OverflowError, MemoryError) as e:
+        raise ValueError(
+            f"The safetensors file {str(file)!r} is corrupt (its header does not parse: "
+            f"{type(e).__name__}: {e}). Download it again."
+        ) from None
+
+
+def _tensor(name: str, info: TensorInfo):
+    """`read_tensor`, its errors naming the tensor and its file (a truncated file)."""
+    size = info.file.stat().st_size
+    if not 0 <= info.start <= info.end <= size:
+        raise ValueError(
+            f"Tensor {name!r} of the safetensors file {str(info.file)!r} lies at bytes "
+            f"[{info.start}, {info.end}), past the file's {size} bytes: the file is truncated "
+            "or corrupt. Download it again."
+        )
+    try:
+        return read_tensor(info)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ValueError(
+            f"Cannot read tensor {name!r} of the safetensors file {str(info.file)!r}: {e}"
+        ) from None
+
+
+def _shard(index: Path, name: Any, file: Any) -> Path:
+    """The file of one `weight_map` entry, confined to the index's folder."""
+    if not isinstance(name, str) or not isinstance(file, str):
+        raise ValueError(
+            f"The `weight_map` of {str(index)!r} must map tensor names to file names; it maps "
+            f"{name!r} to {file!r}."
+        )
+    folder = index.parent.resolve()
+    path = (index.parent / file).resolve()
+    if Path(file).is_absolute() or path.parent != folder or not file.endswith(".safetensors"):
+        raise ValueError(
+            f"The index {str(index)!r} puts {name!r} in {file!r}: expected the name of a "
+            "`.safetensors` file in the checkpoint folder (no other folder, absolute path or "
+            "link out of it)."
+        )
+    if not path.is_file():
+        raise ValueError(
+            f"The index {str(index)!r} puts {name!r} in {file!r}, which does not exist."
+        )
+    return path
+
+
 def _tensors(path: Path) -> dict[str, TensorInfo]:
     """Every tensor of the checkpoint directory, by name."""
     index = path / "model.safetensors.index.json"
     single = path / "model.safetensors"
     if index.exists():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        headers = {f: read_header(path / f) for f in sorted(set(weight_map.values()))}
-        absent = sorted(n for n, f in weight_map.items() if n not in headers[f])
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"Cannot read the `weight_map` of the index {str(index)!r}: {e!r}."
+            ) from None
+        if not isinstance(weight_map, dict):
+            raise ValueError(
+                f"The `weight_map` of {str(index)!r} must map tensor names to file names; got "
+                f"{type(weight_map).__name__}."
+            )
+        files = {n: _shard(index, n, f) for n, f in weight_map.items()}
+        headers = {f: _header(f) for f in sorted(set(files.values()))}
+        absent = sorted(n for n, f in files.items() if n not in headers[f])
         if absent:
             raise ValueError(f"The index of {str(path)!r} lists tensors its shards lack: {absent}.")
-        return {n: headers[f][n] for n, f in weight_map.items()}
+        return {n: headers[f][n] for n, f in files.items()}
     if single.exists():
-        return read_header(single)
+        return _header(single)
     found = sorted(p.name for p in path.iterdir())
     pickled = [f for f in found if f.endswith((".bin", ".pt", ".pth", ".ckpt"))]
     hint = (
@@ -124,6 +187,8 @@ def load(cls, path: str | os.PathLike, *, dtype, chunk_size: int, block_size: in
             want = ours if to_hf is None else to_hf(ours)
             if tuple(tensors[name].shape) != tuple(want):
                 misshapen.append(f"{name}: {tuple(tensors[name].shape)}, expected {tuple(want)}")
+            elif not tensors[name].dtype.startswith(("F", "BF")):
+                misshapen.append(f"{name}: dtype {tensors[name].dtype}, expected floating-point")
     if missing or unexpected or misshapen:
         lines = [f"The checkpoint in {str(path)!r} does not fit its config.json:"]
         for what, names in (
@@ -136,7 +201,7 @@ def load(cls, path: str | os.PathLike, *, dtype, chunk_size: int, block_size: in
         raise ValueError("\n".join(lines))
     values = []
     for name, get, to_hf in entries:
-        x = read_tensor(tensors[name])
+        x = _tensor(name, tensors[name])
         if to_hf is not None:
             x = x.reshape(get(skeleton).shape)
         x = jnp.asarray(x)

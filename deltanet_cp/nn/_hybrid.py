@@ -12,6 +12,7 @@ from ._attention import CausalSelfAttention
 from ._context import layer_cp
 from ._gated_delta_net import GatedDeltaNet
 from ._schedule import KVExchange
+from ._tokens import check_tokens
 
 
 class SwiGLU(eqx.Module):
@@ -93,23 +94,6 @@ class HybridBlock(eqx.Module):
             h = self.mixer(h, cp=cp, kv_exchange=kv_exchange)
         x = x + h
         return x + jax.vmap(lambda y: self.mlp(self.mlp_norm(y)))(x)
-
-
-def _check_ids(tokens: Int[Array, " seq"], vocab: int) -> Int[Array, " seq"]:
-    """`tokens`, failing the computation (`equinox.error_if`) if an id is outside the vocabulary.
-
-    Inside `shard_map` the verdict is reduced over every mesh axis the tokens vary over, so
-    that all ranks fail together (a rank that failed alone would leave the others waiting in
-    their next collective); the check is made on a replicated zero added to the tokens.
-    """
-    bad = jnp.any((tokens < 0) | (tokens >= vocab))
-    axes = tuple(sorted(jax.typeof(bad).manual_axis_type.varying, key=str))
-    if axes:
-        bad = jax.lax.psum(bad.astype(jnp.int32), axes) > 0
-    zero = eqx.error_if(
-        jnp.zeros((), tokens.dtype), bad, f"`tokens` must be ids in [0, vocab_size = {vocab})."
-    )
-    return tokens + zero
 
 
 class HybridLM(eqx.Module):
@@ -224,24 +208,19 @@ class HybridLM(eqx.Module):
 
         **Returns:**
 
-        The next-token logits, `(seq, vocab)`.
+        The next-token logits, `(seq, vocab)`; `(0, vocab)` for an empty `tokens`.
 
         **Raises:**
 
-        `ValueError` if `tokens` is not a 1-D integer array. A token id outside
-        `[0, vocab_size)` (which an embedding lookup would silently clamp) fails the call
-        through `equinox.error_if`: an `EquinoxRuntimeError` eagerly, an error when the
-        computation runs under `jax.jit`.
+        `ValueError` if `tokens` is not a 1-D integer array, or holds a token id outside
+        `[0, vocab_size)` (which an embedding lookup would silently clamp). Traced ids
+        (under `jax.jit`) are checked through `equinox.error_if`: the computation fails
+        when it runs.
         """
         cp = layer_cp(cp, "HybridLM")
-        dtype = getattr(tokens, "dtype", None)
-        if dtype is None or not jnp.issubdtype(dtype, jnp.integer) or tokens.ndim != 1:
-            raise ValueError(
-                "`tokens` must be a 1-D integer array of token ids, one sequence (`jax.vmap` "
-                f"the model over a batch); got {getattr(tokens, 'shape', type(tokens).__name__)}"
-                f"{'' if dtype is None else f' of dtype {dtype}'}."
-            )
-        tokens = _check_ids(tokens, self.embed.num_embeddings)
+        tokens = check_tokens(tokens, self.embed.num_embeddings)
+        if tokens.shape[0] == 0:
+            return jnp.zeros((0, self.embed.num_embeddings), self.lm_head.weight.dtype)
         x = jax.vmap(self.embed)(tokens)
         for block in self.blocks:
             x = block(x, cp=cp, kv_exchange=kv_exchange)
