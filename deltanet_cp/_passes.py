@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jaxtyping import PyTree
 
 from ._affine import AbstractAffineMap
+from ._sharding import varying
 
 
 class Blocks(eqx.Module):
@@ -294,25 +295,6 @@ def local_map(
 
 def _chunk(tree: PyTree, i) -> PyTree:
     return jax.tree.map(lambda x: x[i], tree)
-
-
-def varying(tree: PyTree, like: PyTree) -> PyTree:
-    """Mark `tree`'s values as varying over every mesh axis that `like`'s values vary over.
-
-    Inside `shard_map`, a scan carry that starts replicated (the identity map, a state
-    from the exchange) but is updated with per-rank data must be typed as per-rank from
-    the start: over the context-parallel axis, and over any other axis the inputs are
-    sharded on (a data-parallel batch axis, say).
-    """
-    axes: set = set()
-    for leaf in jax.tree.leaves(like):
-        axes |= set(jax.typeof(leaf).manual_axis_type.varying)
-
-    def cast(x):
-        missing = tuple(sorted(axes - set(jax.typeof(x).manual_axis_type.varying), key=str))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, tree)
 
 
 # ---------------------------------------------------------------------------------------

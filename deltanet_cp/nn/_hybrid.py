@@ -7,6 +7,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._parallel import ContextParallel
+from .._sharding import varying_axes
 from .._validate import as_positive_index
 from ._attention import CausalSelfAttention
 from ._context import layer_cp
@@ -103,7 +104,7 @@ def _check_ids(tokens: Int[Array, " seq"], vocab: int) -> Int[Array, " seq"]:
     their next collective); the check is made on a replicated zero added to the tokens.
     """
     bad = jnp.any((tokens < 0) | (tokens >= vocab))
-    axes = tuple(sorted(jax.typeof(bad).manual_axis_type.varying, key=str))
+    axes = tuple(sorted(varying_axes(bad), key=str))
     if axes:
         bad = jax.lax.psum(bad.astype(jnp.int32), axes) > 0
     zero = eqx.error_if(
