@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-slow test-all lint docs bench bench-gpu bench-gpu-wheels clean
+.PHONY: demo test test-slow test-all test-floor lint docs bench bench-gpu bench-gpu-wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,20 @@ test-slow: $(VENV)/.installed-test
 
 test-all: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q
+
+# The oldest versions of the dependencies pyproject.toml allows (its lower bounds, pinned in
+# .ci/floor-constraints.txt), in their own environment, and a smoke subset of the suite
+# (.ci/floor-tests.txt: the kernels one device and context parallel, the layer, the attention).
+FLOOR_VENV ?= .venv-floor
+
+$(FLOOR_VENV)/.installed: pyproject.toml .ci/floor-constraints.txt
+	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install --quiet -c .ci/floor-constraints.txt \
+		-r .ci/floor-constraints.txt -e ".[test]"
+	touch $@
+
+test-floor: $(FLOOR_VENV)/.installed
+	$(FLOOR_VENV)/bin/python -m pytest -q -p no:cacheprovider @.ci/floor-tests.txt
 
 # ruff (lint and format) over everything; pyright over the package and the tests (0 errors).
 lint: $(VENV)/.installed-dev $(VENV)/.installed-test
@@ -85,4 +99,4 @@ bench-gpu-wheels:
 		"$(MAXTEXT)" "$(JLA)"
 
 clean:
-	rm -rf $(VENV) site .pytest_cache
+	rm -rf $(VENV) $(FLOOR_VENV) site .pytest_cache

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jaxtyping import PyTree
 
 from ._affine import AbstractAffineMap
+from ._sharding import summed_like, varying
 
 
 class Blocks(eqx.Module):
@@ -334,43 +335,6 @@ def local_map(
 
 def _chunk(tree: PyTree, i) -> PyTree:
     return jax.tree.map(lambda x: x[i], tree)
-
-
-def varying(tree: PyTree, like: PyTree) -> PyTree:
-    """Mark `tree`'s values as varying over every mesh axis that `like`'s values vary over.
-
-    Inside `shard_map`, a scan carry that starts replicated (the identity map, a state
-    from the exchange) but is updated with per-rank data must be typed as per-rank from
-    the start: over the context-parallel axis, and over any other axis the inputs are
-    sharded on (a data-parallel batch axis, say).
-    """
-    axes: set = set()
-    for leaf in jax.tree.leaves(like):
-        axes |= set(jax.typeof(leaf).manual_axis_type.varying)
-
-    def cast(x):
-        missing = tuple(sorted(axes - set(jax.typeof(x).manual_axis_type.varying), key=str))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, tree)
-
-
-def summed_like(cotangents: PyTree, like: PyTree) -> PyTree:
-    """Sum each cotangent over the mesh axes it varies over and its primal in `like` does
-    not (the transpose of JAX's implicit cast of a replicated value to a per-rank one).
-
-    A factor that reads no per-rank input (DeltaNet's decay of one) is the same on every
-    rank; a hand-written `factor_cotangents` gives it a per-rank cotangent.
-    """
-
-    def axes(x):
-        return set(jax.typeof(x).manual_axis_type.varying)
-
-    def one(ct, x):
-        extra = tuple(sorted(axes(ct) - axes(x), key=str))
-        return jax.lax.psum(ct, extra) if extra else ct
-
-    return jax.tree.map(one, cotangents, like)
 
 
 # ---------------------------------------------------------------------------------------

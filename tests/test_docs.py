@@ -3,7 +3,21 @@
 The site itself is built by `make docs` (`mkdocs build --strict`, which fails on any warning,
 such as a cross-reference to an undocumented name). This file checks what the build cannot:
 that nothing public is missing from the API pages, that the pages' directives name real
-members, and that the code blocks marked runnable (```` ```python { .runnable } ````) work.
+members, and that the code examples work.
+
+Every Python code block of the README and of the pages under docs/ says what it is, in its
+fence's info string:
+
+- ```` ```python { .runnable } ````: run by this file. A page's runnable blocks run in order,
+  in one namespace, as a reader would paste them; the README's run as written, in a fresh
+  interpreter with none of the suite's XLA flags.
+- ```` ```python { .fragment } ````: shown on purpose without being run: a piece of a larger
+  program (names it leaves undefined, a real checkpoint, several processes), or an interface
+  as it is declared.
+
+A block that only includes an example program (`--8<-- "examples/..."`) needs neither: the
+examples are run by tests/test_examples.py. Blocks in other languages (shell commands, text)
+are not run. `test_every_python_block_is_run_or_a_fragment` fails on an unmarked one.
 """
 
 import dataclasses
@@ -171,8 +185,8 @@ def test_every_page_and_example_is_in_the_nav():
     assert not missing, f'examples not shown on any page (`--8<-- "examples/..."`): {missing}'
 
 
-def _runnable_blocks(page: Path) -> list[tuple[int, str]]:
-    """The code blocks of a page whose fence is marked `{ .runnable }`, dedented."""
+def _blocks(page: Path) -> list[tuple[int, str, str]]:
+    """Every fenced code block of a page: its first line, its info string and its dedented body."""
     blocks = []
     lines = page.read_text().splitlines()
     i = 0
@@ -189,9 +203,36 @@ def _runnable_blocks(page: Path) -> list[tuple[int, str]]:
             body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i])
             i += 1
         i += 1
-        if re.search(r"\.runnable\b", m.group("info")):
-            blocks.append((start + 1, textwrap.dedent("\n".join(body))))
+        blocks.append((start + 1, m.group("info").strip(), textwrap.dedent("\n".join(body))))
     return blocks
+
+
+def _runnable_blocks(page: Path) -> list[tuple[int, str]]:
+    """The code blocks of a page whose fence is marked `{ .runnable }`, dedented."""
+    return [(line, body) for line, info, body in _blocks(page) if re.search(_RUNNABLE, info)]
+
+
+_RUNNABLE = r"\.runnable\b"
+_FRAGMENT = r"\.fragment\b"
+
+
+def test_every_python_block_is_run_or_a_fragment():
+    unmarked = []
+    for page in [ROOT / "README.md", *_pages()]:
+        for line, info, body in _blocks(page):
+            if info.split("{")[0].strip().lower() not in ("python", "py", "pycon"):
+                continue
+            if re.search(_RUNNABLE, info) or re.search(_FRAGMENT, info):
+                continue
+            code = [ln for ln in body.splitlines() if ln.strip()]
+            if code and all(ln.startswith('--8<-- "examples/') for ln in code):
+                continue  # an example program, run by tests/test_examples.py
+            unmarked.append(f"{page.relative_to(ROOT)}:{line}")
+    assert not unmarked, (
+        "Python code blocks that are neither run nor marked as fragments: "
+        f"{unmarked}. Mark each fence `python {{ .runnable }}` (and make it run, see "
+        "tests/test_docs.py) or `python {{ .fragment }}`."
+    )
 
 
 # The runnable blocks run in child processes, not in pytest's: as a reader runs them, in a
@@ -298,16 +339,24 @@ def test_runnable_examples(page, runnable_results):
         pytest.fail(f"docs/{page}:\n{result['error']}", pytrace=False)
 
 
-def _readme_quickstart() -> str:
-    """The README's first Python block, exactly as a new user would paste it."""
-    readme = (ROOT / "README.md").read_text()
-    return readme.split("## Quickstart", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+def _quickstart(page: Path) -> str:
+    """The first runnable block after a page's `## Quickstart` heading."""
+    text = page.read_text()
+    offset = text[: text.index("## Quickstart")].count("\n") + 1
+    return next(body for line, body in _runnable_blocks(page) if line > offset)
 
 
-def test_readme_quickstart_runs_as_written():
-    # In a fresh process, with no XLA flags of ours: the block sets its own, for 4 simulated
-    # devices, before it imports jax. The check appended after it makes sure it did.
-    code = _readme_quickstart()
+def test_readme_and_site_share_one_quickstart():
+    assert _quickstart(ROOT / "README.md") == _quickstart(DOCS / "index.md"), (
+        "README.md and docs/index.md must show the same quickstart: copy one onto the other."
+    )
+
+
+def test_readme_runs_as_written():
+    # In a fresh process, with no XLA flags of ours: the quickstart sets its own, for 4
+    # simulated devices, before it imports jax. The check appended after it makes sure it did.
+    blocks = [body for _, body in _runnable_blocks(ROOT / "README.md")]
+    code = "\n".join(blocks)
     flag = code.find("--xla_force_host_platform_device_count=4")
     assert 0 <= flag < code.find("import jax"), "the quickstart must set XLA_FLAGS first"
     code += "\nassert jax.device_count() == 4, jax.devices()\n"
@@ -317,6 +366,7 @@ def test_readme_quickstart_runs_as_written():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "max error" in result.stdout, "the quickstart prints what it checks"
 
 
 def test_dir_shows_only_the_api():

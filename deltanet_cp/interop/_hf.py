@@ -124,7 +124,7 @@ class _Reader:
         except ImportError as e:  # pragma: no cover
             raise ImportError(
                 "Reading `.safetensors` files needs the `safetensors` package: "
-                "`pip install safetensors`."
+                '`pip install "deltanet_cp[hf]"` (or `pip install safetensors`).'
             ) from e
         self._safe_open = safe_open
         if index is not None:

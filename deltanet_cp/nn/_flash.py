@@ -22,7 +22,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from .._parallel import ContextParallel, Contiguous
-from .._passes import varying
+from .._sharding import varying
 from ._schedule import _block, _check_kv_exchange, _Schedule, _tiles, _tiling
 
 

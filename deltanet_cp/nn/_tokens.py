@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
+from .._sharding import varying_axes
+
 
 def check_tokens(tokens, vocab: int, name: str = "tokens", *, ndim: int = 1) -> Int[Array, "..."]:
     """`tokens` as a JAX integer array of ids in `[0, vocab)`.
@@ -68,7 +70,7 @@ def check_tokens(tokens, vocab: int, name: str = "tokens", *, ndim: int = 1) -> 
         return jnp.asarray(tokens)
     assert isinstance(tokens, jax.Array)
     bad = jnp.any((tokens < 0) | (tokens >= vocab))
-    axes = tuple(sorted(jax.typeof(bad).manual_axis_type.varying, key=str))
+    axes = tuple(sorted(varying_axes(bad), key=str))
     if axes:
         bad = jax.lax.psum(bad.astype(jnp.int32), axes) > 0
     # The check is made on a replicated zero added to the tokens.
