@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from ._exchange import AbstractExchange
+from ._exchange import AbstractExchange, ExchangeName
 from ._parallel import AbstractLayout, ContextParallel, Contiguous, Zigzag
 from ._recurrence import AbstractRecurrence, check_shapes, ContractError
 from ._run import run
@@ -54,7 +54,7 @@ def check_recurrence(
     initial_state: Array | None = None,
     cp: Sequence[int] = (2, 4),
     layouts: Sequence[AbstractLayout] = (Contiguous(), Zigzag()),
-    exchange: AbstractExchange | str = "allgather",
+    exchange: AbstractExchange | ExchangeName = "allgather",
     gradients: bool = True,
     unchunked: AbstractRecurrence | None = None,
     rtol: float = 1e-4,
