@@ -208,10 +208,10 @@ def main(b=2, t=100, h=3, dk=16, dv=8, chunk_size=16, cp=4):
 
 
 # --8<-- [start:contract]
-def check_contract(cp=(2, 4)):
+def check_contract(cp=(4,)):
     """The engine's contract, law by law (`deltanet_cp.testing`): shapes, a zero token is the
     identity, `step` affine in `h`, `chunk_map` and `compose` against `step`, chunked against
-    `chunk_size=1`, gradients, and context parallelism (both layouts) against one device."""
+    `chunk_size=1`, gradients, and context parallelism on `cp` devices (both layouts)."""
     rng = np.random.default_rng(1)
     b, t, h, dk, dv = 1, 20, 2, 8, 4  # small: 3 chunks of 8, the last one partial
     q, k, v = (jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32) for d in (dk, dk, dv))
