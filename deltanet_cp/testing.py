@@ -27,6 +27,7 @@ from ._exchange import AbstractExchange, ExchangeName
 from ._parallel import AbstractLayout, ContextParallel, Contiguous, Zigzag
 from ._recurrence import AbstractRecurrence, check_shapes, ContractError
 from ._run import run
+from ._validate import check_inputs
 
 
 __all__ = ["check_recurrence", "RecurrenceCheckError"]
@@ -127,6 +128,7 @@ def check_recurrence(
     """
     errors: dict[str, float] = {}
     compare = ft.partial(_compare, errors=errors, rtol=rtol, atol=atol)
+    check_inputs(recurrence, inputs)  # what `run` checks first (types, `recurrence.check`)
     name = type(recurrence).__name__
     batch, length = _batch_and_length(inputs)
     c = recurrence.chunk_size
