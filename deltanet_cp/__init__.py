@@ -2,7 +2,7 @@
 
 from importlib import metadata as _metadata
 
-from . import chunkops as chunkops
+from . import chunkops as chunkops, testing as testing
 from ._affine import (
     AbstractAffineMap as AbstractAffineMap,
     AffineMap as AffineMap,

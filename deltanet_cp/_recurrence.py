@@ -46,6 +46,12 @@ class AbstractRecurrence(eqx.Module, Generic[_Inputs, _Factors, _Map]):
 
     The engine pads the time axis with zeros to whole chunks: a token whose inputs are all
     zero must leave the state unchanged.
+
+    The state is `(B, ..., K, V)`, and its row axis `K` may be any size the recurrence
+    needs, not only the key size: two `K x V` matrices stacked as rows, a momentum and a
+    state $[M; S]$, are one `(B, H, 2K, V)` state whose chunk maps are `(2K, 2K)`.
+
+    [`deltanet_cp.testing.check_recurrence`][] checks a recurrence against all of this.
     """
 
     chunk_size: eqx.AbstractVar[int]
@@ -168,3 +174,118 @@ class AbstractRecurrence(eqx.Module, Generic[_Inputs, _Factors, _Map]):
 
         The public outputs.
         """
+
+
+class ContractError(ValueError):
+    """A `ValueError` from `check_shapes`; `method` names the method that broke the contract."""
+
+    def __init__(self, method: str, message: str):
+        super().__init__(message)
+        self.method = method
+
+
+def _shapes(tree: PyTree) -> str:
+    return str(jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), tree))
+
+
+def check_shapes(
+    recurrence: AbstractRecurrence, inputs: PyTree, chunk_size: int
+) -> jax.ShapeDtypeStruct:
+    """Check `state`, `prepare`, `chunk_map` and `step` against each other on one chunk.
+
+    Abstract evaluation only (`jax.eval_shape`, at trace time: nothing runs), so that a
+    contract broken by a user's recurrence is a `ValueError` that names the method instead
+    of a reshape or einsum error deep inside the engine.
+
+    **Arguments:**
+
+    - `recurrence`: the recurrence.
+    - `inputs`: its inputs, array leaves `(B, T, *rest)`.
+    - `chunk_size`: the chunk size the engine runs at.
+
+    **Returns:**
+
+    `recurrence.state(inputs)`.
+
+    **Raises:**
+
+    `ValueError` naming the method: `state` not a batch-leading `jax.ShapeDtypeStruct`
+    with `(K, V)` last, or of another shape than `chunk_map`'s maps act on; `prepare`
+    leaves without the chunk axis first; `step`'s next state not of `state`'s shape and
+    dtype, or outputs without the batch on axis 0 and the chunk's positions on axis 1.
+    """
+    name = type(recurrence).__name__
+    state = recurrence.state(inputs)
+    batch = jax.tree.leaves(inputs)[0].shape[0]
+    shape = getattr(state, "shape", None)
+    if (
+        not isinstance(state, jax.ShapeDtypeStruct)
+        or shape is None
+        or len(shape) < 3
+        or shape[0] != batch
+    ):
+        raise ContractError(
+            "state",
+            f"{name}.state(inputs) must return a jax.ShapeDtypeStruct of shape (B, ..., K, V) "
+            f"with the batch B = {batch} first, e.g. jax.ShapeDtypeStruct((B, H, K, V), "
+            f"jnp.float32); got {state!r}.",
+        )
+    chunk = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((x.shape[0], 1, chunk_size, *x.shape[2:]), x.dtype),
+        inputs,
+    )
+    h = jax.ShapeDtypeStruct(state.shape, state.dtype)
+    factors = eqx.filter_eval_shape(recurrence.prepare, chunk)
+    wrong = [x.shape for x in jax.tree.leaves(factors) if not x.shape or x.shape[0] != 1]
+    if wrong:
+        raise ContractError(
+            "prepare",
+            f"{name}.prepare(chunks) must return factors with the chunk index on the leading "
+            f"axis of every leaf; on one chunk (chunks of shape (B, 1, C, ...)) it returned "
+            f"leaves of shapes {wrong}, whose leading axis is not 1.",
+        )
+    one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), factors)
+    affine = eqx.filter_eval_shape(recurrence.chunk_map, one)
+    if not isinstance(affine, AbstractAffineMap):
+        raise ContractError(
+            "chunk_map",
+            f"{name}.chunk_map(factors) must return a deltanet_cp.AbstractAffineMap (an "
+            f"AffineMap or a DiagonalAffineMap); got {type(affine).__name__}.",
+        )
+    if tuple(affine.U.shape) != tuple(state.shape):
+        raise ContractError(
+            "state",
+            f"{name}.state(inputs) says the state has shape {tuple(state.shape)}, but "
+            f"{name}.chunk_map(factors) returns a map of states of shape "
+            f"{tuple(affine.U.shape)} (its `U`): one of them has the wrong sizes (the last "
+            "two axes are the state's (K, V)).",
+        )
+    try:
+        h_next, outputs = eqx.filter_eval_shape(recurrence.step, one, h)
+    except Exception as error:
+        raise ContractError(
+            "step",
+            f"{name}.step(factors, h) failed on a state of the shape {name}.state(inputs) "
+            f"gives, {tuple(state.shape)} {state.dtype}: {type(error).__name__}: {error}",
+        ) from error
+    if (h_next.shape, h_next.dtype) != (h.shape, h.dtype):
+        raise ContractError(
+            "step",
+            f"{name}.step(factors, h) must return the next state with the shape and dtype of "
+            f"{name}.state(inputs), {tuple(state.shape)} {state.dtype}; got "
+            f"{tuple(h_next.shape)} {h_next.dtype}.",
+        )
+    bad = [
+        x.shape
+        for x in jax.tree.leaves(outputs)
+        if len(x.shape) < 2 or tuple(x.shape[:2]) != (batch, chunk_size)
+    ]
+    if bad:
+        raise ContractError(
+            "step",
+            f"{name}.step(factors, h) must return outputs with the batch on axis 0 and the "
+            f"chunk's positions on axis 1, (B, C, ...) = ({batch}, {chunk_size}, ...); got "
+            f"outputs of shapes {_shapes(outputs)}. Move the chunk's axis to position 1 "
+            "(for example (B, H, C, V) -> (B, C, H, V) with jnp.swapaxes).",
+        )
+    return state

@@ -28,7 +28,7 @@ from ._parallel import (
     ContiguousParallel,
 )
 from ._passes import Blocks, context_parallel, local
-from ._recurrence import AbstractRecurrence
+from ._recurrence import AbstractRecurrence, check_shapes
 from ._validate import check_inputs
 
 
@@ -232,11 +232,11 @@ def _run(
     reverse: bool,
     block_size: int | None,
 ) -> tuple[PyTree, Array | None, Array | None]:
-    state = recurrence.state(inputs)
     _, length = _batch_and_length(inputs)
     # A chunk longer than the slice only pads: cap it at the slice rounded up to a power of
     # two (T = 50 with chunk_size=16384 forms chunks of 64, not of 16384 mostly padding).
     c = min(recurrence.chunk_size, 1 << max(0, length - 1).bit_length())
+    state = check_shapes(recurrence, inputs, c)  # `state`, `step`: named errors, at trace time
     h0 = _initial_state(state, initial_state)
     per_block = _chunks_per_block(block_size, c)
     # A non-finite input must not reach earlier tokens through the chunk's products (a zero

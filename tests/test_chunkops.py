@@ -158,6 +158,47 @@ def test_cumulative_decays(per_channel, extreme):
             assert np.all(actual[tiny] <= 1e-30)
 
 
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("extreme", [False, True])
+def test_exclusive_decays(per_channel, extreme):
+    # e^{G_{i-1}} = exp(sum_{t < i} g_t), the first row 1, against the direct float64 sum.
+    rng = np.random.default_rng(6)
+    c, k = 16, 4
+    g = _gates(rng, 2, c, k, extreme=extreme)
+    if not per_channel:
+        g = g[..., :1]
+    arg = jnp.asarray(g if per_channel else g[..., 0], jnp.float32)
+    before = np.asarray(chunkops.exclusive_decays(arg, per_channel), np.float64)
+    assert before.shape == (2, c, k if per_channel else 1)
+    expected = np.exp(np.stack([np.sum(g[..., :i, :], axis=-2) for i in range(c)], -2))
+    assert np.all(before[..., 0, :] == 1.0) and np.all(before <= 1.0)
+    tiny = expected < 1e-30
+    assert np.all(np.abs(before - expected) <= 1e-5 * expected + 1e-30 * tiny)
+    # Shifted by one token from cumulative_decays' e^{G_i}.
+    into, _ = chunkops.cumulative_decays(arg, per_channel)
+    np.testing.assert_array_equal(before[..., 1:, :], np.asarray(into, np.float64)[..., :-1, :])
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("extreme", [False, True])
+def test_decay_matrix(strict, extreme):
+    # D_ij = exp(g_{j+1} + ... + g_i) for i >= j (i > j if strict), 0 above: the direct formula.
+    rng = np.random.default_rng(7)
+    c = 8
+    g = _gates(rng, 2, 3, c, 1, extreme=extreme)[..., 0]  # (2, 3, C)
+    arg = jnp.asarray(g, jnp.float32)
+    d = np.asarray(chunkops.decay_matrix(arg, strict=strict), np.float64)
+    assert d.shape == (2, 3, c, c)
+    for i in range(c):
+        for j in range(c):
+            inside = i > j if strict else i >= j
+            expected = np.exp(np.sum(g[..., j + 1 : i + 1], axis=-1)) if inside else 0.0
+            assert np.all(np.abs(d[..., i, j] - expected) <= 1e-5 * expected + 1e-30)
+    # Finite gradients everywhere, -inf gates and the masked triangle included.
+    grad = jax.grad(lambda g: jnp.sum(chunkops.decay_matrix(g, strict=strict)))(arg)
+    assert np.all(np.isfinite(np.asarray(grad)))
+
+
 # ---------------------------------------------------------------------------------------
 # Decayed Grams
 # ---------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ PUBLIC_MODULES = [
     "deltanet_cp.nn",
     "deltanet_cp.models",
     "deltanet_cp.interop",
+    "deltanet_cp.testing",
 ]
 
 _DIRECTIVE = re.compile(r"^(?P<indent>[ \t]*):::[ \t]+(?P<name>[\w.]+)[ \t]*$")

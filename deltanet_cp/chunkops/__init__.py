@@ -9,7 +9,10 @@ and $G_i = \sum_{t \le i} g_t$ from the chunk start:
 
 - the decays into and out of the chunk, $e^{G_i}$ and $e^{G_C - G_i}$:
     [`cumulative_decays`][deltanet_cp.chunkops.cumulative_decays];
-- the decays between two tokens, $G_i - G_j$: [`segment_sums`][deltanet_cp.chunkops.segment_sums];
+- the decays from the chunk start to just before each token, $e^{G_{i-1}}$:
+    [`exclusive_decays`][deltanet_cp.chunkops.exclusive_decays];
+- the decays between two tokens, $G_i - G_j$: [`segment_sums`][deltanet_cp.chunkops.segment_sums],
+    and $e^{G_i - G_j}$ masked to $i \ge j$: [`decay_matrix`][deltanet_cp.chunkops.decay_matrix];
 - the decayed products of two sets of rows,
     $\sum_c x_{ic} y_{jc} e^{G_{ic} - G_{jc}}$: [`decayed_gram`][deltanet_cp.chunkops.decayed_gram]
     (per-head or per-channel decays), [`decayed_grams`][deltanet_cp.chunkops.decayed_grams]
@@ -31,8 +34,10 @@ than bfloat16.
 from ._decays import (
     cumsum as cumsum,
     cumulative_decays as cumulative_decays,
+    decay_matrix as decay_matrix,
     decayed_gram as decayed_gram,
     decayed_grams as decayed_grams,
+    exclusive_decays as exclusive_decays,
     segment_sums as segment_sums,
 )
 from ._ops import (
@@ -49,9 +54,11 @@ __all__ = [
     "chunk_major",
     "cumsum",
     "cumulative_decays",
+    "decay_matrix",
     "decayed_gram",
     "decayed_grams",
     "einsum",
+    "exclusive_decays",
     "from_chunk_major",
     "l2norm",
     "segment_sums",

@@ -103,6 +103,59 @@ def cumulative_decays(
     return jnp.exp(total), jnp.exp(after)
 
 
+def exclusive_decays(
+    g: Float[Array, "*batch c"] | Float[Array, "*batch c k"], per_channel: bool
+) -> Array:
+    r"""The decays from the chunk start to just before each token: $e^{G_{i-1}}$.
+
+    $G_{i-1} = \sum_{t < i} g_t$ (so the first row is 1): what carries the chunk's
+    incoming state to token $i$ when token $i$ reads the state *before* its own update
+    (a momentum or a delta term formed from $h_{i-1}$), where
+    [`cumulative_decays`][deltanet_cp.chunkops.cumulative_decays] gives $e^{G_i}$.
+
+    **Arguments:**
+
+    - `g`: log decays $\le 0$, per head `(*batch, C)` or per key channel `(*batch, C, K)`.
+    - `per_channel`: whether `g` has the trailing key axis.
+
+    **Returns:**
+
+    An array `(*batch, C, K)` for per-channel gates, `(*batch, C, 1)` for per-head ones.
+    Numerics: each exponent is a direct sum of gates (no differences), every decay is at
+    most 1, and $-\infty$ gates give decays of exactly 0 from the next token on.
+    """
+    if not per_channel:
+        g = g[..., None]
+    return jnp.exp(_down(cumsum(g, -2)))
+
+
+def decay_matrix(g: Float[Array, "*batch c"], strict: bool = False) -> Float[Array, "*batch c c"]:
+    r"""The decays between every two tokens of a chunk: $D_{ij} = e^{G_i - G_j}$ below the
+    diagonal, 0 above it.
+
+    $e^{L}$ of [`segment_sums`][deltanet_cp.chunkops.segment_sums] with the upper triangle
+    set to $-\infty$ *before* the `exp` (masking after it would multiply overflowing or
+    NaN entries by 0). Per-head decays; for per-channel ones use
+    [`decayed_gram`][deltanet_cp.chunkops.decayed_gram], which never forms a
+    $(C, C, K)$ tensor.
+
+    **Arguments:**
+
+    - `g`: log decays $\le 0$ over the last axis, e.g. per head `(N, B, H, C)`.
+    - `strict`: zero the diagonal too ($i > j$ only); by default it is 1.
+
+    **Returns:**
+
+    `D` of shape `(*batch, C, C)`: $e^{g_{j+1} + \dots + g_i}$ for $i \ge j$ ($i > j$ if
+    `strict`), 0 elsewhere. Numerics: as `segment_sums`; every entry is at most 1, and its
+    gradient is finite for any gates, $-\infty$ included.
+    """
+    c = g.shape[-1]
+    i, j = np.ogrid[:c, :c]
+    keep = (i > j) if strict else (i >= j)
+    return jnp.exp(jnp.where(keep, segment_sums(g), jnp.asarray(-jnp.inf, g.dtype)))
+
+
 def decayed_gram(
     x: Float[Array, "*batch c k"],
     y: Float[Array, "*batch c k"],
