@@ -14,11 +14,9 @@ Runs on CPU with simulated devices in a few minutes; writes examples/out/loss_cu
 import os
 
 
-# Four simulated CPU devices; must be set before jax is imported. (The second flag works
-# around an XLA:CPU check failure, "b_rank < YNN_MAX_TENSOR_RANK", in the YNNPACK fusions.)
+# Four simulated CPU devices; must be set before jax is imported.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=4 --xla_cpu_experimental_ynn_fusion_type="
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 ).strip()
 
 import dataclasses  # noqa: E402

@@ -233,7 +233,18 @@ def decayed_grams(
     recomputes each level: nothing but the arguments is kept for the backward; its
     gradients are finite for any gates, $-\infty$ included (such a gate's own gradient is 0).
     """
-    return _grams_vjp(x, y, g, strict)
+    # The batch axes broadcast together and flattened into one, so that no array inside is of
+    # rank above 6: XLA:CPU's YNNPACK reduce fusions (jaxlib 0.10) return wrong numbers or
+    # crash on sums over small axes of rank-7 and rank-8 products (see tests/test_default_flags.py).
+    batch = _batch(x, y, g)
+    size = int(np.prod(batch, dtype=np.int64))
+
+    def flat(a, trailing):
+        a = jnp.broadcast_to(a, (*batch, *a.shape[a.ndim - trailing :]))
+        return a.reshape(size, *a.shape[a.ndim - trailing :])
+
+    out = _grams_vjp(flat(x, 3), flat(y, 3), flat(g, 2), strict)
+    return out.reshape(*batch, *out.shape[1:])
 
 
 # The recursive-halving Gram and its VJP.

@@ -256,14 +256,21 @@ def _factors(q, k, v, g, beta, write, *, rows: slice) -> DeltaFactors:
     Products of keys with keys or queries are formed once per key head and broadcast over
     its `r` value heads, unless the decay is per channel (it then differs per value head).
     """
+    # (N, B, H) flattened into one axis: XLA:CPU's YNNPACK reduce fusions (jaxlib 0.10) crash
+    # or return wrong numbers on sums over small axes of rank-7 products, which the gradients
+    # of 6-axis (N, B, H, r, S, K) arrays under a `vmap` are (see tests/test_default_flags.py).
+    n, b, h = k.shape[:3]
+    q, k, v, g, beta, write = (
+        None if x is None else x.reshape(n * b * h, *x.shape[3:]) for x in (q, k, v, g, beta, write)
+    )
     dt = k.dtype
     s, dk = k.shape[-2], k.shape[-1]
-    r = v.shape[3]
-    lead = v.shape[:4]  # (N, B, H, r)
-    incl = lift(jnp.tril(jnp.ones((s, s), dtype=bool)), 6)
-    strict = lift(jnp.tril(jnp.ones((s, s), dtype=bool), k=-1), 6)
+    r = v.shape[1]
+    lead = v.shape[:2]  # (N B H, r)
+    incl = lift(jnp.tril(jnp.ones((s, s), dtype=bool)), 4)
+    strict = lift(jnp.tril(jnp.ones((s, s), dtype=bool), k=-1), 4)
     zero = jnp.zeros((), dt)
-    kr, qr = k[:, :, :, None], q[:, :, :, None]  # (N, B, H, 1, ., K)
+    kr, qr = k[:, None], q[:, None]  # (N B H, 1, ., K)
     if g is not None and g.ndim == k.ndim + 1:  # one decay per key channel: exact blocked Gram
         kb, qb = jnp.broadcast_to(kr, (*lead, s, dk)), jnp.broadcast_to(qr, (*lead, s, dk))
         grams = decayed_grams(jnp.stack([_gated(kb, beta), qb], -2), kb[..., None, :], g, False)
@@ -276,7 +283,7 @@ def _factors(q, k, v, g, beta, write, *, rows: slice) -> DeltaFactors:
     else:
         if beta.ndim != v.ndim - 1:
             raise ValueError("An erase gate per key channel needs a decay per key channel.")
-        qk = einsum("...ik,...jk->...ij", qr, kr)  # (N, B, H, 1, C, S)
+        qk = einsum("...ik,...jk->...ij", qr, kr)  # (N B H, 1, C, S)
         kk = einsum("...ik,...jk->...ij", kr, kr)
         if g is None:
             attn = jnp.where(incl[..., rows, :], qk, zero)
@@ -294,14 +301,14 @@ def _factors(q, k, v, g, beta, write, *, rows: slice) -> DeltaFactors:
             k_decayed = kr * decay[..., -1, :, None]  # k e^{G_C - G_i}
             bk = (beta * decay_in)[..., None] * kr
             gamma = jnp.broadcast_to(decay_in[..., -1:], (*lead, dk))
-    rhs = jnp.concatenate([bk, _gated(v, write)], axis=-1)  # (N, B, H, r, S, K + V)
+    rhs = jnp.concatenate([bk, _gated(v, write)], axis=-1)  # (N B H, r, S, K + V)
     wu = unit_lower_solve(a, rhs)
     q_decayed = jnp.broadcast_to(q_decayed, (*lead, *q_decayed.shape[-2:]))
     attn = jnp.broadcast_to(attn, (*lead, *attn.shape[-2:]))
     k_decayed = jnp.broadcast_to(k_decayed, (*lead, s, dk))
 
-    def heads(x):  # (N, B, H, r, ...) -> (N, B, HV, ...); value head j reads key head j // r
-        return x.reshape(x.shape[:2] + (x.shape[2] * r,) + x.shape[4:])
+    def heads(x):  # (N B H, r, ...) -> (N, B, HV, ...); value head j reads key head j // r
+        return x.reshape(n, b, h * r, *x.shape[2:])
 
     return DeltaFactors(
         wq=heads(jnp.concatenate([wu[..., :dk], q_decayed], axis=-2)),
