@@ -241,14 +241,15 @@ def _run(
     per_block = _chunks_per_block(block_size, c)
     # A non-finite input must not reach earlier tokens through the chunk's products (a zero
     # times NaN is NaN): the chunk is formed from zeros there, and NaN is added back to the
-    # outputs from the first such token of the chunk on and to the state leaving it.
-    log_decays = _log_decay_leaves(inputs)
-    bad = _non_finite(inputs, log_decays)
+    # outputs from the first such token of the chunk on and to the state leaving it. An
+    # input that reaches only its own token's outputs (a query) poisons only those.
+    log_decays = _leaf_flags(inputs, "log_decay")
+    bad, bad_out = _non_finite(inputs, log_decays, _leaf_flags(inputs, "output_only"))
     if cu_seqlens is None:
         seg, doc_states = None, None
         blocks = Blocks.of(num_chunks(length, c), c, per_block, log_decays)
         chunks = _split(inputs, blocks.padded, c)
-        bad = _split(bad, blocks.padded, c)
+        bad, bad_out = _split((bad, bad_out), blocks.padded, c)
         marks = None
     else:
         offset = start
@@ -258,7 +259,7 @@ def _run(
         doc_states = _doc_states(state, seg.num_docs, document_states)
         blocks = Blocks.of(seg.num_chunks, c, per_block, log_decays)
         chunks = _split(jax.tree.map(lambda x: pack(x, seg), inputs), blocks.padded, c)
-        bad = _split(pack(bad, seg), blocks.padded, c)
+        bad, bad_out = _split((pack(bad, seg), pack(bad_out, seg)), blocks.padded, c)
         pad = (0, blocks.padded - blocks.n)
         marks = (
             jnp.pad(seg.start_doc, pad, constant_values=-1),
@@ -287,7 +288,8 @@ def _run(
             poison,
         )
     outputs, final, finals = cast(tuple[PyTree, Any, Any], out)
-    after_bad = (jnp.cumsum(bad, axis=2) > 0).reshape(bad.shape[0], -1)  # (B, padded * C)
+    after_bad = (jnp.cumsum(bad, axis=2) > 0) | bad_out
+    after_bad = after_bad.reshape(bad.shape[0], -1)  # (B, padded * C)
 
     def poisoned(y):
         mask = after_bad.reshape(after_bad.shape + (1,) * (y.ndim - 2))
@@ -340,34 +342,44 @@ def _batch_and_length(inputs: PyTree) -> tuple[int, int]:
     return batch, length
 
 
-def _non_finite(inputs: PyTree, log_decays: tuple[bool, ...]) -> Array:
-    """`(B, T)`: whether any floating input of the token is NaN or infinite (`-inf` in a
-    log decay excepted: a decay of zero, which the recurrences take as it is).
+def _non_finite(
+    inputs: PyTree, log_decays: tuple[bool, ...], output_only: tuple[bool, ...]
+) -> tuple[Array, Array]:
+    """`(B, T)` twice: whether any floating input of the token that reaches the state is
+    NaN or infinite (`-inf` in a log decay excepted: a decay of zero, which the recurrences
+    take as it is), and whether one that reaches only the token's own outputs is.
 
     A field of an inputs module declared with `eqx.field(metadata={"log_decay": True})` is
-    a log decay.
+    a log decay; one declared with `eqx.field(metadata={"output_only": True})` (a query)
+    reaches only the outputs of its own token, neither the state nor other tokens.
     """
     batch, length = _batch_and_length(inputs)
     bad = jnp.zeros((batch, length), bool)
-    for x, decay in zip(jax.tree.leaves(inputs), log_decays):
+    bad_out = jnp.zeros((batch, length), bool)
+    for x, decay, out in zip(jax.tree.leaves(inputs), log_decays, output_only):
         if eqx.is_inexact_array(x):
             wrong = jnp.isnan(x) | (x == jnp.inf)
             if not decay:
                 wrong = wrong | (x == -jnp.inf)
-            bad = bad | jnp.any(wrong.reshape(batch, length, -1), axis=2)
-    return bad
+            wrong = jnp.any(wrong.reshape(batch, length, -1), axis=2)
+            if out:
+                bad_out = bad_out | wrong
+            else:
+                bad = bad | wrong
+    return bad, bad_out
 
 
-def _log_decay_leaves(inputs: PyTree) -> tuple[bool, ...]:
-    """Per leaf of `inputs` (flattened), whether its field is declared a log decay."""
+def _leaf_flags(inputs: PyTree, key: str) -> tuple[bool, ...]:
+    """Per leaf of `inputs` (flattened), whether its field's metadata sets `key` (as
+    `eqx.field(metadata={key: True})`)."""
     leaves = jax.tree.leaves(inputs)
     if not dataclasses.is_dataclass(inputs):
         return (False,) * len(leaves)
     flags = []
     for f in dataclasses.fields(inputs):
         n = len(jax.tree.leaves(getattr(inputs, f.name)))
-        flags += [bool(f.metadata.get("log_decay", False))] * n
-    if len(flags) != len(leaves):  # not a plain module of array fields: no log decays
+        flags += [bool(f.metadata.get(key, False))] * n
+    if len(flags) != len(leaves):  # not a plain module of array fields: no flags
         return (False,) * len(leaves)
     return tuple(flags)
 
