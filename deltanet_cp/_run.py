@@ -18,7 +18,14 @@ from jaxtyping import Array, PyTree
 from ._chunking import num_chunks, split_chunks
 from ._exchange import _position
 from ._mesh import mesh_to_run_on
-from ._packing import as_cu_seqlens, pack, segments, unpack
+from ._packing import (
+    as_cu_seqlens,
+    check_cu_seqlens,
+    cu_seqlens_array,
+    pack,
+    segments,
+    unpack,
+)
 from ._parallel import (
     axis_size,
     check_cp,
@@ -99,7 +106,12 @@ def run(
         return _run_global(recurrence, inputs, initial_state, cu_seqlens, cp, block_size)
     if cu_seqlens is not None:
         batch, length = _batch_and_length(inputs)
-        cu_seqlens = as_cu_seqlens(cu_seqlens, batch, length * axis_size(cp))
+        cu_seqlens = as_cu_seqlens(
+            cu_seqlens,
+            batch,
+            length * axis_size(cp),
+            axis_name=None if cp is None else cp.axis_name,
+        )
     return _per_rank(recurrence, inputs, initial_state, cu_seqlens, cp, block_size)
 
 
@@ -200,7 +212,9 @@ def run_contiguous(
     if cu_seqlens is not None:
         batch, length = _batch_and_length(inputs)
         walk = length if axis_name is None else length * jax.lax.axis_size(axis_name)
-        cu_seqlens = as_cu_seqlens(cu_seqlens, batch, start + walk, at_least=True)
+        cu_seqlens = as_cu_seqlens(
+            cu_seqlens, batch, start + walk, at_least=True, axis_name=axis_name
+        )
     elif document_states is not None:
         raise ValueError("`document_states` are per document: pass `cu_seqlens` too.")
     outputs, final, finals = _run(
@@ -433,7 +447,8 @@ def _run_global(recurrence, inputs, initial_state, cu_seqlens, cp: ContextParall
                 "`cu_seqlens` packs documents into a batch of one: it cannot be combined with "
                 "`batch_axis`."
             )
-        cu_seqlens = as_cu_seqlens(cu_seqlens, batch, length)
+        # Its values are checked inside the shard_map, where every rank can agree on it.
+        cu_seqlens = cu_seqlens_array(cu_seqlens, batch)
     P = jax.sharding.PartitionSpec
     seq = P(cp.batch_axis, cp.axis_name)
     state = P(cp.batch_axis if cu_seqlens is None else None)
@@ -462,6 +477,9 @@ def _sharded(recurrence, inputs, initial_state, cu_seqlens, *, mesh, specs, cp, 
     n = mesh.shape[cp.axis_name]
 
     def per_rank(inputs, initial_state, cu_seqlens):
+        if cu_seqlens is not None:
+            total = _batch_and_length(inputs)[1] * n
+            cu_seqlens = check_cu_seqlens(cu_seqlens, total, axis_name=cp.axis_name)
         return _per_rank(recurrence, inputs, initial_state, cu_seqlens, cp, block_size)
 
     P = jax.sharding.PartitionSpec

@@ -164,3 +164,80 @@ def test_no_deadlock():
 def test_no_deadlock_repeatedly(attempt):
     # Fresh processes each time: the hang was a race, seen in some runs and not others.
     _run_both(repeats=10, full=True)
+
+
+# A bad traced `cu_seqlens` on 4 devices: every rank must raise (issue: one raised and the
+# others waited in the exchange's collectives). With a mesh, under `jax.jit`; and inside a
+# user's `shard_map` with `cu_seqlens` bad on one rank only (each rank its own copy).
+_BAD_CU_SEQLENS = """
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+assert len(jax.devices()) == 4, jax.devices()
+mesh = jax.make_mesh((4,), ("cp",))
+args = inputs("gated_delta_rule", 2, t=16, h=1, hv=2, k=4, v=3)
+good = jnp.asarray([0, 6, 16], jnp.int32)
+
+cp = dcp.ContextParallel("cp", mesh=mesh)
+fn = jax.jit(lambda cu: dcp.chunk_gated_delta_rule(*args, cu_seqlens=cu, chunk_size=4, cp=cp))
+jax.block_until_ready(fn(good))
+print("mesh: good ran", flush=True)
+try:
+    jax.block_until_ready(fn(jnp.asarray([0, 6, 15], jnp.int32)))
+    raise SystemExit("mesh: no error")
+except Exception as e:
+    assert "cu_seqlens" in str(e), str(e)[-2000:]
+print("mesh: raised", flush=True)
+
+seq = P(None, "cp")
+def per_rank(cu, args):
+    return dcp.chunk_gated_delta_rule(*args, cu_seqlens=cu, chunk_size=4,
+                                      cp=dcp.ContextParallel("cp"))
+
+inner = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P("cp"), (seq,) * len(args)),
+                              out_specs=(seq, P())))
+placed = jax.device_put(args, NamedSharding(mesh, seq))
+per_rank_cu = np.tile(np.asarray(good), 4)
+ranks = NamedSharding(mesh, P("cp"))
+jax.block_until_ready(inner(jax.device_put(per_rank_cu, ranks), placed))
+print("shard_map: good ran", flush=True)
+try:
+    per_rank_cu[2 * 3 + 2] = 15  # rank 2's copy only
+    jax.block_until_ready(inner(jax.device_put(per_rank_cu, ranks), placed))
+    raise SystemExit("shard_map: no error")
+except Exception as e:
+    assert "cu_seqlens" in str(e), str(e)[-2000:]
+print("shard_map: raised", flush=True)
+"""
+
+
+def _cpu_seconds(pid: int) -> float:
+    """The CPU time (user + system, every thread) a process has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+def test_bad_cu_seqlens_raises_on_every_rank():
+    # A stall is no CPU time used over a while of waiting (a deadlock sleeps), not a wall
+    # clock deadline, which a loaded machine would trip.
+    proc = _start(_BAD_CU_SEQLENS, 4, 1, False)
+    window, used = 30.0, _cpu_seconds(proc.pid)
+    try:
+        while True:
+            try:
+                out, _ = proc.communicate(timeout=window)
+                break
+            except subprocess.TimeoutExpired:
+                now = _cpu_seconds(proc.pid)
+                if now - used < 0.1:
+                    proc.kill()
+                    out, _ = proc.communicate()
+                    pytest.fail(f"stalled (no CPU time for {window} s):\n{out[-3000:]}")
+                used = now
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out[-4000:]
+    assert "mesh: raised" in out and "shard_map: raised" in out, out[-4000:]
