@@ -127,7 +127,9 @@ def _per_rank(
     packed = cu_seqlens is not None
     # With packed documents, `initial_state` holds the documents' initial states.
     state, doc_h0 = (None, initial_state) if packed else (initial_state, None)
-    length = _batch_and_length(inputs)[1]
+    batch, length = _batch_and_length(inputs)
+    if batch == 0 or length == 0:  # (the same on every rank: the shapes are)
+        return _empty(recurrence, inputs, initial_state, cu_seqlens)
     walks = (Contiguous() if cp is None else cp.layout).walks(length, axis_size(cp))
     outputs, finals = [], None
     for walk in walks:
@@ -152,6 +154,21 @@ def _per_rank(
     if cp is not None:
         finals = jax.lax.psum(finals, cp.axis_name)
     return outputs[0], cast(Array, finals)
+
+
+def _empty(recurrence, inputs, initial_state, cu_seqlens) -> tuple[PyTree, Array]:
+    """`run` without a token or a batch row: empty outputs, and the initial state (zeros
+    if `None`; with `cu_seqlens`, each document's) as the final state, as FLA does."""
+    batch, length = _batch_and_length(inputs)
+    state = recurrence.state(inputs)
+    probe = jax.tree.map(lambda x: jnp.zeros((1, 1, *x.shape[2:]), x.dtype), inputs)
+    shapes = eqx.filter_eval_shape(
+        lambda p: _per_rank(recurrence, p, None, None, None, None)[0], probe
+    )
+    outputs = jax.tree.map(lambda s: jnp.zeros((batch, length, *s.shape[2:]), s.dtype), shapes)
+    if cu_seqlens is None:
+        return outputs, _initial_state(state, initial_state)
+    return outputs, _doc_states(state, cu_seqlens.shape[0] - 1, initial_state)[:, 0]
 
 
 def run_contiguous(
@@ -208,6 +225,12 @@ def run_contiguous(
     if not isinstance(start, int) or start < 0:
         raise ValueError(f"`start` must be a non-negative int; got {start!r}.")
     _check_block_size(block_size)
+    if 0 in _batch_and_length(inputs):
+        raise ValueError(
+            "run_contiguous walks at least one token of at least one batch row; got inputs "
+            f"of (batch, seq) = {_batch_and_length(inputs)} (deltanet_cp.run takes empty "
+            "inputs and returns empty outputs)."
+        )
     axis_name = None if cp is None else cp.axis_name
     if cu_seqlens is not None:
         batch, length = _batch_and_length(inputs)
