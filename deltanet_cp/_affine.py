@@ -1,7 +1,7 @@
 """Affine maps of the recurrent state and the monoid they form under composition."""
 
 import abc
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import equinox as eqx
 import jax
@@ -27,7 +27,13 @@ class AbstractAffineMap(eqx.Module):
     """
 
     U: eqx.AbstractVar[Float[Array, "*batch k v"]]
-    resets: eqx.AbstractVar[Bool[Array, "*batch"] | None]
+
+    # A field of every concrete map (declared there, after their own, so that their
+    # positional order stays `(M, U)`); here for type checkers.
+    if TYPE_CHECKING:
+
+        @property
+        def resets(self) -> Bool[Array, "*batch"] | None: ...
 
     def with_resets(self: _Map, resets: Bool[Array, "*batch"] | bool | None) -> _Map:
         """The same map with its `resets` flag replaced (broadcast to the batch shape).
@@ -97,7 +103,7 @@ class AffineMap(AbstractAffineMap):
 
     M: Float[Array, "*batch k k"]
     U: Float[Array, "*batch k v"]
-    resets: Bool[Array, "*batch"] | None = None
+    resets: Bool[Array, "*batch"] | None = None  # pyright: ignore[reportIncompatibleMethodOverride]
 
     def __check_init__(self):
         if self.M.shape[:-2] != self.U.shape[:-2] or self.M.shape[-1] != self.U.shape[-2]:
@@ -180,7 +186,7 @@ class DiagonalAffineMap(AbstractAffineMap):
 
     decay: Float[Array, "*batch k"]
     U: Float[Array, "*batch k v"]
-    resets: Bool[Array, "*batch"] | None = None
+    resets: Bool[Array, "*batch"] | None = None  # pyright: ignore[reportIncompatibleMethodOverride]
 
     def __check_init__(self):
         if self.decay.shape != self.U.shape[:-1]:

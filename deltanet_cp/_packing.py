@@ -107,13 +107,14 @@ def cu_seqlens_array(cu_seqlens: Any, batch: int) -> Int[Array, " docs_plus_one"
         )
     dtype = np.dtype(cu_seqlens.dtype)
     if not np.can_cast(dtype, np.int32):
-        if isinstance(cu_seqlens, jax.core.Tracer):
+        try:
+            values = np.asarray(cu_seqlens)
+        except jax.errors.TracerArrayConversionError:
             raise ValueError(
                 f"A traced `cu_seqlens` must have an integer dtype that fits in int32; got "
                 f"{dtype}, whose values could be wrapped round. Pass it as int32 (for "
                 "example `cu_seqlens.astype(jnp.int32)` once you know its values fit)."
-            )
-        values = np.asarray(cu_seqlens)
+            ) from None
         outside = values[(values < _INT32.min) | (values > _INT32.max)]
         if outside.size:
             raise ValueError(_out_of_range(outside[0]))

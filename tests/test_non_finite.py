@@ -162,7 +162,7 @@ def test_reset_map_forgets_a_nan_exactly():
         jnp.array([True, False])
     )
     out = dcp.AffineMap(jnp.zeros((2, k, k)), jnp.full((2, k, v), jnp.nan)).then(rows)
-    assert np.array_equal(out.resets, [True, False])
+    assert out.resets is not None and np.array_equal(out.resets, [True, False])
     assert np.array_equal(out(u[None].repeat(2, 0))[0], u)
     assert np.all(np.isnan(out(u[None].repeat(2, 0))[1]))
 

@@ -1155,13 +1155,13 @@ def _check_output_only(family: Family, where: str, args, broken, h0, t: int, nam
     """`broken` holds a non-finite value in an output-only input at token `t`: only that
     token's outputs are non-finite, the rest and the final states are the float64 loop's
     on `broken`, and the gradients of a loss on every other token are the clean ones."""
+    cp = 2 if where == "cp" else None
     if where == "packed":
         cu = [0, 9, 30, 40]  # t in the second document
         fn = jax.jit(lambda a: family.chunk(*a, cu_seqlens=cu, **_options(family)))
         o, final = fn(broken)
         expected_o, expected_h = _reference(family, broken, None, cu_seqlens=cu)
     else:
-        cp = 2 if where == "cp" else None
         o, final, _ = _grad_fn(family, "chunk", cp)(*broken, h0)
         expected_o, expected_h = _reference(family, broken, h0)
     o = np.asarray(o, np.float64)
