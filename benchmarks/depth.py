@@ -143,7 +143,9 @@ def main() -> int:
     blocks = [int(x) for x in args.blocks.split(",") if x] if "ours" in names else []
     for size in blocks:
         forward = jax_forward("ours", block_size=size, **dims)
-        results[(f"ours, block {size}", 1, "", t)] = measure(forward, *abstract_args(b, t, h, hv, d))
+        results[(f"ours, block {size}", 1, "", t)] = measure(
+            forward, *abstract_args(b, t, h, hv, d)
+        )
         print(f"  ours, block {size}: compiled", flush=True)
     cp_ok = not args.no_cp and len(jax.devices()) >= CP
     if cp_ok:

@@ -1,12 +1,12 @@
 """Affine maps of the recurrent state and the monoid they form under composition."""
 
 import abc
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float
 
 
 _Map = TypeVar("_Map", bound="AbstractAffineMap")
@@ -18,9 +18,32 @@ class AbstractAffineMap(eqx.Module):
     Affine maps form a monoid under composition: it is associative (so prefixes can be
     taken in log depth with `jax.lax.associative_scan`) but not commutative. Concrete
     subclasses choose how $M$ is stored (dense, diagonal, ...).
+
+    A map may *reset* (per batch row, `resets`): it then forgets its input exactly,
+    $h \mapsto U$, which is how a document start acts on the state. Applying, composing and
+    taking the adjoint select there instead of multiplying by a zero linear part, so a
+    non-finite input is forgotten too (`0 * nan` is `nan`). `resets=None` is a map that
+    never resets (and carries nothing more).
     """
 
     U: eqx.AbstractVar[Float[Array, "*batch k v"]]
+
+    # A field of every concrete map (declared there, after their own, so that their
+    # positional order stays `(M, U)`); here for type checkers.
+    if TYPE_CHECKING:
+
+        @property
+        def resets(self) -> Bool[Array, "*batch"] | None: ...
+
+    def with_resets(self: _Map, resets: Bool[Array, "*batch"] | bool | None) -> _Map:
+        """The same map with its `resets` flag replaced (broadcast to the batch shape).
+
+        `None` drops the flag: a map that never resets. The linear part is left as it is,
+        so `M` should already be zero where the new flag is true.
+        """
+        if resets is not None:
+            resets = jnp.broadcast_to(jnp.asarray(resets, bool), self.U.shape[:-2])
+        return eqx.tree_at(lambda m: m.resets, self, resets, is_leaf=lambda x: x is None)
 
     @abc.abstractmethod
     def __call__(self, h: Float[Array, "*batch k v"]) -> Float[Array, "*batch k v"]:
@@ -74,10 +97,13 @@ class AffineMap(AbstractAffineMap):
 
     - `M`: the linear part, shape `(*batch, K, K)`.
     - `U`: the offset, shape `(*batch, K, V)`.
+    - `resets`: optionally, per batch row, whether the map forgets its input ($h \mapsto U$
+        exactly, whatever `M` holds); `None` for a map that never resets.
     """
 
     M: Float[Array, "*batch k k"]
     U: Float[Array, "*batch k v"]
+    resets: Bool[Array, "*batch"] | None = None  # pyright: ignore[reportIncompatibleMethodOverride]
 
     def __check_init__(self):
         if self.M.shape[:-2] != self.U.shape[:-2] or self.M.shape[-1] != self.U.shape[-2]:
@@ -87,6 +113,7 @@ class AffineMap(AbstractAffineMap):
             )
         if self.M.shape[-1] != self.M.shape[-2]:
             raise ValueError(f"AffineMap needs a square M, got shape {self.M.shape}.")
+        _check_resets(self)
 
     @classmethod
     def identity(
@@ -113,25 +140,31 @@ class AffineMap(AbstractAffineMap):
         return cls(eye, jnp.zeros((*batch_shape, k, v), dtype))
 
     def __call__(self, h: Float[Array, "*batch k v"]) -> Float[Array, "*batch k v"]:
-        """Apply the map to a state: returns $M h + U$."""
-        return _matmul(self.M, h) + self.U
+        """Apply the map to a state: returns $M h + U$ ($U$ where the map resets)."""
+        return _unless_reset(self.resets, self.U, _matmul(self.M, h) + self.U)
 
     def then(self, second: AbstractAffineMap) -> "AffineMap":
         r"""Compose two maps. `self` is applied **first**, then `second`.
 
-        `a.then(b)(h) == b(a(h))`; the result is $(M_b M_a,\ M_b U_a + U_b)$.
+        `a.then(b)(h) == b(a(h))`; the result is $(M_b M_a,\ M_b U_a + U_b)$, or `b`
+        itself where `b` resets, and it resets where either does.
         """
         second = _same_kind(self, second)
-        return AffineMap(_matmul(second.M, self.M), _matmul(second.M, self.U) + second.U)
+        m = _unless_reset(second.resets, second.M, _matmul(second.M, self.M))
+        u = _unless_reset(second.resets, second.U, _matmul(second.M, self.U) + second.U)
+        return AffineMap(m, u, _either(self.resets, second.resets))
 
     def identity_like(self) -> "AffineMap":
-        """The identity map $(I, 0)$ with the same batch shape, sizes and dtype as `self`."""
+        """The identity map $(I, 0)$ with the same batch shape, sizes and dtype as `self`
+        (and a `resets` flag, all false, if `self` has one)."""
         eye = jnp.eye(self.M.shape[-1], dtype=self.M.dtype)
-        return AffineMap(jnp.broadcast_to(eye, self.M.shape), jnp.zeros_like(self.U))
+        resets = None if self.resets is None else jnp.zeros_like(self.resets)
+        return AffineMap(jnp.broadcast_to(eye, self.M.shape), jnp.zeros_like(self.U), resets)
 
     def adjoint(self, offset: Float[Array, "*batch k v"]) -> "AffineMap":
-        r"""The map $\lambda \mapsto M^\top \lambda + \text{offset}$."""
-        return AffineMap(jnp.swapaxes(self.M, -1, -2), offset)
+        r"""The map $\lambda \mapsto M^\top \lambda + \text{offset}$ (`offset` alone where
+        `self` resets: what leaves a resetting map asks nothing of what entered it)."""
+        return AffineMap(jnp.swapaxes(self.M, -1, -2), offset, self.resets)
 
 
 class DiagonalAffineMap(AbstractAffineMap):
@@ -147,10 +180,13 @@ class DiagonalAffineMap(AbstractAffineMap):
 
     - `decay`: the diagonal of the linear part, shape `(*batch, K)`.
     - `U`: the offset, shape `(*batch, K, V)`.
+    - `resets`: optionally, per batch row, whether the map forgets its input ($h \mapsto U$
+        exactly, whatever `decay` holds); `None` for a map that never resets.
     """
 
     decay: Float[Array, "*batch k"]
     U: Float[Array, "*batch k v"]
+    resets: Bool[Array, "*batch"] | None = None  # pyright: ignore[reportIncompatibleMethodOverride]
 
     def __check_init__(self):
         if self.decay.shape != self.U.shape[:-1]:
@@ -158,6 +194,7 @@ class DiagonalAffineMap(AbstractAffineMap):
                 f"DiagonalAffineMap needs decay of shape (*batch, K) and U of shape "
                 f"(*batch, K, V); got decay {self.decay.shape} and U {self.U.shape}."
             )
+        _check_resets(self)
 
     @classmethod
     def identity(
@@ -183,28 +220,33 @@ class DiagonalAffineMap(AbstractAffineMap):
         return cls(jnp.ones((*batch_shape, k), dtype), jnp.zeros((*batch_shape, k, v), dtype))
 
     def __call__(self, h: Float[Array, "*batch k v"]) -> Float[Array, "*batch k v"]:
-        r"""Apply the map to a state: returns $\mathrm{diag}(d)\, h + U$."""
-        return self.decay[..., None] * h + self.U
+        r"""Apply the map to a state: returns $\mathrm{diag}(d)\, h + U$ ($U$ where the map
+        resets)."""
+        return _unless_reset(self.resets, self.U, self.decay[..., None] * h + self.U)
 
     def then(self, second: AbstractAffineMap) -> "DiagonalAffineMap":
         r"""Compose two maps. `self` is applied **first**, then `second`.
 
         `a.then(b)(h) == b(a(h))`; the result is $(d_b d_a,\ \mathrm{diag}(d_b) U_a + U_b)$.
         Diagonal maps commute in their linear parts, but the offsets still make the
-        composition order matter.
+        composition order matter. Where `b` resets the result is `b` itself, and it resets
+        where either does.
         """
         second = _same_kind(self, second)
-        return DiagonalAffineMap(
-            second.decay * self.decay, second.decay[..., None] * self.U + second.U
-        )
+        d = _unless_reset(second.resets, second.decay, second.decay * self.decay)
+        u = _unless_reset(second.resets, second.U, second.decay[..., None] * self.U + second.U)
+        return DiagonalAffineMap(d, u, _either(self.resets, second.resets))
 
     def identity_like(self) -> "DiagonalAffineMap":
-        """The identity map (`decay = 1`, `U = 0`) with the same shapes and dtype as `self`."""
-        return DiagonalAffineMap(jnp.ones_like(self.decay), jnp.zeros_like(self.U))
+        """The identity map (`decay = 1`, `U = 0`) with the same shapes and dtype as `self`
+        (and a `resets` flag, all false, if `self` has one)."""
+        resets = None if self.resets is None else jnp.zeros_like(self.resets)
+        return DiagonalAffineMap(jnp.ones_like(self.decay), jnp.zeros_like(self.U), resets)
 
     def adjoint(self, offset: Float[Array, "*batch k v"]) -> "DiagonalAffineMap":
-        r"""The map $\lambda \mapsto \mathrm{diag}(d) \lambda + \text{offset}$."""
-        return DiagonalAffineMap(self.decay, offset)
+        r"""The map $\lambda \mapsto \mathrm{diag}(d) \lambda + \text{offset}$ (`offset` alone
+        where `self` resets)."""
+        return DiagonalAffineMap(self.decay, offset, self.resets)
 
 
 def _same_kind(first: _Map, second: AbstractAffineMap) -> _Map:
@@ -214,6 +256,31 @@ def _same_kind(first: _Map, second: AbstractAffineMap) -> _Map:
             f"{type(second).__name__}."
         )
     return second  # pyright: ignore[reportReturnType]
+
+
+def _check_resets(m: AbstractAffineMap) -> None:
+    if m.resets is not None and m.resets.shape != m.U.shape[:-2]:
+        raise ValueError(
+            f"{type(m).__name__} needs `resets` of the batch shape {m.U.shape[:-2]}; got "
+            f"{m.resets.shape}."
+        )
+
+
+def _unless_reset(resets, on_reset, value):
+    """`value`, but `on_reset` (selected, not multiplied) in the batch rows that reset."""
+    if resets is None:
+        return value
+    flag = resets.reshape(resets.shape + (1,) * (value.ndim - resets.ndim))
+    return jnp.where(flag, on_reset, value)
+
+
+def _either(a, b):
+    """The `resets` of a composition: where either map resets (`None` if neither can)."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a | b
 
 
 def _matmul(a, b):

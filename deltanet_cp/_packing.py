@@ -19,6 +19,7 @@ documents only), so `cu_seqlens` may be a traced array.
 from typing import Any
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int, Shaped
@@ -53,14 +54,33 @@ class Segments(eqx.Module):
 
 
 def as_cu_seqlens(
-    cu_seqlens: Any, batch: int, total: int, *, at_least: bool = False
+    cu_seqlens: Any,
+    batch: int,
+    total: int,
+    *,
+    at_least: bool = False,
+    axis_name: str | None = None,
 ) -> Int[Array, " docs_plus_one"]:
     """`cu_seqlens` as an int32 array, checked: a `ValueError` names what to change.
 
-    Shapes and dtypes are checked at once; the values (starting at 0, not decreasing,
-    ending at the global length `total`, or at or after it if `at_least`) are checked with
-    `equinox.error_if`, so they are checked under `jax.jit` too: a bad traced value raises
-    when the computation runs.
+    Shapes, dtypes and concrete values' range are checked at once (`cu_seqlens_array`);
+    the values (starting at 0, not decreasing, ending at the global length `total`, or at
+    or after it if `at_least`) with `equinox.error_if` (`check_cu_seqlens`), so they are
+    checked under `jax.jit` too: a bad traced value raises when the computation runs. Inside
+    `jax.shard_map`, pass the context-parallel `axis_name`: every rank then raises together.
+    """
+    cu = cu_seqlens_array(cu_seqlens, batch)
+    return check_cu_seqlens(cu, total, at_least=at_least, axis_name=axis_name)
+
+
+_INT32 = np.iinfo(np.int32)
+
+
+def cu_seqlens_array(cu_seqlens: Any, batch: int) -> Int[Array, " docs_plus_one"]:
+    """`cu_seqlens` as an int32 array, its batch, type, shape and range checked.
+
+    A concrete value that does not fit in int32 is refused (converting it would wrap it
+    round); so is a traced one of a wider integer dtype, whose values cannot be seen.
     """
     if batch != 1:
         raise ValueError(
@@ -70,7 +90,11 @@ def as_cu_seqlens(
     if isinstance(cu_seqlens, (list, tuple)):
         if not all(isinstance(x, (int, np.integer)) for x in cu_seqlens):
             raise ValueError(f"`cu_seqlens` must hold ints; got {cu_seqlens!r}.")
-        cu_seqlens = np.asarray(cu_seqlens, np.int32)
+        cu_seqlens = np.asarray([int(x) for x in cu_seqlens], object)
+        too_big = [x for x in cu_seqlens if not _INT32.min <= x <= _INT32.max]
+        if too_big:
+            raise ValueError(_out_of_range(too_big[0]))
+        cu_seqlens = cu_seqlens.astype(np.int32)
     if not hasattr(cu_seqlens, "dtype") or not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
         raise ValueError(
             "`cu_seqlens` must be a list or an integer array of document offsets [0, ..., T]; "
@@ -81,13 +105,57 @@ def as_cu_seqlens(
             f"`cu_seqlens` must have shape (num_docs + 1,) with num_docs >= 1; got "
             f"{cu_seqlens.shape}."
         )
-    cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
+    dtype = np.dtype(cu_seqlens.dtype)
+    if not np.can_cast(dtype, np.int32):
+        try:
+            values = np.asarray(cu_seqlens)
+        except jax.errors.TracerArrayConversionError:
+            raise ValueError(
+                f"A traced `cu_seqlens` must have an integer dtype that fits in int32; got "
+                f"{dtype}, whose values could be wrapped round. Pass it as int32 (for "
+                "example `cu_seqlens.astype(jnp.int32)` once you know its values fit)."
+            ) from None
+        outside = values[(values < _INT32.min) | (values > _INT32.max)]
+        if outside.size:
+            raise ValueError(_out_of_range(outside[0]))
+    return jnp.asarray(cu_seqlens).astype(jnp.int32)
+
+
+def _out_of_range(value) -> str:
+    return (
+        f"`cu_seqlens` holds {int(value)}, which does not fit in int32 (at most "
+        f"{_INT32.max}): document offsets are int32 token positions."
+    )
+
+
+def check_cu_seqlens(
+    cu: Int[Array, " docs_plus_one"],
+    total: int,
+    *,
+    at_least: bool = False,
+    axis_name: str | None = None,
+) -> Int[Array, " docs_plus_one"]:
+    """`cu` itself, with `equinox.error_if` on its values (see `as_cu_seqlens`).
+
+    With `axis_name` (inside `jax.shard_map`), the predicate is reduced over that axis
+    first, so that every rank raises or none does: a rank that raised alone would leave
+    the others waiting in the exchange's collectives forever.
+    """
     short = cu[-1] < total if at_least else cu[-1] != total
     bad = (cu[0] != 0) | jnp.any(cu[1:] < cu[:-1]) | short
     end = (
         f"at or after position {total}" if at_least else f"at the (global) sequence length {total}"
     )
-    return eqx.error_if(cu, bad, f"`cu_seqlens` must start at 0, not decrease, and end {end}.")
+    msg = f"`cu_seqlens` must start at 0, not decrease, and end {end}."
+    if axis_name is None:
+        return eqx.error_if(cu, bad, msg)
+    bad = bad.astype(jnp.int32)
+    if axis_name not in jax.typeof(bad).manual_axis_type.varying:
+        bad = jax.lax.pcast(bad, (axis_name,), to="varying")
+    bad = jax.lax.pmax(bad, axis_name) > 0  # the same on every rank
+    # `error_if` takes an operand typed as its predicate (the same on every rank), which
+    # `cu` need not be: the check is on a zero that `cu` then depends on.
+    return cu + eqx.error_if(jnp.zeros((), cu.dtype), bad, msg)
 
 
 def num_padded_chunks(length: int, num_docs: int, chunk_size: int) -> int:

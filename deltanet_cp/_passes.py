@@ -165,8 +165,8 @@ def state_cotangents(recurrence, f, states, d_outputs, carry, marks, d_finals):
         if m is not None:
             s = m[0]
             slot = jnp.maximum(s, 0)
-            d_docs = d_docs.at[slot].add(jnp.where(s >= 0, dh, 0 * dh))
-            dh = jnp.where(s >= 0, 0 * dh, dh)
+            d_docs = d_docs.at[slot].add(jnp.where(s >= 0, dh, jnp.zeros_like(dh)))
+            dh = jnp.where(s >= 0, jnp.zeros_like(dh), dh)
         return (dh, d_docs), d_next
 
     return jax.lax.scan(body, carry, (f, states, d_outputs, marks), reverse=True)
@@ -186,18 +186,23 @@ def composes(recurrence, f, running: AbstractAffineMap, marks, doc_states, poiso
     """One block's chunks appended to a running map (phase 1), one `compose` per chunk.
 
     With packed documents, a document's first chunk is preceded by the constant map to
-    that document's initial state ($M = 0$): what enters it does not matter. `poison` as
-    in `steps`, added to the map's offset.
+    that document's initial state ($M = 0$, and `resets`: what enters it is forgotten
+    exactly, even a non-finite state, wherever the map is composed or applied). The
+    recurrence composes the chunk into the map without the flag, which a chunk never
+    changes. `poison` as in `steps`, added to the map's offset.
     """
-    constant = jax.tree.map(jnp.zeros_like, running)
 
     def body(running, inp):
         f_c, m, p = inp
+        resets = running.resets
         if m is not None:
             s = m[0]
-            reset = eqx.tree_at(lambda m: m.U, constant, doc_states[jnp.maximum(s, 0)])
+            reset = jax.tree.map(jnp.zeros_like, running.with_resets(None))
+            reset = eqx.tree_at(lambda m: m.U, reset, doc_states[jnp.maximum(s, 0)])
+            reset = reset.with_resets(True)
             running = jax.tree.map(lambda a, b: jnp.where(s >= 0, a, b), reset, running)
-        running = recurrence.compose(f_c, running)
+            resets = running.resets
+        running = recurrence.compose(f_c, running.with_resets(None)).with_resets(resets)
         u = running.U + p.reshape(p.shape + (1,) * (running.U.ndim - 1))
         return eqx.tree_at(lambda m: m.U, running, u), None
 
@@ -322,7 +327,12 @@ def state_cotangent_in(
 def local_map(
     recurrence, blocks, diff, static, marks, doc_states, poison, identity: AbstractAffineMap
 ):
-    """The affine map of the whole slice (phase 1): the blocks' chunks composed in order."""
+    """The affine map of the whole slice (phase 1): the blocks' chunks composed in order.
+
+    With packed documents the map tracks where it resets (a document starts in the slice).
+    """
+    if marks is not None:
+        identity = varying(identity.with_resets(False), diff)
 
     def body(running, i):
         f = factors(recurrence, blocks, *blocks.block((diff, static), i))

@@ -18,7 +18,14 @@ from jaxtyping import Array, PyTree
 from ._chunking import num_chunks, split_chunks
 from ._exchange import _position
 from ._mesh import mesh_to_run_on
-from ._packing import as_cu_seqlens, pack, segments, unpack
+from ._packing import (
+    as_cu_seqlens,
+    check_cu_seqlens,
+    cu_seqlens_array,
+    pack,
+    segments,
+    unpack,
+)
 from ._parallel import (
     axis_size,
     check_cp,
@@ -99,7 +106,12 @@ def run(
         return _run_global(recurrence, inputs, initial_state, cu_seqlens, cp, block_size)
     if cu_seqlens is not None:
         batch, length = _batch_and_length(inputs)
-        cu_seqlens = as_cu_seqlens(cu_seqlens, batch, length * axis_size(cp))
+        cu_seqlens = as_cu_seqlens(
+            cu_seqlens,
+            batch,
+            length * axis_size(cp),
+            axis_name=None if cp is None else cp.axis_name,
+        )
     return _per_rank(recurrence, inputs, initial_state, cu_seqlens, cp, block_size)
 
 
@@ -115,7 +127,9 @@ def _per_rank(
     packed = cu_seqlens is not None
     # With packed documents, `initial_state` holds the documents' initial states.
     state, doc_h0 = (None, initial_state) if packed else (initial_state, None)
-    length = _batch_and_length(inputs)[1]
+    batch, length = _batch_and_length(inputs)
+    if batch == 0 or length == 0:  # (the same on every rank: the shapes are)
+        return _empty(recurrence, inputs, initial_state, cu_seqlens)
     walks = (Contiguous() if cp is None else cp.layout).walks(length, axis_size(cp))
     outputs, finals = [], None
     for walk in walks:
@@ -140,6 +154,21 @@ def _per_rank(
     if cp is not None:
         finals = jax.lax.psum(finals, cp.axis_name)
     return outputs[0], cast(Array, finals)
+
+
+def _empty(recurrence, inputs, initial_state, cu_seqlens) -> tuple[PyTree, Array]:
+    """`run` without a token or a batch row: empty outputs, and the initial state (zeros
+    if `None`; with `cu_seqlens`, each document's) as the final state, as FLA does."""
+    batch, length = _batch_and_length(inputs)
+    state = recurrence.state(inputs)
+    probe = jax.tree.map(lambda x: jnp.zeros((1, 1, *x.shape[2:]), x.dtype), inputs)
+    shapes = eqx.filter_eval_shape(
+        lambda p: _per_rank(recurrence, p, None, None, None, None)[0], probe
+    )
+    outputs = jax.tree.map(lambda s: jnp.zeros((batch, length, *s.shape[2:]), s.dtype), shapes)
+    if cu_seqlens is None:
+        return outputs, _initial_state(state, initial_state)
+    return outputs, _doc_states(state, cu_seqlens.shape[0] - 1, initial_state)[:, 0]
 
 
 def run_contiguous(
@@ -196,11 +225,19 @@ def run_contiguous(
     if not isinstance(start, int) or start < 0:
         raise ValueError(f"`start` must be a non-negative int; got {start!r}.")
     _check_block_size(block_size)
+    if 0 in _batch_and_length(inputs):
+        raise ValueError(
+            "run_contiguous walks at least one token of at least one batch row; got inputs "
+            f"of (batch, seq) = {_batch_and_length(inputs)} (deltanet_cp.run takes empty "
+            "inputs and returns empty outputs)."
+        )
     axis_name = None if cp is None else cp.axis_name
     if cu_seqlens is not None:
         batch, length = _batch_and_length(inputs)
         walk = length if axis_name is None else length * jax.lax.axis_size(axis_name)
-        cu_seqlens = as_cu_seqlens(cu_seqlens, batch, start + walk, at_least=True)
+        cu_seqlens = as_cu_seqlens(
+            cu_seqlens, batch, start + walk, at_least=True, axis_name=axis_name
+        )
     elif document_states is not None:
         raise ValueError("`document_states` are per document: pass `cu_seqlens` too.")
     outputs, final, finals = _run(
@@ -241,14 +278,15 @@ def _run(
     per_block = _chunks_per_block(block_size, c)
     # A non-finite input must not reach earlier tokens through the chunk's products (a zero
     # times NaN is NaN): the chunk is formed from zeros there, and NaN is added back to the
-    # outputs from the first such token of the chunk on and to the state leaving it.
-    log_decays = _log_decay_leaves(inputs)
-    bad = _non_finite(inputs, log_decays)
+    # outputs from the first such token of the chunk on and to the state leaving it. An
+    # input that reaches only its own token's outputs (a query) poisons only those.
+    log_decays = _leaf_flags(inputs, "log_decay")
+    bad, bad_out = _non_finite(inputs, log_decays, _leaf_flags(inputs, "output_only"))
     if cu_seqlens is None:
         seg, doc_states = None, None
         blocks = Blocks.of(num_chunks(length, c), c, per_block, log_decays)
         chunks = _split(inputs, blocks.padded, c)
-        bad = _split(bad, blocks.padded, c)
+        bad, bad_out = _split((bad, bad_out), blocks.padded, c)
         marks = None
     else:
         offset = start
@@ -258,7 +296,7 @@ def _run(
         doc_states = _doc_states(state, seg.num_docs, document_states)
         blocks = Blocks.of(seg.num_chunks, c, per_block, log_decays)
         chunks = _split(jax.tree.map(lambda x: pack(x, seg), inputs), blocks.padded, c)
-        bad = _split(pack(bad, seg), blocks.padded, c)
+        bad, bad_out = _split((pack(bad, seg), pack(bad_out, seg)), blocks.padded, c)
         pad = (0, blocks.padded - blocks.n)
         marks = (
             jnp.pad(seg.start_doc, pad, constant_values=-1),
@@ -268,7 +306,8 @@ def _run(
     diff, static = eqx.partition(chunks, eqx.is_inexact_array)
     nan = jnp.asarray(jnp.nan, state.dtype)
     zero = jnp.zeros((), state.dtype)
-    after_bad = (jnp.cumsum(bad, axis=2) > 0).reshape(bad.shape[0], -1)  # (B, padded * C)
+    after_bad = (jnp.cumsum(bad, axis=2) > 0) | bad_out
+    after_bad = after_bad.reshape(bad.shape[0], -1)  # (B, padded * C)
     poison = (jnp.where(jnp.any(bad, axis=2).T, nan, zero), after_bad)  # (chunks, B), tokens
     if axis_name is None:
         out = local(recurrence, blocks, diff, static, h0, marks, doc_states, poison)
@@ -337,34 +376,44 @@ def _batch_and_length(inputs: PyTree) -> tuple[int, int]:
     return batch, length
 
 
-def _non_finite(inputs: PyTree, log_decays: tuple[bool, ...]) -> Array:
-    """`(B, T)`: whether any floating input of the token is NaN or infinite (`-inf` in a
-    log decay excepted: a decay of zero, which the recurrences take as it is).
+def _non_finite(
+    inputs: PyTree, log_decays: tuple[bool, ...], output_only: tuple[bool, ...]
+) -> tuple[Array, Array]:
+    """`(B, T)` twice: whether any floating input of the token that reaches the state is
+    NaN or infinite (`-inf` in a log decay excepted: a decay of zero, which the recurrences
+    take as it is), and whether one that reaches only the token's own outputs is.
 
     A field of an inputs module declared with `eqx.field(metadata={"log_decay": True})` is
-    a log decay.
+    a log decay; one declared with `eqx.field(metadata={"output_only": True})` (a query)
+    reaches only the outputs of its own token, neither the state nor other tokens.
     """
     batch, length = _batch_and_length(inputs)
     bad = jnp.zeros((batch, length), bool)
-    for x, decay in zip(jax.tree.leaves(inputs), log_decays):
+    bad_out = jnp.zeros((batch, length), bool)
+    for x, decay, out in zip(jax.tree.leaves(inputs), log_decays, output_only):
         if eqx.is_inexact_array(x):
             wrong = jnp.isnan(x) | (x == jnp.inf)
             if not decay:
                 wrong = wrong | (x == -jnp.inf)
-            bad = bad | jnp.any(wrong.reshape(batch, length, -1), axis=2)
-    return bad
+            wrong = jnp.any(wrong.reshape(batch, length, -1), axis=2)
+            if out:
+                bad_out = bad_out | wrong
+            else:
+                bad = bad | wrong
+    return bad, bad_out
 
 
-def _log_decay_leaves(inputs: PyTree) -> tuple[bool, ...]:
-    """Per leaf of `inputs` (flattened), whether its field is declared a log decay."""
+def _leaf_flags(inputs: PyTree, key: str) -> tuple[bool, ...]:
+    """Per leaf of `inputs` (flattened), whether its field's metadata sets `key` (as
+    `eqx.field(metadata={key: True})`)."""
     leaves = jax.tree.leaves(inputs)
     if not dataclasses.is_dataclass(inputs):
         return (False,) * len(leaves)
     flags = []
     for f in dataclasses.fields(inputs):
         n = len(jax.tree.leaves(getattr(inputs, f.name)))
-        flags += [bool(f.metadata.get("log_decay", False))] * n
-    if len(flags) != len(leaves):  # not a plain module of array fields: no log decays
+        flags += [bool(f.metadata.get(key, False))] * n
+    if len(flags) != len(leaves):  # not a plain module of array fields: no flags
         return (False,) * len(leaves)
     return tuple(flags)
 
@@ -418,7 +467,8 @@ def _run_global(recurrence, inputs, initial_state, cu_seqlens, cp: ContextParall
                 "`cu_seqlens` packs documents into a batch of one: it cannot be combined with "
                 "`batch_axis`."
             )
-        cu_seqlens = as_cu_seqlens(cu_seqlens, batch, length)
+        # Its values are checked inside the shard_map, where every rank can agree on it.
+        cu_seqlens = cu_seqlens_array(cu_seqlens, batch)
     P = jax.sharding.PartitionSpec
     seq = P(cp.batch_axis, cp.axis_name)
     state = P(cp.batch_axis if cu_seqlens is None else None)
@@ -447,6 +497,9 @@ def _sharded(recurrence, inputs, initial_state, cu_seqlens, *, mesh, specs, cp, 
     n = mesh.shape[cp.axis_name]
 
     def per_rank(inputs, initial_state, cu_seqlens):
+        if cu_seqlens is not None:
+            total = _batch_and_length(inputs)[1] * n
+            cu_seqlens = check_cu_seqlens(cu_seqlens, total, axis_name=cp.axis_name)
         return _per_rank(recurrence, inputs, initial_state, cu_seqlens, cp, block_size)
 
     P = jax.sharding.PartitionSpec

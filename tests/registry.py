@@ -56,6 +56,8 @@ class Family:
     - `l2norm`: whether the recurrence has the `use_qk_l2norm` option.
     - `unit_gates`: the arguments that are gates in `[0, 1]` (set to 0 and 1 by the
         extreme-gate test).
+    - `output_only`: the arguments that reach only their own token's outputs, neither the
+        state nor other tokens (read off the loop: the query of every family here).
     """
 
     name: str
@@ -70,6 +72,7 @@ class Family:
     gate_per_channel: bool = False
     l2norm: bool = True
     unit_gates: tuple[str, ...] = ()
+    output_only: tuple[str, ...] = ("q",)
 
     def __repr__(self) -> str:
         return self.name

@@ -431,3 +431,86 @@ def test_hybrid_token_types(without_runtime_typecheck):
         model(jnp.asarray([1.0, 2.0, 3.0]))
     with pytest.raises(ValueError, match=r"`tokens` must be a 1-D integer array .*`jax.vmap`"):
         model(jnp.zeros((2, 4), jnp.int32))
+
+
+# ---------------------------------------------------------------------------------------
+# Empty inputs and cu_seqlens beyond int32
+# ---------------------------------------------------------------------------------------
+
+
+def _call_with_state(family: Family, entry: str, args, **kw):
+    """`(outputs, final_state)` of one public entry point (over 2 devices for CP)."""
+    if entry == "chunk_per_rank":
+        mesh, seq = _mesh(), P(None, "cp")
+
+        def per_rank(args):
+            return family.chunk(*args, **kw, cp=dcp.ContextParallel("cp"))
+
+        fn = jax.shard_map(per_rank, mesh=mesh, in_specs=(seq,), out_specs=(seq, P()))
+        return fn(jax.device_put(args, NamedSharding(mesh, seq)))
+    if entry == "chunk_global":
+        return family.chunk(*args, **kw, cp=dcp.ContextParallel("cp", mesh=_mesh()))
+    return getattr(family, entry)(*args, **kw)
+
+
+@pytest.mark.parametrize("family, entry", _cases())
+def test_empty_sequence_or_batch(family, entry):
+    # As flash-linear-attention and torch do: empty outputs, and the initial state (zeros
+    # if none is given; per document with `cu_seqlens`) as the final state.
+    args, h0 = family.make(0, **SHAPE)
+    hv, dv = SHAPE["hv"], SHAPE["dv"]
+    cases = [(1, 0)] if entry in ("chunk_per_rank", "chunk_global") else [(1, 0), (0, 5)]
+    for b, t in cases:
+        empty = [x[:b, :t] for x in args]
+        o, final = _call_with_state(family, entry, empty, **_options(entry))
+        assert o.shape == (b, t, hv, dv) and o.dtype == args[2].dtype, (b, t)
+        assert final.shape == (b, *h0.shape[1:]) and not np.any(final), (b, t)
+        o, final = _call_with_state(family, entry, empty, initial_state=h0[:b], **_options(entry))
+        assert o.shape == (b, t, hv, dv), (b, t)
+        assert np.array_equal(final, h0[:b]), (b, t)
+    # Packed documents, all empty: each document's final state is its initial state.
+    docs = jnp.stack([h0[0], 2 * h0[0]])
+    empty = [x[:, :0] for x in args]
+    o, final = _call_with_state(
+        family, entry, empty, initial_state=docs, cu_seqlens=[0, 0, 0], **_options(entry)
+    )
+    assert o.shape == (1, 0, hv, dv)
+    assert np.array_equal(final, docs)
+
+
+def test_run_contiguous_refuses_an_empty_slice():
+    args, _ = GLA.make(0, **SHAPE)
+    with pytest.raises(ValueError, match="run_contiguous"):
+        dcp.run_contiguous(GLA.configuration(CHUNK), GLA.inputs(*[x[:, :0] for x in args]))
+
+
+@pytest.mark.parametrize(
+    "cu_seqlens",
+    [
+        [0, 2**33, 8],
+        np.array([0, 2**33, 8], np.int64),
+        np.array([0, -(2**31) - 1, 8], np.int64),
+    ],
+    ids=["list", "int64", "negative"],
+)
+def test_cu_seqlens_beyond_int32(cu_seqlens, without_runtime_typecheck):
+    # Converted to int32 they would wrap round (2**33 becomes 0) and run as other documents.
+    family = FAMILIES[0]
+    args, _ = family.make(0, **SHAPE)
+    with pytest.raises(ValueError, match="`cu_seqlens` holds .* does not fit in int32"):
+        family.chunk(*args, cu_seqlens=cu_seqlens, chunk_size=CHUNK)
+
+
+def test_traced_cu_seqlens_of_a_wide_dtype(without_runtime_typecheck):
+    # Its values cannot be seen when tracing: its dtype is refused.
+    family = FAMILIES[0]
+    args, _ = family.make(0, **SHAPE)
+    fn = jax.jit(lambda cu: family.chunk(*args, cu_seqlens=cu, chunk_size=CHUNK))
+    with jax.enable_x64(True):
+        with pytest.raises(ValueError, match="traced `cu_seqlens`.*int64"):
+            fn(jnp.asarray([0, 3, 8], jnp.int64))
+    with pytest.raises(ValueError, match="traced `cu_seqlens`.*uint32"):
+        fn(jnp.asarray([0, 3, 8], jnp.uint32))
+    # Within int32: accepted, concrete or traced.
+    family.chunk(*args, cu_seqlens=np.array([0, 3, 8], np.int64), chunk_size=CHUNK)
+    fn(jnp.asarray([0, 3, 8], jnp.int32))

@@ -169,6 +169,64 @@ def test_recurrences_do_not_hang_repeatedly(attempt):
     _run_both(repeats=10, full=True)
 
 
+# A bad traced `cu_seqlens` on 4 devices: every rank must raise (a rank that raised alone
+# would leave the others waiting in the exchange's collectives). With a mesh, under
+# `jax.jit`; and inside a user's `shard_map` with `cu_seqlens` bad on one rank only.
+_BAD_CU_SEQLENS = """
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+assert len(jax.devices()) == 4, jax.devices()
+mesh = jax.make_mesh((4,), ("cp",))
+args = inputs("gated_delta_rule", 2, t=16, h=1, hv=2, k=4, v=3)
+good = jnp.asarray([0, 6, 16], jnp.int32)
+
+cp = dcp.ContextParallel("cp", mesh=mesh)
+fn = jax.jit(lambda cu: dcp.chunk_gated_delta_rule(*args, cu_seqlens=cu, chunk_size=4, cp=cp))
+jax.block_until_ready(fn(good))
+print("mesh: good ran", flush=True)
+try:
+    jax.block_until_ready(fn(jnp.asarray([0, 6, 15], jnp.int32)))
+    raise SystemExit("mesh: no error")
+except Exception as e:
+    assert "cu_seqlens" in str(e), str(e)[-2000:]
+print("mesh: raised", flush=True)
+
+seq = P(None, "cp")
+def per_rank(cu, args):
+    return dcp.chunk_gated_delta_rule(*args, cu_seqlens=cu, chunk_size=4,
+                                      cp=dcp.ContextParallel("cp"))
+
+inner = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P("cp"), (seq,) * len(args)),
+                              out_specs=(seq, P())))
+placed = jax.device_put(args, NamedSharding(mesh, seq))
+per_rank_cu = np.tile(np.asarray(good), 4)
+ranks = NamedSharding(mesh, P("cp"))
+jax.block_until_ready(inner(jax.device_put(per_rank_cu, ranks), placed))
+print("shard_map: good ran", flush=True)
+try:
+    per_rank_cu[2 * 3 + 2] = 15  # rank 2's copy only
+    jax.block_until_ready(inner(jax.device_put(per_rank_cu, ranks), placed))
+    raise SystemExit("shard_map: no error")
+except Exception as e:
+    assert "cu_seqlens" in str(e), str(e)[-2000:]
+print("shard_map: raised", flush=True)
+"""
+
+
+def test_bad_cu_seqlens_raises_on_every_rank():
+    with tempfile.TemporaryFile() as log:
+        proc = _start(_BAD_CU_SEQLENS, 4, 1, False, log)
+        try:
+            _finish(proc, log, "a bad traced cu_seqlens on 4 devices")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        log.seek(0)
+        out = log.read().decode(errors="replace")
+    assert "mesh: raised" in out and "shard_map: raised" in out, out[-4000:]
+
+
 # The watchdog itself.
 
 _needs_proc = pytest.mark.skipif(not _stall.can_measure(), reason="needs Linux's /proc")

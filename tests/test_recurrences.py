@@ -1105,7 +1105,9 @@ def test_infinite_decays_match_loop(family):
 def test_non_finite_input_does_not_reach_earlier_tokens(family, where):
     # NaN, +inf or -inf in one input at token t: the outputs before t are the float64 loop's
     # on the same inputs (as if the value were absent), from t on they are non-finite, and
-    # the gradients of a loss on the tokens before t are finite and the clean ones.
+    # the gradients of a loss on the tokens before t are finite and the clean ones. An input
+    # that reaches only the outputs (a query): only token t's outputs are non-finite, as in
+    # the loop, and the gradients of a loss on every other token are the clean ones.
     t = 13  # inside the second chunk of 8; on rank 0 of 2 (20 tokens each)
     args, h0 = family.make(52, **SHAPE)
     bad_values = [np.nan, np.inf, -np.inf]
@@ -1117,6 +1119,9 @@ def test_non_finite_input_does_not_reach_earlier_tokens(family, where):
         x = np.array(broken[n])
         x[:, t] = value
         broken[n] = jnp.asarray(x)
+        if name in family.output_only:
+            _check_output_only(family, where, args, broken, h0, t, name)
+            continue
         if where == "packed":
             cu = [0, 9, 30, 40]  # t in the second document; the third stays clean
             fn = jax.jit(lambda a: family.chunk(*a, cu_seqlens=cu, **_options(family)))
@@ -1146,9 +1151,39 @@ def test_non_finite_input_does_not_reach_earlier_tokens(family, where):
             assert rel_err(a, b) <= 1e-5, (name, i)
 
 
+def _check_output_only(family: Family, where: str, args, broken, h0, t: int, name: str):
+    """`broken` holds a non-finite value in an output-only input at token `t`: only that
+    token's outputs are non-finite, the rest and the final states are the float64 loop's
+    on `broken`, and the gradients of a loss on every other token are the clean ones."""
+    cp = 2 if where == "cp" else None
+    if where == "packed":
+        cu = [0, 9, 30, 40]  # t in the second document
+        fn = jax.jit(lambda a: family.chunk(*a, cu_seqlens=cu, **_options(family)))
+        o, final = fn(broken)
+        expected_o, expected_h = _reference(family, broken, None, cu_seqlens=cu)
+    else:
+        o, final, _ = _grad_fn(family, "chunk", cp)(*broken, h0)
+        expected_o, expected_h = _reference(family, broken, h0)
+    o = np.asarray(o, np.float64)
+    assert not np.any(np.isfinite(o[:, t])), name
+    assert not np.any(np.isfinite(expected_o[:, t])), name
+    others = np.arange(o.shape[1]) != t
+    assert rel_err(o[:, others], expected_o[:, others]) <= 1e-5, name
+    assert np.all(np.isfinite(final)), name
+    assert rel_err(final, expected_h) <= 1e-5, name
+    if where == "packed":
+        return
+    grads = _prefix_grad_fn(family, cp, t, only=True)(broken, h0)
+    clean = _prefix_grad_fn(family, cp, t, only=True)(list(args), h0)
+    for i, (a, b) in enumerate(zip(grads, clean)):
+        assert np.all(np.isfinite(a)), (name, i)
+        assert rel_err(a, b) <= 1e-5, (name, i)
+
+
 @ft.cache
-def _prefix_grad_fn(family: Family, cp: int | None, t: int):
-    """Gradients of a loss on the outputs before token `t` (one device or inside shard_map)."""
+def _prefix_grad_fn(family: Family, cp: int | None, t: int, only: bool = False):
+    """Gradients of a loss on the outputs before token `t` (one device or inside shard_map);
+    with `only`, on the outputs of every token but `t`."""
 
     def outputs(*a):
         if cp is None:
@@ -1165,7 +1200,8 @@ def _prefix_grad_fn(family: Family, cp: int | None, t: int):
 
     def loss(args, h0):
         o = outputs(*args, h0)
-        before = (jnp.arange(o.shape[1]) < t).reshape(1, -1, 1, 1)
+        tokens = jnp.arange(o.shape[1])
+        before = (tokens != t if only else tokens < t).reshape(1, -1, 1, 1)
         # Mask first: sin'(NaN) * 0 would be NaN.
         return jnp.sum(jnp.sin(jnp.where(before, o, jnp.zeros((), o.dtype))))
 

@@ -391,9 +391,10 @@ def _grams_bwd(strict, res, ct):
     # varying axes) of everything that flows into it.
     levels = [ft.partial(level, 1 << i) for i in range(n.bit_length() - 1)]
     if levels:
-        carry = levels[0]((dx, dy, dg))
+        dx, dy, dg = levels[0]((dx, dy, dg))
+    if len(levels) > 1:  # (a switch needs at least one branch)
         dx, dy, dg = jax.lax.fori_loop(
-            1, len(levels), lambda i, carry: jax.lax.switch(i - 1, levels[1:], carry), carry
+            1, len(levels), lambda i, carry: jax.lax.switch(i - 1, levels[1:], carry), (dx, dy, dg)
         )
     return dx[..., :c, :, :], dy[..., :c, :, :], _sum_to(dg[..., :c, :], res[2].shape)
 

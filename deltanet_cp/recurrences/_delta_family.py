@@ -68,7 +68,7 @@ class DeltaInputs(eqx.Module):
         `None` for the others (the write gate is `beta`).
     """
 
-    q: Float[Array, "batch seq heads k"]
+    q: Float[Array, "batch seq heads k"] = eqx.field(metadata={"output_only": True})
     k: Float[Array, "batch seq *nh heads k"]
     v: Float[Array, "batch seq *nh vheads v"]
     g: Float[Array, "batch seq vheads *k"] | None = eqx.field(metadata={"log_decay": True})

@@ -52,7 +52,7 @@ class DPLRInputs(eqx.Module):
     - `gk`: log decays per key channel, `<= 0`, `(B, T, HV, K)`.
     """
 
-    q: Float[Array, "batch seq heads k"]
+    q: Float[Array, "batch seq heads k"] = eqx.field(metadata={"output_only": True})
     k: Float[Array, "batch seq heads k"]
     v: Float[Array, "batch seq vheads v"]
     a: Float[Array, "batch seq heads k"]

@@ -36,7 +36,7 @@ class GLAInputs(eqx.Module):
     - `g`: log decays `<= 0`, per head `(B, T, HV)` or per key channel `(B, T, HV, K)`.
     """
 
-    q: QKTensor
+    q: QKTensor = eqx.field(metadata={"output_only": True})
     k: QKTensor
     v: ValueTensor
     g: GateTensor | KeyGateTensor = eqx.field(metadata={"log_decay": True})

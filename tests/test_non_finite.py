@@ -1,0 +1,213 @@
+"""Non-finite inputs stay where the float64 loop keeps them: in their own document, and,
+for an input that reaches only the outputs (a query), in their own token's outputs.
+
+A document start forgets the state entering it exactly (a select, not a multiplication by
+a zero linear part, since `0 * nan` is `nan`) wherever maps are composed, applied or
+transposed: on one device, under every exchange and layout, forward and backward.
+"""
+
+import functools as ft
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import deltanet_cp as dcp
+
+from .helpers import rel_err
+from .registry import exchange_id, EXCHANGES, FAMILIES, Family, GATED_DELTA_RULE, GLA
+
+
+CHUNK = 4
+CU = (0, 6, 16)  # document 0: tokens 0-5; document 1: tokens 6-15
+DOCS = [(0, 6), (6, 16)]
+SHAPE = dict(b=1, t=16, h=1, hv=2, dk=4, dv=3)
+LAYOUTS = [dcp.Contiguous(), dcp.Zigzag()]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_compile():
+    previous = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", previous)
+
+
+def _options(family: Family) -> dict:
+    return dict(use_qk_l2norm=True) if family.l2norm else {}
+
+
+def _weights(shape, f):
+    return f(np.arange(int(np.prod(shape)), dtype=np.float64)).reshape(shape)
+
+
+def _loss_terms(o, finals, xp):
+    """A loss whose cotangents are NaN wherever an output or final state is (`sin`)."""
+    wo = xp.asarray(_weights(o.shape, np.cos), o.dtype)
+    wh = xp.asarray(_weights(finals.shape, np.sin), finals.dtype)
+    return xp.sin(o) * wo, xp.sin(finals) * wh
+
+
+@ft.cache
+def _packed_grad_fn(family: Family, cp: int | None, layout, exchange):
+    """Jitted `(args, h0s) -> (o, finals, grads w.r.t. args and h0s)` of the `sin` loss over
+    every output and final state, on one device or on a `cp`-device mesh (global arrays)."""
+    ctx = None
+    if cp is not None:
+        mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
+        ctx = dcp.ContextParallel("cp", layout=layout, exchange=exchange, mesh=mesh)
+
+    def loss(args, h0s):
+        o, finals = family.chunk(
+            *args,
+            initial_state=h0s,
+            cu_seqlens=list(CU),
+            chunk_size=CHUNK,
+            cp=ctx,
+            **_options(family),
+        )
+        lo, lh = _loss_terms(o, finals, jnp)
+        return jnp.sum(lo) + jnp.sum(lh), (o, finals)
+
+    @jax.jit
+    def fn(args, h0s):
+        (_, (o, finals)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(args, h0s)
+        return o, finals, grads
+
+    return fn
+
+
+def _inputs(family: Family, seed: int):
+    args, _ = family.make(seed, **SHAPE)
+    rng = np.random.default_rng(seed)
+    b, hv, dk, dv = SHAPE["b"], SHAPE["hv"], SHAPE["dk"], SHAPE["dv"]
+    h0s = jnp.asarray(0.5 * rng.normal(size=(len(DOCS) * b, hv, dk, dv)), jnp.float32)
+    return list(args), h0s
+
+
+def _with(args, n: int, token: int, value=np.nan):
+    x = np.array(args[n])
+    x[:, token] = value
+    return [*args[:n], jnp.asarray(x), *args[n + 1 :]]
+
+
+def _check_document_is_clean(family: Family, args, h0s, doc: int, out):
+    """Document `doc`'s outputs, final state and input gradients are finite and the float64
+    loop's (its gradients by central differences of the loop's loss on that document)."""
+    o, finals, (grads, d_h0s) = out
+    a, b = DOCS[doc]
+    ref = ft.partial(family.reference, l2norm=family.l2norm, cu_seqlens=CU)
+    expected_o, expected_h = ref(*args, initial_state=h0s)
+    o_doc, h_doc = np.asarray(o)[:, a:b], np.asarray(finals)[doc]
+    assert np.all(np.isfinite(o_doc)) and np.all(np.isfinite(h_doc))
+    assert rel_err(o_doc, expected_o[:, a:b]) <= 1e-5
+    assert rel_err(h_doc, expected_h[doc]) <= 1e-5
+
+    def doc_loss(arrays):
+        o, finals = ref(*arrays[:-1], initial_state=arrays[-1])
+        lo, lh = _loss_terms(o, finals, np)
+        return float(np.sum(lo[:, a:b]) + np.sum(lh[doc]))
+
+    base = [np.asarray(x, np.float64) for x in [*args, h0s]]
+    rng = np.random.default_rng(314159)
+    eps = 1e-6
+    for i, grad in enumerate([*grads, d_h0s]):
+        grad = np.asarray(grad, np.float64)
+        # A direction in this document's tokens (its initial state for the last argument).
+        d = np.zeros_like(base[i])
+        part = np.s_[:, a:b] if i < len(grads) else np.s_[doc]
+        d[part] = rng.normal(size=d[part].shape)
+        assert np.all(np.isfinite(grad[part])), i
+        plus = [x + eps * d if j == i else x for j, x in enumerate(base)]
+        minus = [x - eps * d if j == i else x for j, x in enumerate(base)]
+        expected = (doc_loss(plus) - doc_loss(minus)) / (2 * eps)
+        actual = float(np.sum(grad[part] * d[part]))  # the rest may be NaN
+        assert abs(actual - expected) <= 1e-4 * max(abs(expected), 1e-3), (i, actual, expected)
+
+
+def _check_both_ways(family: Family, cp, layout, exchange):
+    # A NaN in v of document 0 (token 2) stays out of document 1, forward and backward; a
+    # NaN in v of document 1 (token 9, so its cotangents are NaN too) stays out of
+    # document 0's gradients.
+    args, h0s = _inputs(family, 7)
+    fn = _packed_grad_fn(family, cp, layout, exchange)
+    v = family.arg_names.index("v")
+    for token, bad_doc, clean_doc in [(2, 0, 1), (9, 1, 0)]:
+        broken = _with(args, v, token)
+        out = fn(broken, h0s)
+        a, b = DOCS[bad_doc]
+        assert not np.any(np.isfinite(np.asarray(out[0])[:, token:b]))
+        assert not np.any(np.isfinite(np.asarray(out[1])[bad_doc]))
+        _check_document_is_clean(family, broken, h0s, clean_doc, out)
+
+
+def test_reset_map_forgets_a_nan_exactly():
+    # The monoid itself: a resetting map composed after, or applied to, a NaN.
+    k, v = 3, 2
+    nan_map = dcp.AffineMap(jnp.eye(k), jnp.full((k, v), jnp.nan))
+    u = jnp.arange(k * v, dtype=jnp.float32).reshape(k, v)
+    reset = dcp.AffineMap(jnp.zeros((k, k)), u).with_resets(True)
+    assert np.array_equal(nan_map.then(reset)(jnp.ones((k, v))), u)
+    assert np.array_equal(reset(jnp.full((k, v), jnp.nan)), u)
+    assert np.array_equal(reset.adjoint(u)(jnp.full((k, v), jnp.nan)), u)
+    # Not resetting: the NaN goes through, as 0 * nan does.
+    assert np.all(np.isnan(nan_map.then(dcp.AffineMap(jnp.zeros((k, k)), u))(u)))
+    diagonal = dcp.DiagonalAffineMap(jnp.zeros(k), u).with_resets(True)
+    nan_diagonal = dcp.DiagonalAffineMap(jnp.ones(k), jnp.full((k, v), jnp.nan))
+    assert np.array_equal(nan_diagonal.then(diagonal)(u), u)
+    assert np.array_equal(diagonal.adjoint(u)(jnp.full((k, v), jnp.nan)), u)
+    # Per batch row; the composition resets where either map does.
+    rows = dcp.AffineMap(jnp.zeros((2, k, k)), jnp.stack([u, u])).with_resets(
+        jnp.array([True, False])
+    )
+    out = dcp.AffineMap(jnp.zeros((2, k, k)), jnp.full((2, k, v), jnp.nan)).then(rows)
+    assert out.resets is not None and np.array_equal(out.resets, [True, False])
+    assert np.array_equal(out(u[None].repeat(2, 0))[0], u)
+    assert np.all(np.isnan(out(u[None].repeat(2, 0))[1]))
+
+
+# Quick: the dense map under every exchange, each layout twice; the diagonal map once each.
+_QUICK = [
+    (GATED_DELTA_RULE, "allgather", dcp.Contiguous()),
+    (GATED_DELTA_RULE, "ppermute", dcp.Zigzag()),
+    (GATED_DELTA_RULE, "ring", dcp.Contiguous()),
+    (GATED_DELTA_RULE, "auto", dcp.Zigzag()),
+    (GLA, "ring", dcp.Zigzag()),
+    (GLA, "ppermute", dcp.Contiguous()),
+]
+
+
+def _packed_cases():
+    params = [
+        pytest.param(
+            f,
+            None,
+            None,
+            None,
+            id=f"{f.name}-one_device",
+            marks=() if f in (GATED_DELTA_RULE, GLA) else (pytest.mark.slow,),
+        )
+        for f in FAMILIES
+    ]
+    for family in FAMILIES:
+        for exchange in EXCHANGES:
+            for layout in LAYOUTS:
+                name = type(exchange).__name__.lower()
+                quick = (family, name, layout) in _QUICK
+                params.append(
+                    pytest.param(
+                        family,
+                        4,
+                        layout,
+                        exchange,
+                        id=f"{family.name}-{exchange_id(exchange)}-{layout!r}",
+                        marks=() if quick else (pytest.mark.slow,),
+                    )
+                )
+    return params
+
+
+@pytest.mark.parametrize("family, cp, layout, exchange", _packed_cases())
+def test_nan_stays_in_its_document(family, cp, layout, exchange):
+    _check_both_ways(family, cp, layout, exchange)
