@@ -260,9 +260,13 @@ def _factors(q, k, v, g, beta, write, *, rows: slice) -> DeltaFactors:
     # or return wrong numbers on sums over small axes of rank-7 products, which the gradients
     # of 6-axis (N, B, H, r, S, K) arrays under a `vmap` are (see tests/test_default_flags.py).
     n, b, h = k.shape[:3]
-    q, k, v, g, beta, write = (
-        None if x is None else x.reshape(n * b * h, *x.shape[3:]) for x in (q, k, v, g, beta, write)
-    )
+
+    def flat(x: Array) -> Array:
+        return x.reshape(n * b * h, *x.shape[3:])
+
+    q, k, v, beta = flat(q), flat(k), flat(v), flat(beta)
+    g = None if g is None else flat(g)
+    write = flat(write)
     dt = k.dtype
     s, dk = k.shape[-2], k.shape[-1]
     r = v.shape[1]
