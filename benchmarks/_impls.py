@@ -32,6 +32,7 @@ import time
 import numpy as np
 from _common import gdn_inputs
 from _harness import Prepared
+from _seqdepth import matmul_flops
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -251,14 +252,36 @@ def _jax(name, *, b, t, h, hv, d, chunk=64, dtype="float32", passes=PASSES, samp
                 + m.temp_size_in_bytes
                 - m.alias_size_in_bytes
             )
+        info[f"matmul_flops {p}"] = matmul_flops(c)
         compiled[p] = c
         calls[p] = lambda c=c, a=a: jax.block_until_ready(c(*a))
+    info["matmul_rate"] = matmul_rate(d, dt)
 
     def outputs():
         o, h_t = jax.jit(forward)(*args)
         return {"o": _sample(o, sample), "h": np.asarray(h_t, np.float32)}
 
     return Prepared(calls, outputs, info)
+
+
+def matmul_rate(d: int, dtype, *, batch: int = 512, rows: int = 64, calls: int = 5) -> float:
+    """This process's matmul FLOP/s on the products a chunked kernel is made of: `batch`
+    float32 products `(rows, d) x (d, d)` at `Precision.HIGHEST` in one `einsum`, the best
+    of `calls` timed calls (the machine's limit for this work, measured beside the kernel)."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(2)
+    a = jnp.asarray(rng.standard_normal((batch, rows, d)), dtype)
+    b = jnp.asarray(rng.standard_normal((batch, d, d)), dtype)
+    f = jax.jit(lambda a, b: jnp.einsum("nij,njk->nik", a, b, precision=jax.lax.Precision.HIGHEST))
+    jax.block_until_ready(f(a, b))
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        jax.block_until_ready(f(a, b))
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * batch * rows * d * d / best
 
 
 def ours(**case) -> Prepared:

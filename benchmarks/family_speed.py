@@ -173,11 +173,7 @@ def main() -> int:
     names = args.only.split(",") if args.only else list(IMPLS)
     start = time.monotonic()
     print(f"machine before: {machine_line()}", flush=True)
-    env = {  # jaxlib 0.10.2's YNNPACK fusion crashes on some per-channel gradients
-        "XLA_FLAGS": (
-            os.environ.get("XLA_FLAGS", "") + " --xla_cpu_experimental_ynn_fusion_type="
-        ).strip()
-    }
+    env = {}
     rows, mem_rows, notes = [], [], []
     with Session(
         [IMPLS[n] for n in names],

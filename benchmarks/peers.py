@@ -16,8 +16,11 @@ the order rotating; a ratio is the median over rounds of the per-round ratio
 hang (MaxText's and jla's triangular solve can deadlock on XLA:CPU).
 
 Prints, per shape: medians (ms) and our speedup over each peer; each implementation's
-forward+backward / forward; the largest relative difference of each peer's outputs from
-ours; and the machine's load. Needs the environment of `make bench`.
+forward+backward / forward; the matmul FLOPs of each JAX implementation's compiled program
+(every `dot`, loop bodies times their trips) and the rate it achieves, beside the machine's
+float32 matmul rate on the same kind of products measured in the same worker (the CPU's
+limit for this work); the largest relative difference of each peer's outputs from ours; and
+the machine's load. Needs the environment of `make bench`.
 
     python benchmarks/peers.py            # both shapes, about 4 minutes on 2 quiet cores
     python benchmarks/peers.py --quick    # tiny shapes, a smoke test (under a minute)
@@ -159,6 +162,30 @@ def main() -> int:
         ratio_rows,
         title="Forward+backward / forward, each implementation in its own process (median of "
         "per-round ratios)",
+    )
+    rate_rows = []
+    for label, res in results:
+        for n in names:
+            i = res.outcomes[n].info
+            for p in PASSES:
+                flops, sec, rate = (
+                    i.get(f"matmul_flops {p}"),
+                    res.median(n, p),
+                    i.get("matmul_rate"),
+                )
+                if flops is None or sec is None or rate is None:
+                    continue
+                achieved = flops / sec
+                rate_rows.append(
+                    [label, n, p, f"{flops / 1e9:.2f}", f"{sec * 1e3:.0f}", f"{achieved / 1e9:.1f}"]
+                    + [f"{rate / 1e9:.1f}", f"{achieved / rate:.0%}"]
+                )
+    print_table(
+        ["shape", "implementation", "pass", "matmul GFLOP", "ms", "GFLOP/s"]
+        + ["machine's matmul GFLOP/s", "of the machine's rate"],
+        rate_rows,
+        title="Matmul work and the rate achieved (JAX implementations; the machine's rate: "
+        "batched float32 (64, K) x (K, K) products, HIGHEST, in the same worker)",
     )
     print_table(
         ["shape"] + [f"{x}: {p} vs ours" for p in peers for x in ("o", "h_T")],

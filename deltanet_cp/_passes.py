@@ -74,15 +74,23 @@ class Blocks(eqx.Module):
 
         return jax.tree.map(one, tree)
 
-    def write(self, tree: PyTree, block: PyTree, i) -> PyTree:
-        """`tree` `(B, padded * C, ...)` with block `i` set to `block` `(size, B, C, ...)`."""
+    def tokens(self, block: PyTree) -> PyTree:
+        """One block's per-chunk values `(size, B, C, ...)` as `(B, size * C, ...)`."""
 
-        def one(x, y):
+        def one(y):
             y = jnp.moveaxis(y, 0, 1)
-            y = y.reshape(y.shape[0], self.size * self.c, *y.shape[3:])
-            return jax.lax.dynamic_update_slice_in_dim(x, y, i * self.size * self.c, 1)
+            return y.reshape(y.shape[0], self.size * self.c, *y.shape[3:])
 
-        return jax.tree.map(one, tree, block)
+        return jax.tree.map(one, block)
+
+    def join(self, blocks: PyTree) -> PyTree:
+        """Every block's `(B, size * C, ...)`, stacked `(count, B, size * C, ...)`, as
+        `(B, padded * C, ...)` (no copy for one block or a batch of one)."""
+
+        def one(x):
+            return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])
+
+        return jax.tree.map(one, blocks)
 
 
 def _over_blocks(body, carry, count: int, *, reverse: bool = False):
@@ -237,35 +245,24 @@ def forward(recurrence, blocks, diff, static, h0, marks, doc_states, poison, *, 
     """All blocks from `h0`: `((h, finals, outputs), states)`, `states` the state entering
     each block (`(count, *state)`; `None` without `keep_states`).
 
-    Each block's outputs are written into the outputs `(B, padded * C, ...)` in place, NaN
-    where `poison[1]` says a non-finite input came before them in their chunk.
+    Each block's outputs leave the loop in the token layout `(B, size * C, ...)`, NaN where
+    `poison[1]` says a non-finite input came before them in their chunk.
     """
     finals = None
     if marks is not None:
         empty = marks[2].reshape((-1,) + (1,) * (doc_states.ndim - 1))
         finals = jnp.where(empty, doc_states, jnp.zeros((), doc_states.dtype))
 
-    def chunk_outputs(d, s, h):
-        f = factors(recurrence, blocks, *blocks.block((d, s), 0))
-        return recurrence.step(_chunk(f, 0), h)[1]
-
-    shapes = eqx.filter_eval_shape(chunk_outputs, diff, static, h0)
-    length = blocks.padded * blocks.c
-    outputs = jax.tree.map(lambda s: jnp.zeros((s.shape[0], length, *s.shape[2:]), s.dtype), shapes)
-    outputs = varying(outputs, diff)
-
     def body(carry, i):
-        (h, finals), outputs = carry
+        h, finals = carry
         f = factors(recurrence, blocks, *blocks.block((diff, static), i))
         m, p = blocks.block((_marks(marks), poison[0]), i, axis=0)
-        (h_next, finals), (out, _) = steps(
-            recurrence, f, (h, finals), m, doc_states, p, keep_states=False
-        )
-        out = _masked(out, blocks.read(poison[1], i), jnp.nan)
-        return ((h_next, finals), blocks.write(outputs, out, i)), (h if keep_states else None)
+        carry, (out, _) = steps(recurrence, f, carry, m, doc_states, p, keep_states=False)
+        out = blocks.tokens(_masked(out, blocks.read(poison[1], i), jnp.nan))
+        return carry, (out, h if keep_states else None)
 
-    ((h, finals), outputs), states = _over_blocks(body, ((h0, finals), outputs), blocks.count)
-    return (h, finals, outputs), states
+    (h, finals), (outputs, states) = _over_blocks(body, (h0, finals), blocks.count)
+    return (h, finals, blocks.join(outputs)), states
 
 
 def backward(recurrence, blocks, diff, static, states, marks, doc_states, poison, cts):

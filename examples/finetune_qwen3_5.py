@@ -15,8 +15,7 @@ import os
 
 if __name__ == "__main__":  # before jax is imported: enough simulated devices
     os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "")
-        + " --xla_force_host_platform_device_count=8 --xla_cpu_experimental_ynn_fusion_type="
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
 
 import argparse

@@ -20,8 +20,7 @@ import os
 
 if __name__ == "__main__":  # 4 simulated CPU devices; must be set before jax is imported
     os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "")
-        + " --xla_force_host_platform_device_count=4 --xla_cpu_experimental_ynn_fusion_type="
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     )
 
 import equinox as eqx

@@ -386,9 +386,13 @@ def _temp_bytes(attn, t_local: int, cp: int, layout, kv_exchange: str, grad: boo
 )
 def test_memory_is_linear(cp, layout, kv_exchange, grad):
     # 4x the tokens, ~4x the temporary memory (the score matrices would make it 16x):
-    # nothing but one tile per head of the scores is ever held, forward or backward.
+    # nothing but one tile per head of the scores is ever held, forward or backward. From 256
+    # local tokens on: XLA:CPU's YNNPACK fusions pick another working buffer for the backward
+    # between 128 and 256 tokens (a step of ~15%, then linear again).
     attn = _attn(8)
-    small, large = (_temp_bytes(attn, t, cp, LAYOUTS[layout], kv_exchange, grad) for t in (64, 256))
+    small, large = (
+        _temp_bytes(attn, t, cp, LAYOUTS[layout], kv_exchange, grad) for t in (256, 1024)
+    )
     assert large <= 4.2 * small, (small, large)
 
 

@@ -260,13 +260,9 @@ for page, blocks in json.load(sys.stdin).items():
     else:
         print(json.dumps({"ok": page, "seconds": time.perf_counter() - start}), flush=True)
 """
-# Eight simulated CPU devices, as in conftest.py. The second flag works around an XLA:CPU crash
-# in its YNNPACK fusions (jaxlib 0.10), as the guides tell readers to; the third makes XLA
-# compile several times faster (the examples are tiny: compiling is nearly all their time).
-_XLA_FLAGS = (
-    "--xla_force_host_platform_device_count=8 --xla_cpu_experimental_ynn_fusion_type= "
-    "--xla_backend_optimization_level=0"
-)
+# Eight simulated CPU devices, as in conftest.py; the second flag makes XLA compile several
+# times faster (the examples are tiny: compiling is nearly all their time).
+_XLA_FLAGS = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 _RUNNABLE_PAGES = [_rel(p) for p in _pages() if _runnable_blocks(p)]
 
 
