@@ -453,7 +453,14 @@ def _call_with_state(family: Family, entry: str, args, **kw):
     return getattr(family, entry)(*args, **kw)
 
 
-@pytest.mark.parametrize("family, entry", _cases())
+def _empty_marks(family: Family, entry: str) -> list:
+    # Every family on one device, every entry point for the gated delta rule; the other
+    # families' context-parallel entry points (a compile each) in the slow run.
+    cp = entry in ("chunk_per_rank", "chunk_global")
+    return [pytest.mark.slow] if cp and family.name != "gated_delta_rule" else []
+
+
+@pytest.mark.parametrize("family, entry", _cases(_empty_marks))
 def test_empty_sequence_or_batch(family, entry):
     # As flash-linear-attention and torch do: empty outputs, and the initial state (zeros
     # if none is given; per document with `cu_seqlens`) as the final state.
