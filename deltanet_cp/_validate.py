@@ -60,6 +60,31 @@ def as_chunk_size(value: SupportsIndex) -> int:
     return as_index(value, "chunk_size")
 
 
+def as_config_float(name: str, value: Any) -> float:
+    """A finite float field of a model config: a float or an int, never a bool or a string;
+    a `ValueError` naming the field otherwise."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (int, float, np.integer, np.floating)
+    ):
+        raise ValueError(
+            f"The config's `{name}` must be a number; got {value!r} of type {type(value).__name__}."
+        )
+    if not math.isfinite(value):
+        raise ValueError(f"The config's `{name}` must be finite; got {value!r}.")
+    return float(value)
+
+
+def as_l2norm_flag(value: Any) -> bool:
+    """The converter of a recurrence's `use_qk_l2norm` field: a Python or NumPy bool only (a
+    string such as `"no"` would otherwise read as true)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ValueError(
+        f"`use_qk_l2norm` (`use_qk_l2norm_in_kernel` in the flash-linear-attention adapters) "
+        f"must be True or False; got {value!r}."
+    )
+
+
 def as_scale(value: SupportsFloat | None) -> float | None:
     """The converter of a recurrence's `scale` field: a finite Python `float`, or `None`.
 

@@ -58,6 +58,17 @@ def _small_blocks():
     _run._DEFAULT_BLOCK_SIZE.update(saved)
 
 
+@pytest.fixture(scope="module")
+def fast_compile():
+    """XLA's most optimisations off for a module whose tests are dominated by compiling small
+    programs (they change nothing there beyond rounding); restored for the other modules.
+    The suite's checks of the default flags themselves run in tests/test_default_flags.py."""
+    previous = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", previous)
+
+
 @pytest.fixture
 def getkey():
     """A fresh PRNG key on each call, seeded per test."""

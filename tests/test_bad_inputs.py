@@ -521,3 +521,12 @@ def test_traced_cu_seqlens_of_a_wide_dtype(without_runtime_typecheck):
     # Within int32: accepted, concrete or traced.
     family.chunk(*args, cu_seqlens=np.array([0, 3, 8], np.int64), chunk_size=CHUNK)
     fn(jnp.asarray([0, 3, 8], jnp.int32))
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.l2norm], ids=_name)
+@pytest.mark.parametrize("flag", ["no", "false", 0, 1, None])
+def test_use_qk_l2norm_must_be_a_bool(family, flag):
+    # A string would read as true (and normalise); only a bool is a flag.
+    with pytest.raises(ValueError, match="use_qk_l2norm"):
+        family.recurrence(chunk_size=8, use_qk_l2norm=flag)
+    assert family.recurrence(chunk_size=8, use_qk_l2norm=np.bool_(True)).use_qk_l2norm is True

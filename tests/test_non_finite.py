@@ -26,12 +26,8 @@ SHAPE = dict(b=1, t=16, h=1, hv=2, dk=4, dv=3)
 LAYOUTS = [dcp.Contiguous(), dcp.Zigzag()]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compile():
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+# Compiling dominates these tests; XLA's optimisation passes only slow it (see conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def _options(family: Family) -> dict:

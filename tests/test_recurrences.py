@@ -61,14 +61,8 @@ def _families(fast=lambda i, family: True):
     ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compile():
-    # Compiling dominates these tests; XLA's optimisation passes double it and change
-    # nothing here beyond rounding. Restored for the other modules.
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+# Compiling dominates these tests; XLA's optimisation passes only slow it (see conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def _mesh(cp: int):

@@ -22,13 +22,8 @@ from .registry import FAMILIES, Family, GATED_DELTA_RULE, GLA_PER_HEAD
 EXAMPLES = pathlib.Path(__file__).parent.parent / "examples"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compile():
-    # The checker compiles a handful of small programs; XLA's optimisations only slow that.
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+# Compiling dominates these tests; XLA's optimisation passes only slow it (see conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def _load_example():

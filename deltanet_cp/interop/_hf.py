@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
+from .._validate import as_config_float
 from ..nn._gated_delta_net import GatedDeltaNet
 
 
@@ -57,16 +58,7 @@ def _config_int(config: Any, name: str, default: Any = None) -> int:
 
 def _config_float(config: Any, name: str, default: float) -> float:
     """A float field of the config: a number (an int too), never a bool or a string."""
-    value = _config_value(config, name, default)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(
-        value, (int, float, np.integer, np.floating)
-    ):
-        raise ValueError(
-            f"The config's `{name}` must be a number; got {value!r} of type {type(value).__name__}."
-        )
-    if not math.isfinite(value):
-        raise ValueError(f"The config's `{name}` must be finite; got {value!r}.")
-    return float(value)
+    return as_config_float(name, _config_value(config, name, default))
 
 
 def _text_config(config: Any) -> Any:

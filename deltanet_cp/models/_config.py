@@ -2,13 +2,14 @@
 
 import dataclasses
 import json
-import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+
+from .._validate import as_config_float
 
 
 LayerType = Literal["linear_attention", "full_attention"]
@@ -34,19 +35,6 @@ def _int(name: str, value: Any) -> int:
     if value < 1:
         raise ValueError(f"The config's `{name}` must be a positive int; got {value}.")
     return int(value)
-
-
-def _float(name: str, value: Any) -> float:
-    """A finite float field: a float or an int, never a bool or a string."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(
-        value, (int, float, np.integer, np.floating)
-    ):
-        raise ValueError(
-            f"The config's `{name}` must be a number; got {value!r} of type {type(value).__name__}."
-        )
-    if not math.isfinite(value):
-        raise ValueError(f"The config's `{name}` must be finite; got {value!r}.")
-    return float(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +89,7 @@ class Qwen3_5Config:
             if f.type is int:
                 value = _int(f.name, value)
             elif f.type is float:
-                value = _float(f.name, value)
+                value = as_config_float(f.name, value)
             elif f.type is bool:
                 value = _bool(f.name, value)
             elif isinstance(value, str) or not isinstance(value, (list, tuple)):

@@ -21,7 +21,7 @@ from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, Stat
 from .._parallel import ContextParallel
 from .._recurrence import AbstractRecurrence
 from .._run import run
-from .._validate import as_chunk_size, as_scale
+from .._validate import as_chunk_size, as_l2norm_flag, as_scale
 from ..chunkops import chunk_major, cumulative_decays, decayed_gram, einsum, l2norm
 from ._helpers import check_arrays, compute_dtype
 
@@ -74,7 +74,7 @@ class GatedLinearAttention(
 
     chunk_size: int = eqx.field(default=64, static=True, converter=as_chunk_size)
     scale: float | None = eqx.field(default=None, static=True, converter=as_scale)
-    use_qk_l2norm: bool = eqx.field(default=False, static=True)
+    use_qk_l2norm: bool = eqx.field(default=False, static=True, converter=as_l2norm_flag)
 
     def check(self, inputs: GLAInputs) -> None:
         g = inputs.g

@@ -18,7 +18,7 @@ import equinox as eqx
 from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, States, ValueTensor
 from .._parallel import ContextParallel
 from .._run import run
-from .._validate import as_chunk_size, as_scale
+from .._validate import as_chunk_size, as_l2norm_flag, as_scale
 from ._delta_family import AbstractDeltaRule, DeltaInputs, GateKind
 
 
@@ -41,7 +41,7 @@ class KimiDeltaAttention(AbstractDeltaRule):
 
     chunk_size: int = eqx.field(default=64, static=True, converter=as_chunk_size)
     scale: float | None = eqx.field(default=None, static=True, converter=as_scale)
-    use_qk_l2norm: bool = eqx.field(default=False, static=True)
+    use_qk_l2norm: bool = eqx.field(default=False, static=True, converter=as_l2norm_flag)
     gate: ClassVar[GateKind] = "key"
     householder: ClassVar[bool] = False
 
