@@ -241,6 +241,11 @@ def _masked(tree: PyTree, mask, value) -> PyTree:
     return jax.tree.map(one, tree)
 
 
+def _output_cotangents(blocks, d_outputs, poison, i) -> PyTree:
+    """Block `i`'s output cotangents `(size, B, C, ...)`, zero where the output was NaN."""
+    return _masked(blocks.read(d_outputs, i), blocks.read(poison[1], i), 0)
+
+
 def forward(recurrence, blocks, diff, static, h0, marks, doc_states, poison, *, keep_states: bool):
     """All blocks from `h0`: `((h, finals, outputs), states)`, `states` the state entering
     each block (`(count, *state)`; `None` without `keep_states`).
@@ -281,7 +286,7 @@ def backward(recurrence, blocks, diff, static, states, marks, doc_states, poison
         f, pull = jax.vjp(lambda d: factors(recurrence, blocks, d, s), d)
         m, p = blocks.block((_marks(marks), poison[0]), i, axis=0)
         h = chunk_states(recurrence, f, states[i], m, doc_states, p)
-        d_out = _masked(blocks.read(d_outputs, i), blocks.read(poison[1], i), 0)
+        d_out = _output_cotangents(blocks, d_outputs, poison, i)
         (dh, d_docs), d_next = state_cotangents(recurrence, f, h, d_out, (dh, d_docs), m, d_finals)
         d_f = recurrence.factor_cotangents(f, h, d_next, d_out)
         d_diff = jax.tree.map(
@@ -297,7 +302,7 @@ def backward(recurrence, blocks, diff, static, states, marks, doc_states, poison
 
 
 def state_cotangent_in(
-    recurrence, blocks, diff, static, states, marks, doc_states, poison, d_outputs, d_finals
+    recurrence, blocks, diff, static, states, marks, poison, d_outputs, d_finals
 ):
     """What the outputs (and documents' finals) ask of the state entering the slice.
 
@@ -313,7 +318,7 @@ def state_cotangent_in(
         # `step` is affine in the state: its VJP in the state does not depend on where it is
         # taken, so no chunk state is formed again here.
         h = jnp.broadcast_to(states[i], (blocks.size, *states.shape[1:]))
-        d_out = _masked(blocks.read(d_outputs, i), blocks.read(poison[1], i), 0)
+        d_out = _output_cotangents(blocks, d_outputs, poison, i)
         (dh, _), _ = state_cotangents(recurrence, f, h, d_out, (dh, d_docs), m, d_finals)
         return dh, None
 
@@ -450,7 +455,7 @@ def _context_parallel_bwd(recurrence, blocks, exchange, axis_name, need_final, r
     diff, static, states, marks, doc_states, poison, mine, h0 = res
     d_outputs, d_final, d_finals = cts
     g = state_cotangent_in(
-        recurrence, blocks, diff, static, states, marks, doc_states, poison, d_outputs, d_finals
+        recurrence, blocks, diff, static, states, marks, poison, d_outputs, d_finals
     )
     start = d_final if need_final else jnp.zeros_like(h0)
     lam_next, lam0 = exchange(
