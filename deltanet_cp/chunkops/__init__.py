@@ -31,6 +31,7 @@ TPUs too). Cast inputs to float32 (or float64) first: in bfloat16 they are no mo
 than bfloat16.
 """
 
+from .._precision import einsum as einsum
 from ._decays import (
     cumsum as cumsum,
     cumulative_decays as cumulative_decays,
@@ -42,7 +43,6 @@ from ._decays import (
 )
 from ._ops import (
     chunk_major as chunk_major,
-    einsum as einsum,
     from_chunk_major as from_chunk_major,
     l2norm as l2norm,
     unit_lower_inverse as unit_lower_inverse,

@@ -1,29 +1,13 @@
-"""Products at full precision, normalisation, chunk-major reshapes, the WY form's inverse."""
+"""Normalisation, chunk-major reshapes, the WY form's inverse."""
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
+from .._precision import einsum
 
-_HI = jax.lax.Precision.HIGHEST
+
 _L2NORM_EPS = 1e-6
-
-
-def einsum(spec: str, *operands: Array) -> Array:
-    """`jnp.einsum` at `Precision.HIGHEST`.
-
-    **Arguments:**
-
-    - `spec`: the subscripts, as for `jnp.einsum`.
-    - `operands`: the arrays.
-
-    **Returns:**
-
-    The product. Numerics: float32 operands are multiplied and summed in float32 on every
-    backend (the default precision rounds them to bfloat16 or TF32 on TPUs and GPUs, a
-    relative error near $10^{-3}$).
-    """
-    return jnp.einsum(spec, *operands, precision=_HI)
 
 
 def l2norm(x: Float[Array, "*batch k"]) -> Float[Array, "*batch k"]:
