@@ -8,18 +8,18 @@ import jax
 
 import deltanet_cp as dcp
 from deltanet_cp.nn import _flash
-from deltanet_cp.nn._schedule import _Schedule, _tiles, _tiling
+from deltanet_cp.nn._schedule import Schedule, tile_loops, tiling
 
 
 def schedules(
     seq_len: int, cp: int, layout: dcp.AbstractLayout, kv_exchange: str, block_size: int
-) -> tuple[int, list[list[_Schedule]]]:
+) -> tuple[int, list[list[Schedule]]]:
     """`(tile side, loops)`: the forward's loops over tiles of one attention over `seq_len`
     tokens on `cp` ranks, each as the schedules of its runs (per rank)."""
     if seq_len % cp:
         raise ValueError(f"seq_len ({seq_len}) must be divisible by cp ({cp}).")
-    b, m = _tiling(layout, seq_len // cp, cp, block_size)
-    return b, _tiles(layout.held(cp), m, kv_exchange)
+    b, m = tiling(layout, seq_len // cp, cp, block_size)
+    return b, tile_loops(layout.held(cp), m, kv_exchange)
 
 
 def busiest_rank_work(
@@ -42,7 +42,7 @@ def _unrolled(unroll: bool | int) -> bool:
     return unroll is True or (not isinstance(unroll, bool) and unroll > 1)
 
 
-def check_unroll(loops: list[list[_Schedule]], unroll: bool | int) -> None:
+def check_unroll(loops: list[list[Schedule]], unroll: bool | int) -> None:
     """Unrolling needs the same, static number of tiles on every rank, in every run."""
     if _unrolled(unroll) and not all(
         s.uniform and s.counts[0] == s.tiles.shape[1] for loop in loops for s in loop

@@ -39,7 +39,7 @@ with `body` the flops of one tile step, forward (or forward + backward, for the 
 program, each backward loop having the trips of its forward loop), and
 
 - `trips`, exact, the tiles a loop runs in the whole program, from the static tile
-  schedule the library compiles in (`deltanet_cp.nn._schedule._tiles`: the schedule of
+  schedule the library compiles in (`deltanet_cp.nn._schedule.tile_loops`: the schedule of
   each run of each loop, per rank): for the ring's nested loop, the tiles of each step
   summed over the `cp - 1` trips of the loop over steps;
 - `body`, measured in place: the same per-rank program compiled with its loops over tiles
@@ -88,7 +88,7 @@ from _common import print_table  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import deltanet_cp as dcp  # noqa: E402
-from deltanet_cp.nn._flash import _blockwise_attention  # noqa: E402
+from deltanet_cp.nn._flash import blockwise_attention  # noqa: E402
 
 
 HEADS, HEAD_DIM, BLOCK = 4, 64, 128
@@ -119,7 +119,7 @@ def compile_rank(
 
     def attend(q, k, v):
         pos = layout.positions(q.shape[0], "cp")
-        return _blockwise_attention(
+        return blockwise_attention(
             q, k, v, pos, cp=context, kv_exchange=exchange, block_size=BLOCK
         )[0]
 
@@ -141,7 +141,7 @@ def compile_rank(
 
 
 def schedules(s: int, cp: int, layout, exchange: str):
-    """The forward's loops over tiles, each as the schedules of its runs (`_tiles`)."""
+    """The forward's loops over tiles, each as the schedules of its runs (`tile_loops`)."""
     return tile_schedules(s, cp, layout, exchange, BLOCK)[1]
 
 

@@ -16,8 +16,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import deltanet_cp as dcp
 from deltanet_cp.nn import CausalSelfAttention
-from deltanet_cp.nn._flash import _flash, _to_blocks
-from deltanet_cp.nn._schedule import _allgather_schedule, _ring_schedule, _tiles, _tiling
+from deltanet_cp.nn._flash import flash, to_blocks
+from deltanet_cp.nn._schedule import _allgather_schedule, _ring_schedule, tile_loops, tiling
 
 from .helpers import directional_check, rel_err
 
@@ -262,8 +262,8 @@ def test_kernel_gradients_through_lse():
         wl = jr.normal(jr.key(4), (n, h, b), jnp.float64)
 
         def blockwise(q, k, v):
-            args = (_to_blocks(q, b), _to_blocks(k, b), _to_blocks(v, b))
-            out = _flash(*args, _to_blocks(pos_q, b), _to_blocks(pos_k, b), tiles, row, count)
+            args = (to_blocks(q, b), to_blocks(k, b), to_blocks(v, b))
+            out = flash(*args, to_blocks(pos_q, b), to_blocks(pos_k, b), tiles, row, count)
             return cast(tuple[jax.Array, jax.Array], out)
 
         def dense(q, k, v):
@@ -271,7 +271,7 @@ def test_kernel_gradients_through_lse():
             s = jnp.where((pos_q[:, None] >= pos_k[None, :])[None], s, -jnp.inf)
             lse = jax.nn.logsumexp(s, axis=-1)  # (h, q)
             out = jnp.einsum("hqk,khd->qhd", jnp.exp(s - lse[..., None]), v)
-            return _to_blocks(out, b), lse.reshape(h, n, b).transpose(1, 0, 2)
+            return to_blocks(out, b), lse.reshape(h, n, b).transpose(1, 0, 2)
 
         def loss(fn):
             return lambda *a: jnp.sum(fn(*a)[0] * wo) + jnp.sum(fn(*a)[1] * wl)
@@ -464,8 +464,8 @@ def test_bad_cp(getkey, without_runtime_typecheck):
 
 def _busiest_rank_tiles(s: int, cp: int, layout, kv_exchange: str, block_size: int) -> int:
     """The tiles the busiest rank's forward computes (every loop, every run)."""
-    _, m = _tiling(layout, s // cp, cp, block_size)
-    loops = _tiles(layout.held(cp), m, kv_exchange)
+    _, m = tiling(layout, s // cp, cp, block_size)
+    loops = tile_loops(layout.held(cp), m, kv_exchange)
     return max(sum(run.counts[r] for loop in loops for run in loop) for r in range(cp))
 
 

@@ -14,9 +14,9 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._parallel import axis_size, ContextParallel
 from ._context import layer_cp, local_positions
-from ._flash import _blockwise_attention, _flash, _group_queries, _to_blocks, _ungroup_queries
+from ._flash import blockwise_attention, flash, group_queries, to_blocks, ungroup_queries
 from ._norm import ZeroCenteredRMSNorm
-from ._schedule import _check_kv_exchange, _Schedule, KVExchange
+from ._schedule import check_kv_exchange, KVExchange, Schedule
 
 
 class KVCache(eqx.Module):
@@ -64,15 +64,15 @@ def _cached_attention(
     t, h, d = q.shape
     group = h // k.shape[1]
     b = max(c for c in range(1, min(block_size, t) + 1) if t % c == 0)
-    rows = _to_blocks(_group_queries(q * (d**-0.5), group), b * group)
+    rows = to_blocks(group_queries(q * (d**-0.5), group), b * group)
     length = jnp.asarray(length, jnp.int32)
     index = jnp.arange(k.shape[0], dtype=jnp.int32)
     pos_k = jnp.where(index < length, index, jnp.iinfo(jnp.int32).max)
     pos_q = jnp.broadcast_to(length, rows.shape[:2])
-    tiles = _Schedule.of([[(i, 0) for i in range(t // b)]]).at(0)
-    out, lse = cast(tuple[Array, Array], _flash(rows, k[None], v[None], pos_q, pos_k[None], *tiles))
-    out = _ungroup_queries(out.reshape(t * group, h // group, d), group)
-    return out, _ungroup_queries(lse.transpose(0, 2, 1).reshape(t * group, -1), group)
+    tiles = Schedule.of([[(i, 0) for i in range(t // b)]]).at(0)
+    out, lse = cast(tuple[Array, Array], flash(rows, k[None], v[None], pos_q, pos_k[None], *tiles))
+    out = ungroup_queries(out.reshape(t * group, h // group, d), group)
+    return out, ungroup_queries(lse.transpose(0, 2, 1).reshape(t * group, -1), group)
 
 
 def _merge(a: tuple[Array, Array], b: tuple[Array, Array]) -> Array:
@@ -275,11 +275,11 @@ class CausalSelfAttention(eqx.Module):
 
         The output, `(seq, hidden)`.
         """
-        _check_kv_exchange(kv_exchange)
+        check_kv_exchange(kv_exchange)
         cp = layer_cp(cp, "CausalSelfAttention")
         rel = local_positions(cp, x.shape[0])
         q, k, v, gate = self._project(x, rel)
-        out, _ = _blockwise_attention(
+        out, _ = blockwise_attention(
             q, k, v, rel, cp=cp, kv_exchange=kv_exchange, block_size=self.block_size
         )
         return self._finish(out, gate)
@@ -310,11 +310,11 @@ class CausalSelfAttention(eqx.Module):
         `(output, new_cache)`, the new cache the same on every rank: under context
         parallelism the new keys and values are all-gathered into it, in sequence order.
         """
-        _check_kv_exchange(kv_exchange)
+        check_kv_exchange(kv_exchange)
         cp = layer_cp(cp, "CausalSelfAttention")
         rel = local_positions(cp, x.shape[0])
         q, k, v, gate = self._project(x, rel + length)
-        out, lse = _blockwise_attention(
+        out, lse = blockwise_attention(
             q,
             k,
             v,

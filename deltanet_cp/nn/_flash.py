@@ -23,7 +23,7 @@ from jaxtyping import Array, Float, Int
 
 from .._parallel import ContextParallel, Contiguous
 from .._sharding import varying
-from ._schedule import _block, _check_kv_exchange, _Schedule, _tiles, _tiling
+from ._schedule import check_kv_exchange, Schedule, tile_loops, tile_side, tiling
 
 
 _HI = jax.lax.Precision.HIGHEST
@@ -122,7 +122,7 @@ def _flash_forward(q, k, v, pos_q, pos_k, tiles, row, count):
 
 
 @jax.custom_vjp
-def _flash(q, k, v, pos_q, pos_k, tiles, row, count):
+def flash(q, k, v, pos_q, pos_k, tiles, row, count):
     """Blockwise causal attention over a list of tiles, with an online softmax.
 
     **Arguments:**
@@ -204,26 +204,26 @@ def _flash_bwd(res, cts):
     return grads + (None, None, None, None, None)
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
+flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _to_blocks(x: Array, b: int) -> Array:
+def to_blocks(x: Array, b: int) -> Array:
     """`(seq, ...)` -> `(seq / b, b, ...)`: a reshape, no copy."""
     return x.reshape(-1, b, *x.shape[1:])
 
 
 def _attend(q, k, v, pos_q, pos_k, tiles, b, group):
-    """`_flash` on `(rows, heads, dim)` arrays, `b` keys and `b * group` query rows a tile:
+    """`flash` on `(rows, heads, dim)` arrays, `b` keys and `b * group` query rows a tile:
     `(out (rows, heads, dim), lse (rows, heads))`."""
     tiles, row, count = tiles
     out, lse = cast(
         tuple[Array, Array],
-        _flash(
-            _to_blocks(q, b * group),
-            _to_blocks(k, b),
-            _to_blocks(v, b),
-            _to_blocks(pos_q, b * group),
-            _to_blocks(pos_k, b),
+        flash(
+            to_blocks(q, b * group),
+            to_blocks(k, b),
+            to_blocks(v, b),
+            to_blocks(pos_q, b * group),
+            to_blocks(pos_k, b),
             tiles,
             row,
             count,
@@ -241,8 +241,8 @@ class _Ring:
 
     def __init__(self, axis_name, cp, diagonal, steps, positions):
         self.axis_name, self.cp = axis_name, cp
-        self.diagonal: _Schedule = diagonal
-        self.stacked = _Schedule.of(
+        self.diagonal: Schedule = diagonal
+        self.stacked = Schedule.of(
             [s.listed(r) for s in steps for r in range(cp)] if steps else [[]]
         )
         self.positions: np.ndarray = positions
@@ -284,7 +284,7 @@ def _ring_forward(ring: _Ring, q, k, v, pos_q, pos_k):
 def _ring(ring: _Ring, q, k, v, pos_q, pos_k):
     """Causal attention of the local queries to the whole sequence's keys, passed around
     the ring: `out`, `(nq, block, heads, dim)` in the accumulation dtype (arguments in
-    blocks as for `_flash`; `k`, `v` and their positions `pos_k` this rank's own).
+    blocks as for `flash`; `k`, `v` and their positions `pos_k` this rank's own).
 
     At step 0 the queries attend to the local keys (the causal diagonal); at each step
     `i = 1 .. cp - 1` of a loop the keys and values move one rank on (rank `r` then holds
@@ -293,7 +293,7 @@ def _ring(ring: _Ring, q, k, v, pos_q, pos_k):
 
     The backward saves only `q, k, v, out` and the log-sum-exp, and runs the ring again:
     the keys and values go around with accumulators of their gradients, to which each rank
-    adds its tiles' contributions (recomputed from the log-sum-exp, as `_flash` does); one
+    adds its tiles' contributions (recomputed from the log-sum-exp, as `flash` does); one
     last step brings the accumulators home, where each holds its rank's `dk`, `dv`.
     """
     return _ring_forward(ring, q, k, v, pos_q, pos_k)[0]
@@ -334,7 +334,7 @@ def _ring_bwd(ring: _Ring, res, d_out):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _group_queries(x: Array, group: int) -> Array:
+def group_queries(x: Array, group: int) -> Array:
     """`(seq, kv_heads * group, ...)` -> `(seq * group, kv_heads, ...)`: the queries that
     share a key head become rows of the same head (query head `h` reads key head
     `h // group`), so a tile of `block` tokens holds `block * group` query rows."""
@@ -343,14 +343,14 @@ def _group_queries(x: Array, group: int) -> Array:
     return jnp.swapaxes(x, 1, 2).reshape(t * group, h // group, *x.shape[3:])
 
 
-def _ungroup_queries(x: Array, group: int) -> Array:
-    """The inverse of `_group_queries`."""
+def ungroup_queries(x: Array, group: int) -> Array:
+    """The inverse of `group_queries`."""
     tg, kvh = x.shape[:2]
     x = x.reshape(tg // group, group, kvh, *x.shape[2:])
     return jnp.swapaxes(x, 1, 2).reshape(tg // group, kvh * group, *x.shape[3:])
 
 
-def _blockwise_attention(
+def blockwise_attention(
     q: Float[Array, "seq heads dim"],
     k: Float[Array, "seq kv_heads dim"],
     v: Float[Array, "seq kv_heads dim"],
@@ -374,27 +374,27 @@ def _blockwise_attention(
     in the accumulation dtype (for merging with attention to other keys; the ring then runs
     without its memory-saving backward).
     """
-    _check_kv_exchange(kv_exchange)
+    check_kv_exchange(kv_exchange)
     t, h, d = q.shape
     group = h // k.shape[1]
-    q = _group_queries(q * (d**-0.5), group)
+    q = group_queries(q * (d**-0.5), group)
     pos_q_rows = jnp.repeat(pos_q, group)
 
     def finish(out, lse):
-        out = _ungroup_queries(out.reshape(t * group, *out.shape[-2:]), group)
+        out = ungroup_queries(out.reshape(t * group, *out.shape[-2:]), group)
         if not return_lse:
             return out.astype(v.dtype), None
-        return out, _ungroup_queries(lse.reshape(t * group, -1), group)
+        return out, ungroup_queries(lse.reshape(t * group, -1), group)
 
     if cp is None:
-        b = _block(block_size, t, "the sequence length")
-        ((schedule,),) = _tiles(Contiguous().held(1), t // b, "allgather")
+        b = tile_side(block_size, t, "the sequence length")
+        ((schedule,),) = tile_loops(Contiguous().held(1), t // b, "allgather")
         return finish(*_attend(q, k, v, pos_q_rows, pos_q, schedule.at(0), b, group))
     n = jax.lax.axis_size(cp.axis_name)
     rank = jax.lax.axis_index(cp.axis_name)
-    b, m = _tiling(cp.layout, t, n, block_size)
+    b, m = tiling(cp.layout, t, n, block_size)
     table = cp.layout.position_table(t, n)
-    loops = _tiles(cp.layout.held(n), m, kv_exchange)
+    loops = tile_loops(cp.layout.held(n), m, kv_exchange)
     if kv_exchange == "allgather":
         k = jax.lax.all_gather(k, cp.axis_name, axis=0, tiled=True)
         v = jax.lax.all_gather(v, cp.axis_name, axis=0, tiled=True)
@@ -402,8 +402,8 @@ def _blockwise_attention(
         return finish(*_attend(q, k, v, pos_q_rows, pos_k, loops[0][0].at(rank), b, group))
     (diagonal,), steps = loops
     ring = _Ring(cp.axis_name, n, diagonal, steps, table.reshape(n, -1, b))
-    qb, pos_qb = _to_blocks(q, b * group), _to_blocks(pos_q_rows, b * group)
-    kb, vb, pos_kb = _to_blocks(k, b), _to_blocks(v, b), _to_blocks(pos_q, b)
+    qb, pos_qb = to_blocks(q, b * group), to_blocks(pos_q_rows, b * group)
+    kb, vb, pos_kb = to_blocks(k, b), to_blocks(v, b), to_blocks(pos_q, b)
     if return_lse:
         out, lse = _ring_forward(ring, qb, kb, vb, pos_qb, pos_kb)
         return finish(out, lse.transpose(0, 2, 1))

@@ -25,7 +25,7 @@ def _rect(q0: int, nq: int, k0: int, nk: int) -> list[tuple[int, int]]:
     return [(q0 + i, k0 + j) for i in range(nq) for j in range(nk)]
 
 
-class _Schedule:
+class Schedule:
     """The tiles each rank computes, as one static table indexed by the (traced) rank.
 
     `tiles[r, :counts[r]]` lists rank `r`'s tiles as (query block, key block) pairs; shorter
@@ -38,7 +38,7 @@ class _Schedule:
         self.counts = counts
 
     @classmethod
-    def of(cls, per_rank: list[list[tuple[int, int]]]) -> "_Schedule":
+    def of(cls, per_rank: list[list[tuple[int, int]]]) -> "Schedule":
         width = max(1, max(len(tiles) for tiles in per_rank))
         table = np.zeros((len(per_rank), width, 2), np.int32)
         for r, tiles in enumerate(per_rank):
@@ -80,7 +80,7 @@ def _piece_tiles(p: int, q: int, qi: int, kj: int, m: int) -> list[tuple[int, in
     return []
 
 
-def _allgather_schedule(held: Held, m: int) -> _Schedule:
+def _allgather_schedule(held: Held, m: int) -> Schedule:
     """Tiles of local queries against the all-gathered keys, `m` blocks per piece.
 
     The gathered keys are every rank's shard in rank order, so global piece `q` lies at
@@ -98,10 +98,10 @@ def _allgather_schedule(held: Held, m: int) -> _Schedule:
         ]
         for pieces in held
     ]
-    return _Schedule.of(per_rank)
+    return Schedule.of(per_rank)
 
 
-def _ring_schedule(held: Held, m: int, step: int) -> _Schedule:
+def _ring_schedule(held: Held, m: int, step: int) -> Schedule:
     """Tiles of local queries against the keys held `step` ranks back around the ring.
 
     At step `i` rank `r` holds the shard of source `s = (r - i) mod cp` (step 0: its own,
@@ -120,10 +120,10 @@ def _ring_schedule(held: Held, m: int, step: int) -> _Schedule:
         ]
         for r, pieces in enumerate(held)
     ]
-    return _Schedule.of(per_rank)
+    return Schedule.of(per_rank)
 
 
-def _block(block_size: int, piece: int, what: str) -> int:
+def tile_side(block_size: int, piece: int, what: str) -> int:
     """The tile size: `block_size`, or the piece length if shorter; it must divide it."""
     b = min(block_size, piece)
     if piece % b:
@@ -136,7 +136,7 @@ def _block(block_size: int, piece: int, what: str) -> int:
     return b
 
 
-def _check_kv_exchange(kv_exchange: object) -> None:
+def check_kv_exchange(kv_exchange: object) -> None:
     """Raise a `ValueError` unless `kv_exchange` is `"allgather"` or `"ring"`."""
     if kv_exchange not in _KV_EXCHANGES:
         raise ValueError(
@@ -145,7 +145,7 @@ def _check_kv_exchange(kv_exchange: object) -> None:
         )
 
 
-def _tiles(held: Held, m: int, kv_exchange: str) -> list[list[_Schedule]]:
+def tile_loops(held: Held, m: int, kv_exchange: str) -> list[list[Schedule]]:
     """The tile loops of one attention's forward, in program order, each as the schedules
     of its successive runs: the all-gather's one loop, run once; the ring's loop over the
     local diagonal, run once, and its loop over one step's tiles, run once per step
@@ -156,7 +156,7 @@ def _tiles(held: Held, m: int, kv_exchange: str) -> list[list[_Schedule]]:
     return [ring[:1], ring[1:]]
 
 
-def _tiling(layout: AbstractLayout, length: int, cp: int, block_size: int) -> tuple[int, int]:
+def tiling(layout: AbstractLayout, length: int, cp: int, block_size: int) -> tuple[int, int]:
     """`(tile side, tiles per piece)` for `length` local tokens under `layout`."""
     piece = layout.piece_length(length, cp)
     per_rank = length // piece
@@ -165,5 +165,5 @@ def _tiling(layout: AbstractLayout, length: int, cp: int, block_size: int) -> tu
         if per_rank == 1
         else f"each of a rank's {per_rank} pieces (the local length / {per_rank})"
     )
-    b = _block(block_size, piece, what)
+    b = tile_side(block_size, piece, what)
     return b, piece // b
