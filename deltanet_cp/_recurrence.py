@@ -8,6 +8,7 @@ import jax
 from jaxtyping import Array, PyTree
 
 from ._affine import AbstractAffineMap
+from ._validate import as_positive_index
 
 
 _Inputs = TypeVar("_Inputs")
@@ -57,9 +58,7 @@ class AbstractRecurrence(eqx.Module, Generic[_Inputs, _Factors, _Map]):
     chunk_size: eqx.AbstractVar[int]
 
     def __check_init__(self):
-        c = self.chunk_size
-        if not isinstance(c, int) or isinstance(c, bool) or c < 1:
-            raise ValueError(f"`chunk_size` must be a positive int; got {c!r}.")
+        as_positive_index(self.chunk_size, "chunk_size")
 
     def check(self, inputs: _Inputs) -> None:
         """Raise a `ValueError` that names the problem if `inputs` don't fit together."""

@@ -36,7 +36,7 @@ from ._parallel import (
 )
 from ._passes import Blocks, context_parallel, local
 from ._recurrence import AbstractRecurrence, check_shapes
-from ._validate import check_inputs
+from ._validate import as_index, as_positive_index, check_inputs
 
 
 def run(
@@ -101,7 +101,7 @@ def run(
     """
     check_inputs(recurrence, inputs)
     check_cp(cp, "deltanet_cp.run")
-    _check_block_size(block_size)
+    block_size = _check_block_size(block_size)
     if cp is not None and cp.mesh is not None:
         return _run_global(recurrence, inputs, initial_state, cu_seqlens, cp, block_size)
     if cu_seqlens is not None:
@@ -222,9 +222,9 @@ def run_contiguous(
                 "run_contiguous runs inside jax.shard_map on this rank's slice: pass a "
                 "ContextParallel without `mesh` (deltanet_cp.run takes global arrays)."
             )
-    if not isinstance(start, int) or start < 0:
+    if (start := as_index(start, "start")) < 0:
         raise ValueError(f"`start` must be a non-negative int; got {start!r}.")
-    _check_block_size(block_size)
+    block_size = _check_block_size(block_size)
     if 0 in _batch_and_length(inputs):
         raise ValueError(
             "run_contiguous walks at least one token of at least one batch row; got inputs "
@@ -352,11 +352,8 @@ def default_block_size() -> int:
 _DEFAULT_BLOCK_SIZE = {"cpu": 512, "gpu": 4096, "tpu": 4096}
 
 
-def _check_block_size(block_size: int | None) -> None:
-    if block_size is not None and (
-        not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1
-    ):
-        raise ValueError(f"`block_size` must be a positive int or None; got {block_size!r}.")
+def _check_block_size(block_size: int | None) -> int | None:
+    return None if block_size is None else as_positive_index(block_size, "block_size")
 
 
 def _chunks_per_block(block_size: int | None, chunk_size: int) -> int:

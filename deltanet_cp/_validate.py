@@ -47,7 +47,13 @@ def as_index(value: SupportsIndex, name: str) -> int:
 
 
 def as_positive_index(value: SupportsIndex, name: str) -> int:
-    """`as_index`, and a `ValueError` naming `name` unless the result is at least 1."""
+    """`value` as a Python `int` of at least 1: the library's one rule for a count or a size.
+
+    Accepts what `as_index` accepts (an `int`, a NumPy integer, a concrete 0-d integer
+    array) and refuses the same: `TypeError` naming `name` for a bool, a float (even an
+    integral one), a string or a traced value; then `ValueError` naming `name` for a value
+    below 1.
+    """
     index = as_index(value, name)
     if index < 1:
         raise ValueError(f"`{name}` must be a positive int; got {index}.")
@@ -55,9 +61,9 @@ def as_positive_index(value: SupportsIndex, name: str) -> int:
 
 
 def as_chunk_size(value: SupportsIndex) -> int:
-    """The converter of a recurrence's `chunk_size` field: `as_index` (so `np.int64(64)`
-    is accepted); the engine refuses a non-positive size."""
-    return as_index(value, "chunk_size")
+    """The converter of a recurrence's `chunk_size` field: `as_positive_index` (so
+    `np.int64(64)` is accepted and `0` refused)."""
+    return as_positive_index(value, "chunk_size")
 
 
 def as_config_float(name: str, value: Any) -> float:

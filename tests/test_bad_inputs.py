@@ -26,8 +26,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import deltanet_cp as dcp
 from deltanet_cp._validate import as_index, as_scale, check_inputs, inputs_type
-from deltanet_cp.nn import GatedDeltaNet, HybridLM
+from deltanet_cp.interop import fla
+from deltanet_cp.nn import CausalConv1d, CausalSelfAttention, GatedDeltaNet, HybridLM
 
+from .helpers import make_delta_product_inputs
 from .registry import FAMILIES, Family, GLA, GLA_PER_HEAD
 
 
@@ -530,3 +532,82 @@ def test_use_qk_l2norm_must_be_a_bool(family, flag):
     with pytest.raises(ValueError, match="use_qk_l2norm"):
         family.recurrence(chunk_size=8, use_qk_l2norm=flag)
     assert family.recurrence(chunk_size=8, use_qk_l2norm=np.bool_(True)).use_qk_l2norm is True
+
+
+# ---------------------------------------------------------------------------------------
+# One rule for every count and size: `as_positive_index`
+# ---------------------------------------------------------------------------------------
+
+
+def _delta_product_flat(n: int):
+    """FLA's flat layout for `chunk_gated_delta_product`: 4 tokens of `n` steps each."""
+    (q, k, v, g, beta), _ = make_delta_product_inputs(0, t=4, n=2)
+    flat = [x.reshape(1, 8, *x.shape[3:]) for x in (k, v, beta)]
+    return fla.chunk_gated_delta_product(q, flat[0], flat[1], g, flat[2], n)[0]
+
+
+def _run_gla(entry: str, block_size: int):
+    args, _ = GLA.make(0, **SHAPE)
+    return getattr(dcp, entry)(GLA.configuration(CHUNK), GLA.inputs(*args), block_size=block_size)
+
+
+# Every public argument that is a count or a size: (name, call with it, a valid value).
+POSITIVE_INTS = {
+    "GatedDeltaRule": ("chunk_size", lambda n: dcp.GatedDeltaRule(chunk_size=n), 4),
+    "chunk_gated_delta_rule": (
+        "chunk_size",
+        lambda n: FAMILIES[0].chunk(*FAMILIES[0].make(0, **SHAPE)[0], chunk_size=n),
+        4,
+    ),
+    "run": ("block_size", lambda n: _run_gla("run", n), 4),
+    "run_contiguous": ("block_size", lambda n: _run_gla("run_contiguous", n), 4),
+    "to_zigzag": ("cp", lambda n: dcp.to_zigzag(jnp.arange(16).reshape(2, 8), n), 2),
+    "from_zigzag": ("cp", lambda n: dcp.from_zigzag(jnp.arange(16).reshape(2, 8), n), 2),
+    "CausalSelfAttention-num_heads": (
+        "num_heads",
+        lambda n: CausalSelfAttention(16, n, 4, key=jr.key(0)),
+        2,
+    ),
+    "CausalSelfAttention-num_kv_heads": (
+        "num_kv_heads",
+        lambda n: CausalSelfAttention(16, 2, 4, num_kv_heads=n, key=jr.key(0)),
+        1,
+    ),
+    "CausalSelfAttention-block_size": (
+        "block_size",
+        lambda n: CausalSelfAttention(16, 2, 4, block_size=n, key=jr.key(0)),
+        4,
+    ),
+    "CausalConv1d": ("kernel_size", lambda n: CausalConv1d(4, n, key=jr.key(0)), 4),
+    "GatedDeltaNet": (
+        "chunk_size",
+        lambda n: GatedDeltaNet(16, 1, 2, 4, 4, chunk_size=n, key=jr.key(0)),
+        4,
+    ),
+    "GatedDeltaNet.prefill": (
+        "checkpoint_every",
+        lambda n: _layer().prefill(jnp.ones((8, 16)), checkpoint_every=n),
+        4,
+    ),
+    "HybridLM": (
+        "attention_every",
+        lambda n: HybridLM(11, 16, 2, attention_every=n, chunk_size=4, key=jr.key(0)),
+        2,
+    ),
+    "fla.chunk_gated_delta_product": ("num_householder", _delta_product_flat, 2),
+}
+
+
+@pytest.mark.parametrize("entry", list(POSITIVE_INTS))
+def test_positive_int_arguments(entry, without_runtime_typecheck):
+    # The same errors everywhere: a TypeError for what is not an integer (a float, even an
+    # integral one, a bool, a string), a ValueError for an integer below 1; a NumPy
+    # integer is the Python int it holds.
+    name, call, valid = POSITIVE_INTS[entry]
+    for bad in [0, -1]:
+        with pytest.raises(ValueError, match=f"`{name}` must be a positive int; got {bad}"):
+            call(bad)
+    for bad in [2.0, True, "4"]:
+        with pytest.raises(TypeError, match=f"`{name}` must be an int"):
+            call(bad)
+    assert eqx.tree_equal(call(np.int64(valid)), call(valid))

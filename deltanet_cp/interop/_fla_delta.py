@@ -8,6 +8,7 @@ from jaxtyping import Array, Float
 
 from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, ValueTensor
 from .._parallel import ContextParallel
+from .._validate import as_positive_index
 from ..recurrences._delta import DeltaRule
 from ..recurrences._delta_family import DeltaInputs
 from ..recurrences._delta_product import GatedDeltaProduct
@@ -271,9 +272,7 @@ def chunk_gated_delta_product(
     `(o, final_state)`: `o` `(B, T, HV, V)`, and the final state or `None`.
     """
     check_options("chunk_gated_delta_product", options, ("cu_seqlens_cpu",))
-    n = num_householder
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"`num_householder` must be a positive int; got {n!r}.")
+    n = as_positive_index(num_householder, "num_householder")
     b, t = q.shape[:2]
     for name, x in (("k", k), ("v", v), ("beta", beta)):
         if x.shape[:2] != (b, t * n):

@@ -13,6 +13,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._parallel import axis_size, ContextParallel
+from .._validate import as_index, as_positive_index
 from ._context import layer_cp, local_positions
 from ._flash import blockwise_attention, flash, group_queries, to_blocks, ungroup_queries
 from ._norm import ZeroCenteredRMSNorm
@@ -177,9 +178,13 @@ class CausalSelfAttention(eqx.Module):
         - `key`: a PRNG key for the initial parameters.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
         """
+        hidden_size = as_positive_index(hidden_size, "hidden_size")
+        num_heads = as_positive_index(num_heads, "num_heads")
+        head_dim = as_positive_index(head_dim, "head_dim")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        rotary_dim = head_dim if rotary_dim is None else rotary_dim
-        if num_kv_heads < 1 or num_heads % num_kv_heads:
+        num_kv_heads = as_positive_index(num_kv_heads, "num_kv_heads")
+        rotary_dim = as_index(head_dim if rotary_dim is None else rotary_dim, "rotary_dim")
+        if num_heads % num_kv_heads:
             raise ValueError(
                 f"`num_kv_heads` ({num_kv_heads}) must divide `num_heads` ({num_heads})."
             )
@@ -187,8 +192,7 @@ class CausalSelfAttention(eqx.Module):
             raise ValueError(
                 f"`rotary_dim` must be even and in (0, head_dim = {head_dim}]; got {rotary_dim}."
             )
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"`block_size` must be a positive int; got {block_size!r}.")
+        block_size = as_positive_index(block_size, "block_size")
         kq, kk, kv, ko = jr.split(key, 4)
         inner, kv_inner = num_heads * head_dim, num_kv_heads * head_dim
 

@@ -9,6 +9,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._parallel import ContextParallel
+from .._validate import as_positive_index
 from ._context import layer_cp
 
 
@@ -60,8 +61,7 @@ class CausalConv1d(eqx.Module):
         - `key`: a PRNG key for the initial weights, `U(-1/sqrt(W), 1/sqrt(W))` as in torch.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
         """
-        if kernel_size < 1:
-            raise ValueError(f"`kernel_size` must be at least 1; got {kernel_size}.")
+        kernel_size = as_positive_index(kernel_size, "kernel_size")
         dtype = jnp.zeros(()).dtype if dtype is None else dtype
         lim = 1 / math.sqrt(kernel_size)
         self.weight = jr.uniform(key, (channels, kernel_size), dtype, -lim, lim)

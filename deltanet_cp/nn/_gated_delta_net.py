@@ -329,8 +329,6 @@ class GatedDeltaNet(eqx.Module):
         return self._forward(x, state, checkpoint_every, cp)
 
     def _check_checkpoints(self, every: int, length: int, cp: ContextParallel | None) -> None:
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ValueError(f"`checkpoint_every` must be a positive int; got {every!r}.")
         if every % self.chunk_size or every < self.conv1d.history:
             raise ValueError(
                 f"`checkpoint_every` ({every}) must be a multiple of the layer's chunk_size "
@@ -353,6 +351,7 @@ class GatedDeltaNet(eqx.Module):
         cp = layer_cp(cp, "GatedDeltaNet")
         self._check_input(x)
         if checkpoint_every is not None:
+            checkpoint_every = as_positive_index(checkpoint_every, "checkpoint_every")
             self._check_checkpoints(checkpoint_every, x.shape[0], cp)
         mixed, z, b, a = self._project(x)
         conv_state, h0 = (None, None) if state is None else (state.conv, state.recurrent)
