@@ -163,12 +163,23 @@ _L = TypeVar("_L", bound=AbstractLayout)
 class ContextParallel(eqx.Module, Generic[_L]):
     """How a call is sharded over a context-parallel mesh axis: one static value.
 
-    Pass it as `cp=` to [`deltanet_cp.run`][], the `chunk_*` and `recurrent_*` functions
-    and the layers; `cp=None` (the default) runs on one device.
+    Pass it as `cp=` to [`deltanet_cp.run`][], the `chunk_*` and `recurrent_*` functions,
+    the layers of `deltanet_cp.nn` and the models; `cp=None` (the default) runs on one
+    device. What every `cp=` means:
 
-    Without `mesh`, the call is made inside your own `jax.shard_map` and every array is
-    this rank's shard. With `mesh`, the arrays are global, in sequence order, and the
-    function does the `shard_map` itself (and returns global arrays).
+    - The sequence axis is sharded over the mesh axis `axis_name`: axis 1 of every
+        per-token argument of the functions (`(B, T, ...)`), axis 0 of a layer's or
+        model's one sequence (`(seq, ...)`).
+    - Without `mesh`, the call is made inside your own `jax.shard_map` and every
+        per-token array, in and out, is this rank's shard, its pieces in `layout`'s order
+        (`layout.to_layout` puts a global array in that order, `layout.from_layout` takes
+        it back). An initial state is replicated, and the final state is the whole
+        sequence's, the same on every rank.
+    - With `mesh`, the arrays are global, in sequence order, and the function does the
+        `shard_map` itself (and returns global arrays). The layers and models take a
+        `ContextParallel` without `mesh` only.
+    - The ranks exchange recurrent state by `exchange`; attention's keys and values go by
+        the `kv_exchange=` of the layer's call instead.
 
     **Arguments:**
 

@@ -62,9 +62,8 @@ def chunk_gated_delta_rule(
     - `state_v_first`: the initial and final states are `(..., V, K)`.
     - `cu_seqlens`: packed documents (batch size 1), `[0, ..., T]`.
     - `chunk_size`: tokens per chunk (FLA takes it through `**kwargs`).
-    - `cp`: context parallelism (what FLA's `cp_context` is for), a
-        [`deltanet_cp.ContextParallel`][] as in [`deltanet_cp.chunk_gated_delta_rule`][];
-        `None`: one device.
+    - `cp`: how the call is sharded (what FLA's `cp_context` is for), as in
+        [`deltanet_cp.ContextParallel`][]; `None`: one device.
     - `**options`: FLA's other options. `cu_seqlens_cpu` and `chunk_indices` are accepted
         and unused; `use_gate_in_kernel`, `A_log`, `dt_bias`, `use_beta_sigmoid_in_kernel`,
         `allow_neg_eigval`, `cp_context` and `head_first` raise a `ValueError` unless at their

@@ -54,9 +54,8 @@ def chunk_dplr_delta_rule(
     - `output_final_state`: also return the final state.
     - `cu_seqlens`: packed documents (batch size 1), `[0, ..., T]`.
     - `chunk_size`: tokens per chunk (any; FLA's default of 16 is a kernel detail).
-    - `cp`: context parallelism (what FLA's `cp_context` is for), a
-        [`deltanet_cp.ContextParallel`][] as in [`deltanet_cp.chunk_dplr_delta_rule`][];
-        `None`: one device.
+    - `cp`: how the call is sharded (what FLA's `cp_context` is for), as in
+        [`deltanet_cp.ContextParallel`][]; `None`: one device.
     - `**options`: `cu_seqlens_cpu` and `disable_recompute` are accepted and unused;
         `safe_gate`, `lower_bound`, `cp_context` and `head_first` raise a `ValueError`
         unless at their defaults.

@@ -269,12 +269,8 @@ class Qwen3_5ForCausalLM(eqx.Module):
 
         - `tokens`: one sequence of token ids; with `cp`, this rank's shard of it under
             `cp.layout`.
-        - `cp`: a [`deltanet_cp.ContextParallel`][] without `mesh` (the call is made inside
-            `jax.shard_map`, the sequence sharded over `cp.axis_name`), or `None` on one
-            device. Its `layout`: [`deltanet_cp.Contiguous`][] (the default) or
-            [`deltanet_cp.Zigzag`][] (put the tokens in that order with
-            `cp.layout.to_layout`; the logits come out in it too); its `exchange`: the
-            Gated DeltaNet layers' state exchange.
+        - `cp`: how the call is sharded, as in [`deltanet_cp.ContextParallel`][] (without
+            `mesh`; the logits come out in `cp.layout`'s order); `None` on one device.
         - `kv_exchange`: how the attention layers get the other ranks' keys and values,
             `"allgather"` or `"ring"` (see [`deltanet_cp.nn.CausalSelfAttention`][]).
 

@@ -262,12 +262,9 @@ class CausalSelfAttention(eqx.Module):
         """**Arguments:**
 
         - `x`: one sequence, `(seq, hidden)`; with `cp`, this rank's shard of it.
-        - `cp`: a [`deltanet_cp.ContextParallel`][] without `mesh`: the call is made inside
-            `jax.shard_map`, time sharded over `cp.axis_name` under `cp.layout`
-            ([`deltanet_cp.Contiguous`][]: rank `r` holds the `r`-th slice;
-            [`deltanet_cp.Zigzag`][]: rank `r` holds pieces `r` and `2 cp - 1 - r` of
-            `2 cp`, and the causal work is then the same on every rank). `None` on one
-            device. (`cp.exchange` is the recurrences' and plays no part here.)
+        - `cp`: how the call is sharded, as in [`deltanet_cp.ContextParallel`][] (without
+            `mesh`); `None` on one device. With [`deltanet_cp.Zigzag`][] the causal work
+            is the same on every rank; `cp.exchange` plays no part here.
         - `kv_exchange`: how the keys and values reach every rank: `"allgather"` (one
             all-gather; each rank then computes only the tiles its queries need) or
             `"ring"` (`cp - 1` steps of `jax.lax.ppermute` in a loop, attending to one

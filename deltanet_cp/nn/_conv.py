@@ -105,8 +105,8 @@ class CausalConv1d(eqx.Module):
             half under `Zigzag()`) at least `kernel_size - 1` tokens.
         - `state`: the `kernel_size - 1` inputs before the (global) first token; zeros if
             `None`. With `cp` it must be replicated.
-        - `cp`: a [`deltanet_cp.ContextParallel`][] without `mesh` (the call is made inside
-            `jax.shard_map`, time sharded over `cp.axis_name`), or `None` on one device.
+        - `cp`: how the call is sharded, as in [`deltanet_cp.ContextParallel`][] (without
+            `mesh`); `None` on one device.
 
         **Returns:**
 

@@ -269,11 +269,9 @@ class GatedDeltaNet(eqx.Module):
             `cp.layout` (each of its pieces at least `conv_kernel_size - 1` tokens).
         - `state`: the state before the first token (a prefix already processed), or `None`
             to start from zeros. With `cp`, replicated on every rank.
-        - `cp`: a [`deltanet_cp.ContextParallel`][] without `mesh`: the call is made inside
-            `jax.shard_map`, time sharded over `cp.axis_name` under `cp.layout`
-            ([`deltanet_cp.Contiguous`][] or [`deltanet_cp.Zigzag`][]: the convolution's
-            halo and the recurrence follow the layout's pieces), the ranks exchanging
-            recurrent state by `cp.exchange`. `None` on one device.
+        - `cp`: how the call is sharded, as in [`deltanet_cp.ContextParallel`][] (without
+            `mesh`; the convolution's halo and the recurrence follow the layout's pieces);
+            `None` on one device.
 
         **Returns:**
 

@@ -81,10 +81,8 @@ def chunk_gated_delta_rule(
         no chunk mixes two documents, and `initial_state` / the final state are per
         document, `(N, HV, K, V)`.
     - `chunk_size`: tokens per chunk.
-    - `cp`: context parallelism, a [`deltanet_cp.ContextParallel`][]: the sequence axis
-        (axis 1 of every per-token argument) sharded over `cp.axis_name`, each argument
-        this rank's shard inside `jax.shard_map`, or global arrays when `cp.mesh` is set;
-        `initial_state` is then replicated and the final state global. `None`: one device.
+    - `cp`: how the call is sharded, as in [`deltanet_cp.ContextParallel`][]; `None`: one
+        device.
 
     **Returns:**
 
