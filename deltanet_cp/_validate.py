@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 
-def as_index(value: SupportsIndex, name: str) -> int:
+def as_index(value: Any, name: str) -> int:
     """`value` as a Python `int`: an `int`, a NumPy integer, a concrete 0-d integer array.
 
     **Arguments:**
@@ -46,7 +46,7 @@ def as_index(value: SupportsIndex, name: str) -> int:
         ) from None
 
 
-def as_positive_index(value: SupportsIndex, name: str) -> int:
+def as_positive_index(value: Any, name: str) -> int:
     """`value` as a Python `int` of at least 1: the library's one rule for a count or a size.
 
     Accepts what `as_index` accepts (an `int`, a NumPy integer, a concrete 0-d integer
@@ -66,6 +66,15 @@ def as_chunk_size(value: SupportsIndex) -> int:
     return as_positive_index(value, "chunk_size")
 
 
+def as_config_int(name: str, value: Any) -> int:
+    """A positive int field of a model config: `as_positive_index`'s rule, each refusal a
+    `ValueError` naming the field (the config is a value read from a file)."""
+    try:
+        return as_positive_index(value, name)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"The config's {error}") from None
+
+
 def as_config_float(name: str, value: Any) -> float:
     """A finite float field of a model config: a float or an int, never a bool or a string;
     a `ValueError` naming the field otherwise."""
@@ -80,14 +89,19 @@ def as_config_float(name: str, value: Any) -> float:
     return float(value)
 
 
-def as_l2norm_flag(value: Any) -> bool:
-    """The converter of a recurrence's `use_qk_l2norm` field: a Python or NumPy bool only (a
-    string such as `"no"` would otherwise read as true)."""
+def as_flag(value: Any, name: str) -> bool:
+    """`value` as a Python `bool`: a Python or NumPy bool only (a string such as `"no"`
+    would otherwise read as true); a `ValueError` naming `name` otherwise."""
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
-    raise ValueError(
-        f"`use_qk_l2norm` (`use_qk_l2norm_in_kernel` in the flash-linear-attention adapters) "
-        f"must be True or False; got {value!r}."
+    raise ValueError(f"{name} must be True or False; got {value!r}.")
+
+
+def as_l2norm_flag(value: Any) -> bool:
+    """The converter of a recurrence's `use_qk_l2norm` field: `as_flag`."""
+    return as_flag(
+        value,
+        "`use_qk_l2norm` (`use_qk_l2norm_in_kernel` in the flash-linear-attention adapters)",
     )
 
 

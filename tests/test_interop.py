@@ -278,15 +278,17 @@ def test_config_sizes_must_be_integers():
     config, weights, _ = _fixture("qwen3_5_gdn")
     short = {k[len(PREFIX) :]: v for k, v in weights.items()}
     expected = _layer("qwen3_5_gdn")
-    # Integral values of other types are the same config.
+    # A NumPy integer is the same config.
     hidden = config["hidden_size"]
-    for value in [np.int64(hidden), float(hidden)]:
-        layer = gated_delta_net_from_hf(dict(config, hidden_size=value), short)
-        assert eqx.tree_equal(layer, expected)
-    # A non-integral size was truncated by int(): refused, naming the field.
-    for value in [hidden + 0.9, "32", True]:
-        with pytest.raises(ValueError, match="The config's `hidden_size` must be an integer"):
+    layer = gated_delta_net_from_hf(dict(config, hidden_size=np.int64(hidden)), short)
+    assert eqx.tree_equal(layer, expected)
+    # What is not an int (a float, even an integral one, which int() would truncate
+    # otherwise) is refused, naming the field, as in deltanet_cp.models.Qwen3_5Config.
+    for value in [hidden + 0.9, float(hidden), "32", True]:
+        with pytest.raises(ValueError, match="The config's `hidden_size` must be an int"):
             gated_delta_net_from_hf(dict(config, hidden_size=value), short)
+    with pytest.raises(ValueError, match="The config's `hidden_size` must be a positive int"):
+        gated_delta_net_from_hf(dict(config, hidden_size=0), short)
 
 
 # ---------------------------------------------------------------------------------------

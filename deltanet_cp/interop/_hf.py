@@ -1,8 +1,6 @@
 """Hugging Face `transformers` weights for [`deltanet_cp.nn.GatedDeltaNet`][] (safetensors only)."""
 
 import json
-import math
-import operator
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -13,7 +11,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
-from .._validate import as_config_float
+from .._validate import as_config_float, as_config_int
 from ..nn._gated_delta_net import GatedDeltaNet
 
 
@@ -41,19 +39,8 @@ def _config_value(config: Any, name: str, default: Any = None) -> Any:
 
 
 def _config_int(config: Any, name: str, default: Any = None) -> int:
-    """An integer field of the config: an int, a NumPy integer or an integral float."""
-    value = _config_value(config, name, default)
-    if isinstance(value, bool):
-        raise ValueError(f"The config's `{name}` must be an integer; got {value!r}.")
-    if isinstance(value, float) and math.isfinite(value) and value == int(value):
-        return int(value)
-    try:
-        return operator.index(value)  # pyright: ignore[reportArgumentType]
-    except TypeError:
-        raise ValueError(
-            f"The config's `{name}` must be an integer; got {value!r}. Fix it in the config "
-            "(a non-integral size is not truncated)."
-        ) from None
+    """A positive int field of the config (`as_config_int`: an int or a NumPy integer)."""
+    return as_config_int(name, _config_value(config, name, default))
 
 
 def _config_float(config: Any, name: str, default: float) -> float:

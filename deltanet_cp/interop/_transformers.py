@@ -1,10 +1,9 @@
 """transformers' torch kernels for Kimi Linear and Qwen3-Next: each builds the recurrence
 and its inputs and calls the engine (`_convert.call`), the output in `query`'s dtype."""
 
-import numpy as np
-
 from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, States, ValueTensor
 from .._parallel import ContextParallel
+from .._validate import as_flag
 from ..recurrences._delta_family import DeltaInputs
 from ..recurrences._gated_delta import GatedDeltaRule
 from ..recurrences._kda import KimiDeltaAttention
@@ -14,12 +13,8 @@ from ._convert import call
 def _flags(use_qk_l2norm_in_kernel: object, output_final_state: object) -> None:
     """A `ValueError` naming the flag unless both are bools: a string such as `"no"` (true
     in Python) must not switch normalisation on."""
-    for name, value in (
-        ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
-        ("output_final_state", output_final_state),
-    ):
-        if not isinstance(value, (bool, np.bool_)):
-            raise ValueError(f"`{name}` must be True or False; got {value!r}.")
+    as_flag(use_qk_l2norm_in_kernel, "`use_qk_l2norm_in_kernel`")
+    as_flag(output_final_state, "`output_final_state`")
 
 
 def chunk_kimi_delta_attention(

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .._validate import as_config_float
+from .._validate import as_config_float, as_config_int
 
 
 LayerType = Literal["linear_attention", "full_attention"]
@@ -24,17 +24,6 @@ def _bool(name: str, value: Any) -> bool:
         f"The config's `{name}` must be a bool (JSON true or false); got {value!r} of type "
         f"{type(value).__name__}."
     )
-
-
-def _int(name: str, value: Any) -> int:
-    """A positive int field: an int (or a NumPy integer), never a bool, float or string."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(
-            f"The config's `{name}` must be an int; got {value!r} of type {type(value).__name__}."
-        )
-    if value < 1:
-        raise ValueError(f"The config's `{name}` must be a positive int; got {value}.")
-    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +76,7 @@ class Qwen3_5Config:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.type is int:
-                value = _int(f.name, value)
+                value = as_config_int(f.name, value)
             elif f.type is float:
                 value = as_config_float(f.name, value)
             elif f.type is bool:
@@ -177,8 +166,8 @@ class Qwen3_5Config:
         if _bool("attention_bias", text.get("attention_bias", False)):
             raise ValueError("Attention biases (attention_bias=True) are not supported.")
         if "head_dim" not in kwargs and "num_attention_heads" in kwargs and "hidden_size" in kwargs:
-            heads = _int("num_attention_heads", kwargs["num_attention_heads"])
-            kwargs["head_dim"] = _int("hidden_size", kwargs["hidden_size"]) // heads
+            heads = as_config_int("num_attention_heads", kwargs["num_attention_heads"])
+            kwargs["head_dim"] = as_config_int("hidden_size", kwargs["hidden_size"]) // heads
         required = [
             f.name
             for f in dataclasses.fields(cls)
