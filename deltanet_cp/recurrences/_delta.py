@@ -70,9 +70,7 @@ def chunk_delta_rule(
 
     **Returns:**
 
-    `(o, final_state)`: `o` of shape `(B, T, HV, V)` in `v`'s dtype, and the final state
-    `(B, HV, K, V)` (float32; float64 for float64 inputs) (with `cu_seqlens`, one
-    per document).
+    `(o, final_state)`, as in [`deltanet_cp.chunk_gated_delta_rule`][].
     """
     return run(
         DeltaRule(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
