@@ -259,7 +259,7 @@ def test_as_index_and_as_scale(without_runtime_typecheck):
     assert type(as_index(np.int32(3), "n")) is int
     for bad in [3.0, "3", np.bool_(True), None]:
         with pytest.raises(TypeError, match="`n` must be an int"):
-            as_index(bad, "n")  # pyright: ignore[reportArgumentType]
+            as_index(bad, "n")
     with pytest.raises(TypeError, match="`n` must be a Python int known when tracing"):
         jax.jit(lambda n: as_index(n, "n"))(3)
     assert as_scale(1) == 1.0 and as_scale(np.float64(0.5)) == 0.5 and as_scale(None) is None
