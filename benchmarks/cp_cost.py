@@ -234,7 +234,7 @@ def payload_table(case: Case) -> None:
             )
             rows.append([name, cp, mib(got), mib(model)])
     print_table(
-        ["exchange", "cp", "MiB received per rank (HLO)", "cost model MiB"],
+        ["exchange", "cp", "MiB received per rank (HLO)", "payload_elements x 4 B"],
         rows,
         title="Phase-2 payload per rank, read from the compiled HLO (with the final state; the "
         "same at every sequence length)",
