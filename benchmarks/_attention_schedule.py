@@ -1,6 +1,8 @@
 """What the attention benchmark needs to look inside `deltanet_cp.nn.CausalSelfAttention`:
-its tile schedules, the busiest rank's share of the causal work, and its loops compiled
-unrolled. Measurement only: the library's kernel knows nothing of it."""
+its blockwise kernel (the part after the projections), its tile schedules, the busiest
+rank's share of the causal work, and its loops compiled unrolled. Measurement only: the
+library's kernel knows nothing of it. The one benchmark module that reads private names of
+the library (the kernel's schedule and loops have no public form)."""
 
 import contextlib
 
@@ -9,6 +11,14 @@ import jax
 import deltanet_cp as dcp
 from deltanet_cp.nn import _flash
 from deltanet_cp.nn._schedule import _Schedule, _tiles, _tiling
+
+
+def blockwise_attention(q, k, v, pos_q, *, cp, kv_exchange: str, block_size: int):
+    """The layer's causal attention of this rank's queries (RoPE applied, not yet scaled)
+    against every earlier key: `(out, None)`."""
+    return _flash._blockwise_attention(
+        q, k, v, pos_q, cp=cp, kv_exchange=kv_exchange, block_size=block_size
+    )
 
 
 def schedules(

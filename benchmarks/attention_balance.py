@@ -79,6 +79,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from _attention_schedule import (  # noqa: E402
+    blockwise_attention,
     busiest_rank_work,
     check_unroll,
     schedules as tile_schedules,
@@ -88,7 +89,6 @@ from _common import print_table  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import deltanet_cp as dcp  # noqa: E402
-from deltanet_cp.nn._flash import _blockwise_attention  # noqa: E402
 
 
 HEADS, HEAD_DIM, BLOCK = 4, 64, 128
@@ -119,7 +119,7 @@ def compile_rank(
 
     def attend(q, k, v):
         pos = layout.positions(q.shape[0], "cp")
-        return _blockwise_attention(
+        return blockwise_attention(
             q, k, v, pos, cp=context, kv_exchange=exchange, block_size=BLOCK
         )[0]
 
