@@ -80,7 +80,6 @@ bench: $(BENCH_VENV)/.installed
 	$(BENCH)/python benchmarks/depth.py
 	$(BENCH)/python benchmarks/cp_cost.py
 	$(BENCH)/python benchmarks/attention_balance.py
-	$(BENCH)/python benchmarks/zigzag_cost.py
 
 # On a CUDA machine with jax, torch, triton and transformers and no network: the sequential depth
 # on the GPU, then ours vs FLA's Triton kernel vs MaxText, one process each, paired

@@ -1,6 +1,7 @@
-"""Shared pieces of the benchmark scripts: inputs, in-process pairing, the machine, tables.
+"""Shared pieces of the benchmark scripts: inputs, in-process pairing, the exchanges' cost
+model, the machine, tables.
 
-Nothing here imports jax or torch, so every worker process can use it.
+Nothing here imports jax or torch at module level, so every worker process can use it.
 """
 
 import os
@@ -44,6 +45,32 @@ def paired_times(calls: dict[str, Callable[[], object]], repeats: int) -> dict[s
 def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
     """Median over rounds of `numerator[i] / denominator[i]`."""
     return statistics.median(a / b for a, b in zip(numerator, denominator))
+
+
+def payload_bytes(
+    exchange,
+    cp: int,
+    *,
+    map_elements: int,
+    state_elements: int,
+    final_state: bool = False,
+    layout=None,
+    itemsize: int = 4,
+) -> int:
+    """Bytes the busiest rank receives in one exchange of maps, by the exchange's own cost
+    model (`payload_elements`): every benchmark reads the cost model through here.
+
+    `map_elements` are one rank's map, e.g. `B HV K (K + V)` for a dense `AffineMap`,
+    `state_elements` one state, `B HV K V`; `itemsize` 4 for float32 maps.
+    """
+    elements = exchange.payload_elements(
+        cp,
+        map_elements=map_elements,
+        state_elements=state_elements,
+        final_state=final_state,
+        layout=layout,
+    )
+    return itemsize * elements
 
 
 def machine_line() -> str:

@@ -12,7 +12,10 @@ K)`, `v: (B, T, HV, V)`, `g, beta: (B, T, HV)`):
   under CP its `context_parallel_linear_attention`;
 - `transformers`: Hugging Face's `torch_chunk_gated_delta_rule` (eager PyTorch, the raw
   function, not the hub-kernel wrapper);
-- `fla`: flash-linear-attention's Triton `chunk_gated_delta_rule` (CUDA only).
+- `fla`: flash-linear-attention's Triton `chunk_gated_delta_rule` (CUDA only);
+- `family`: our other delta-family recurrences (Gated DeltaNet-2, the generalized delta
+  rule, Kimi Delta Attention) and jax-linear-attention's plain-JAX `gdn2`, on their own
+  inputs.
 
 MaxText and jla take q and k with as many heads as v: they get them repeated (value head
 `j` reads key head `j // (HV / H)`, as Qwen3-Next does); the others broadcast themselves.
@@ -219,7 +222,6 @@ def _sample(o, sample):
 
 
 def _jax(name, *, b, t, h, hv, d, chunk=64, dtype="float32", passes=PASSES, sample=None, **kw):
-    import jax
     import jax.numpy as jnp
 
     _, version = load_peer(name, kw.get("wheels"))
@@ -228,6 +230,15 @@ def _jax(name, *, b, t, h, hv, d, chunk=64, dtype="float32", passes=PASSES, samp
     dt = jnp.dtype(dtype)
     q, k, v, g, beta = (jnp.asarray(x) for x in inputs)
     args = (q.astype(dt), k.astype(dt), v.astype(dt), g, beta.astype(dt))  # g stays float32
+    return _compiled(forward, version, args, cot, d=d, passes=passes, sample=sample)
+
+
+def _compiled(forward, version, args, cot, *, d, passes, sample=None) -> Prepared:
+    """A `Prepared` of a JAX `forward(*args) -> (o, h_T)`: each pass compiled, with its
+    temporaries and matmul FLOPs, and the machine's matmul rate in `args[0]`'s dtype."""
+    import jax
+    import jax.numpy as jnp
+
     out = jax.eval_shape(forward, *args)
     cots = tuple(jnp.asarray(c, o.dtype) for c, o in zip(cot, out))
     device = jax.devices()[0]
@@ -237,7 +248,7 @@ def _jax(name, *, b, t, h, hv, d, chunk=64, dtype="float32", passes=PASSES, samp
         "device": f"{jax.default_backend()} ({getattr(device, 'device_kind', device)})",
     }
     programs = {"fwd": (forward, args), "fwd+bwd": (pullback(forward), (args, cots))}
-    calls, compiled = {}, {}
+    calls = {}
     for p in passes:
         fn, a = programs[p]
         start = time.perf_counter()
@@ -253,9 +264,8 @@ def _jax(name, *, b, t, h, hv, d, chunk=64, dtype="float32", passes=PASSES, samp
                 - m.alias_size_in_bytes
             )
         info[f"matmul_flops {p}"] = matmul_flops(c)
-        compiled[p] = c
         calls[p] = lambda c=c, a=a: jax.block_until_ready(c(*a))
-    info["matmul_rate"] = matmul_rate(d, dt)
+    info["matmul_rate"] = matmul_rate(d, args[0].dtype)
 
     def outputs():
         o, h_t = jax.jit(forward)(*args)
@@ -297,6 +307,75 @@ def maxtext(**case) -> Prepared:
 def jla(**case) -> Prepared:
     """jax-linear-attention's `jla.ops.chunked.gated_delta_rule` on one device."""
     return _jax("jla", **case)
+
+
+def _family_inputs(kind: str, b: int, t: int, h: int, hv: int, d: int) -> list:
+    """float32 numpy inputs in the public argument order of recurrence `kind`, seed 0."""
+    rng = np.random.default_rng(0)
+
+    def normal(*shape):
+        return rng.standard_normal(shape, dtype=np.float32)
+
+    def sigmoid(x):
+        return (1 / (1 + np.exp(-x))).astype(np.float32)
+
+    def log_decay(*shape):
+        return (-np.log1p(np.exp(normal(*shape)))).astype(np.float32)
+
+    q, k, v = normal(b, t, h, d), normal(b, t, h, d), normal(b, t, hv, d)
+    if kind == "gdn":
+        return [q, k, v, log_decay(b, t, hv), sigmoid(normal(b, t, hv))]
+    if kind == "kda":
+        return [q, k, v, log_decay(b, t, hv, d), sigmoid(normal(b, t, hv))]
+    if kind in ("gdn2", "jla_gdn2"):
+        g = log_decay(b, t, hv, d)
+        return [q, k, v, g, sigmoid(normal(b, t, hv, d)), sigmoid(normal(b, t, hv, d))]
+    kk = normal(b, t, h, d)
+    kk = kk / np.linalg.norm(kk, axis=-1, keepdims=True)
+    a, bb = -kk, kk * sigmoid(normal(b, t, h, d))
+    return [q, k / np.sqrt(d), v, a, bb, log_decay(b, t, hv, d)]
+
+
+def family(*, kind: str, b, t, h, hv, d, chunk=64, passes=PASSES, **kw) -> Prepared:
+    """One recurrence of the delta family on one device, float32: ours (`kind` gdn, kda,
+    gdn2 or dplr: `chunk_gated_delta_rule`, `chunk_kimi_delta_attention`, `chunk_gdn2`,
+    `chunk_dplr_delta_rule` with RWKV-7-like inputs) or jax-linear-attention's
+    `jla.ops.chunked.gdn2` (`jla_gdn2`, q and k repeated to `hv` heads)."""
+    import jax.numpy as jnp
+
+    if kind == "jla_gdn2":
+        from _jla import load_jla
+
+        jla = load_jla(kw.get("wheels"))
+        version = jla.version
+
+        def forward(q, k, v, g, b, w):
+            q, k = jnp.repeat(q, hv // h, axis=2), jnp.repeat(k, hv // h, axis=2)
+            return jla.chunked.gdn2(
+                q, k, v, g, b, w, output_final_state=True, use_qk_l2norm=True, chunk_size=chunk
+            )
+
+    else:
+        dcp = import_ours()
+        version = dcp.__version__
+        if kind == "dplr":
+
+            def forward(*args):
+                return dcp.chunk_dplr_delta_rule(*args, chunk_size=chunk)
+
+        else:
+            fn = {
+                "gdn": dcp.chunk_gated_delta_rule,
+                "kda": dcp.chunk_kimi_delta_attention,
+                "gdn2": dcp.chunk_gdn2,
+            }[kind]
+
+            def forward(*args):
+                return fn(*args, use_qk_l2norm=True, chunk_size=chunk)
+
+    args = tuple(jnp.asarray(x) for x in _family_inputs(kind, b, t, h, hv, d))
+    cot = problem(b, t, h, hv, d)[1]
+    return _compiled(forward, version, args, cot, d=d, passes=passes)
 
 
 def _torch(fn, device, version, *, b, t, h, hv, d, dtype="float32", passes=PASSES, sample=None):

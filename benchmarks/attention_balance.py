@@ -38,10 +38,11 @@ arithmetic. So the true count of a program is
 with `body` the flops of one tile step, forward (or forward + backward, for the gradient
 program, each backward loop having the trips of its forward loop), and
 
-- `trips`, exact, the tiles a loop runs in the whole program, from the static tile
-  schedule the library compiles in (`deltanet_cp.nn._schedule.tile_loops`: the schedule of
-  each run of each loop, per rank): for the ring's nested loop, the tiles of each step
-  summed over the `cp - 1` trips of the loop over steps;
+- `trips`, exact, the tiles a loop runs in the whole program, per rank, counted from the
+  layout and causality (`schedules` in `_attention_schedule.py`: the tiles holding at least
+  one visible (query, key) pair, which are the tiles the kernel computes): for the ring's
+  nested loop, the tiles of each step summed over the `cp - 1` trips of the loop over
+  steps;
 - `body`, measured in place: the same per-rank program compiled with its loops over tiles
   running two tiles per trip (`unrolled(2)` of `_attention_schedule.py`, which puts a
   second copy of the body in each; the loop over steps stays rolled; every zigzag tile
@@ -79,8 +80,8 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from _attention_schedule import (  # noqa: E402
+    blockwise_attention,
     busiest_rank_work,
-    check_unroll,
     schedules as tile_schedules,
     unrolled,
 )
@@ -88,7 +89,6 @@ from _common import print_table  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import deltanet_cp as dcp  # noqa: E402
-from deltanet_cp.nn._flash import blockwise_attention  # noqa: E402
 
 
 HEADS, HEAD_DIM, BLOCK = 4, 64, 128
@@ -114,7 +114,6 @@ def compile_rank(
     """The per-rank program of one attention over `s` tokens, compiled (not run)."""
     mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
     seq = P("cp")
-    check_unroll(schedules(s, cp, layout, exchange), unroll)
     context = dcp.ContextParallel("cp", layout=layout)
 
     def attend(q, k, v):
@@ -133,7 +132,7 @@ def compile_rank(
         per_rank, out_specs = attend, seq
     fn = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(seq,) * 3, out_specs=out_specs))
     arg = jax.ShapeDtypeStruct((s, HEADS, HEAD_DIM), jnp.float32, sharding=NamedSharding(mesh, seq))
-    with unrolled(unroll):
+    with unrolled(unroll, schedules(s, cp, layout, exchange)):
         lowered = fn.lower(arg, arg, arg)
     if no_cse:
         return lowered.compile(compiler_options={"xla_disable_hlo_passes": "cse"})
@@ -141,7 +140,7 @@ def compile_rank(
 
 
 def schedules(s: int, cp: int, layout, exchange: str):
-    """The forward's loops over tiles, each as the schedules of its runs (`tile_loops`)."""
+    """The forward's loops over tiles, each as its runs' tiles per rank."""
     return tile_schedules(s, cp, layout, exchange, BLOCK)[1]
 
 
@@ -151,13 +150,13 @@ def trips(s: int, cp: int, layout, exchange: str) -> list[list[int]]:
     runs (the trips of the loop over steps times the tiles per step, where those are the
     same at every step)."""
     loops = schedules(s, cp, layout, exchange)
-    return [[sum(run.counts[r] for run in loop) for loop in loops] for r in range(cp)]
+    return [[sum(run[r] for run in loop) for loop in loops] for r in range(cp)]
 
 
 def tiles_per_run(s: int, cp: int, layout, exchange: str) -> list[int]:
     """Rank 0's tile count in each run of each forward loop (for the unrolled programs,
     which need every one to be a multiple of the tiles per trip)."""
-    return [run.counts[0] for loop in schedules(s, cp, layout, exchange) for run in loop]
+    return [run[0] for loop in schedules(s, cp, layout, exchange) for run in loop]
 
 
 def corrected(raw: float, loop_trips: list[int], body: float) -> float:

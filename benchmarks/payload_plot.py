@@ -1,9 +1,10 @@
 """Bytes each rank receives per layer: the gated delta rule's exchange vs softmax-attention CP.
 
 Writes `docs/assets/payload_vs_seq.png` and prints the table behind it. No devices are needed:
-the Gated DeltaNet side is each exchange's `payload_elements` (`deltanet_cp.AllGather()`,
-`PPermute()`, `Ring()`: what the tests check against the compiled HLO), the softmax side
-the formula of an all-gather of keys and values.
+the Gated DeltaNet side is each exchange's cost model (`_common.payload_bytes` of
+`deltanet_cp.AllGather()`, `PPermute()`, `Ring()`: what the tests and `cp_cost.py` check
+against the compiled HLO), the softmax side the formula of an all-gather of keys and
+values.
 
     python benchmarks/payload_plot.py [--cp 8] [--batch 1] [--kv-bytes 2] [--out PATH]
 
@@ -29,7 +30,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
-from _common import print_table  # noqa: E402
+from _common import payload_bytes, print_table  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 import deltanet_cp as dcp  # noqa: E402
@@ -47,10 +48,12 @@ DEFAULT_OUT = pathlib.Path(__file__).resolve().parent.parent / "docs/assets/payl
 def gdn_bytes(exchange: str, cp: int, batch: int) -> int:
     """Bytes one rank receives in the exchange of one Gated DeltaNet layer."""
     heads = batch * GDN_VALUE_HEADS
-    return MAP_BYTES * EXCHANGES[exchange].payload_elements(
+    return payload_bytes(
+        EXCHANGES[exchange],
         cp,
         map_elements=heads * GDN_K * (GDN_K + GDN_V),  # one rank's dense map (M, U)
         state_elements=heads * GDN_K * GDN_V,
+        itemsize=MAP_BYTES,
     )
 
 

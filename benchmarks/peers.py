@@ -20,10 +20,25 @@ forward+backward / forward; the matmul FLOPs of each JAX implementation's compil
 (every `dot`, loop bodies times their trips) and the rate it achieves, beside the machine's
 float32 matmul rate on the same kind of products measured in the same worker (the CPU's
 limit for this work); the largest relative difference of each peer's outputs from ours; and
-the machine's load. Needs the environment of `make bench`.
+the machine's load; then the compiled temporaries per token. Needs the environment of
+`make bench`.
+
+With `--family`, the same tables for our other recurrences against our Gated DeltaNet, and
+Gated DeltaNet-2 against jax-linear-attention's plain-JAX `gdn2` (`_impls.family`), at
+Qwen3-Next-like heads (HV = 32 value heads, q and k with H = 16 heads where the recurrence
+allows it, which is all of ours; jla gets them repeated to 32), T = 2048:
+
+- `GDN`: `deltanet_cp.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)`;
+- `KDA`: `deltanet_cp.chunk_kimi_delta_attention` (decays per key channel);
+- `GDN-2`: `deltanet_cp.chunk_gdn2(q, k, v, g, b, w, use_qk_l2norm=True)`;
+- `DPLR`: `deltanet_cp.chunk_dplr_delta_rule(q, k, v, a, b, gk)`, RWKV-7-like inputs
+  (`a = -kk`, `b = kk * sigmoid(.)`, `kk` unit vectors; `gk` per value head);
+- `jla GDN-2`: jax-linear-attention 0.1.0's `jla.ops.chunked.gdn2`, the same inputs as
+  ours (`--only GDN,GDN-2,DPLR` runs without the bench environment).
 
     python benchmarks/peers.py            # both shapes, about 4 minutes on 2 quiet cores
     python benchmarks/peers.py --quick    # tiny shapes, a smoke test (under a minute)
+    python benchmarks/peers.py --family   # about 5 minutes on 2 quiet cores
 """
 
 import argparse
@@ -55,12 +70,24 @@ QUICK = [
     ("tiny: H=2, HV=4, K=V=32, T=256", 1, 256, 2, 4, 32, 3),
     ("tiny: H=HV=2, K=V=32, T=512", 1, 512, 2, 2, 32, 3),
 ]
+FAMILY = {
+    "GDN": Impl("GDN", "_impls:family", {"kind": "gdn"}),
+    "KDA": Impl("KDA", "_impls:family", {"kind": "kda"}),
+    "GDN-2": Impl("GDN-2", "_impls:family", {"kind": "gdn2"}),
+    "DPLR": Impl("DPLR", "_impls:family", {"kind": "dplr"}),
+    "jla GDN-2": Impl("jla GDN-2", "_impls:family", {"kind": "jla_gdn2"}),
+}
+FAMILY_SHAPES = [("Qwen3-Next-like heads: H=16, HV=32, T=2048", 1, 2048, 16, 32, 128, 5)]
+FAMILY_QUICK = [("tiny: H=2, HV=4, K=V=32, T=256", 1, 256, 2, 4, 32, 3)]
+# Whose outputs each implementation's are compared with (the same function of the inputs).
+SAME = {"MaxText": "ours", "jla": "ours", "transformers": "ours", "jla GDN-2": "GDN-2"}
 CHUNK = 64
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes, a smoke test")
+    parser.add_argument("--family", action="store_true", help="our other recurrences")
     parser.add_argument("--rounds", type=int, default=None, help="paired rounds per shape")
     parser.add_argument("--calls", type=int, default=None, help="calls per pass per round")
     parser.add_argument("--only", default=None, help="comma-separated implementations")
@@ -70,11 +97,16 @@ def main() -> int:
     parser.add_argument("--retries", type=int, default=1, help="restarts of a hung worker")
     args = parser.parse_args()
 
-    names = args.only.split(",") if args.only else list(IMPLS)
-    if names[0] != "ours" and "ours" in names:
-        names.remove("ours")
-        names.insert(0, "ours")
-    shapes = QUICK if args.quick else SHAPES
+    impls = FAMILY if args.family else IMPLS
+    names = args.only.split(",") if args.only else list(impls)
+    base = "GDN" if args.family else "ours"
+    if names[0] != base and base in names:
+        names.remove(base)
+        names.insert(0, base)
+    if args.family:
+        shapes = FAMILY_QUICK if args.quick else FAMILY_SHAPES
+    else:
+        shapes = QUICK if args.quick else SHAPES
     if args.shapes:
         shapes = [shapes[int(i)] for i in args.shapes.split(",")]
     calls = args.calls or (3 if args.quick else 1)
@@ -94,7 +126,7 @@ def main() -> int:
 
     results = []
     with Session(
-        [IMPLS[n] for n in names],
+        [impls[n] for n in names],
         hang_after=args.hang_after,
         deadline=start + args.budget,
         retries=args.retries,
@@ -121,7 +153,9 @@ def main() -> int:
     print(f"versions: {versions}")
 
     peers = names[1:]
-    time_rows, ratio_rows, diff_rows, notes = [], [], [], []
+    compared = [n for n in peers if SAME.get(n) in names]
+    res_t = {s[0]: s[2] for s in shapes}
+    time_rows, ratio_rows, diff_rows, mem_rows, notes = [], [], [], [], []
     for label, res in results:
         for p in PASSES:
             row = [label, p] + [res.ms(n, p) for n in names]
@@ -137,25 +171,35 @@ def main() -> int:
                 for n in names
             ]
         )
-        ref = res.outputs.get(names[0])
         cells = []
-        for peer in peers:
-            out = res.outputs.get(peer)
+        for peer in compared:
+            ref, out = res.outputs.get(SAME[peer]), res.outputs.get(peer)
             if ref is None or out is None:
                 cells += [res.why_missing(peer, "fwd")] * 2
             else:
                 cells += [f"{max_rel_diff(out[k], ref[k]):.1e}" for k in ("o", "h")]
         diff_rows.append([label] + cells)
+        for n in names:
+            i = res.outcomes[n].info
+            mem_rows.append(
+                [label, n]
+                + [
+                    f"{i[f'temp_bytes {p}'] / res_t[label] / 1024:.1f}"
+                    if f"temp_bytes {p}" in i
+                    else "-"
+                    for p in PASSES
+                ]
+            )
         notes += [f"{label}, {n}" for n in res.notes()]
 
     print_table(
         ["shape (B=1, float32)", "pass"]
         + [f"{n} ms" for n in names]
-        + [f"ours vs {p}" for p in peers]
+        + [f"{names[0]} vs {p}" for p in peers]
         + ["rounds"],
         time_rows,
-        title="Medians over paired rounds, one process per implementation; ours vs X = median "
-        "of per-round X / ours times (> 1: ours faster)",
+        title=f"Medians over paired rounds, one process per implementation; {names[0]} vs X = "
+        f"median of per-round X / {names[0]} times (> 1: {names[0]} faster)",
     )
     print_table(
         ["shape"] + names,
@@ -187,10 +231,16 @@ def main() -> int:
         title="Matmul work and the rate achieved (JAX implementations; the machine's rate: "
         "batched float32 (64, K) x (K, K) products, HIGHEST, in the same worker)",
     )
+    if compared:
+        print_table(
+            ["shape"] + [f"{x}: {p} vs {SAME[p]}" for p in compared for x in ("o", "h_T")],
+            diff_rows,
+            title="Largest relative difference of the outputs (max |x - y| / max |y|)",
+        )
     print_table(
-        ["shape"] + [f"{x}: {p} vs ours" for p in peers for x in ("o", "h_T")],
-        diff_rows,
-        title="Largest relative difference from our outputs (max |x - ours| / max |ours|)",
+        ["shape", "implementation", "fwd KiB/token", "fwd+bwd KiB/token"],
+        mem_rows,
+        title="Compiled temporaries (memory_analysis().temp_size_in_bytes / T)",
     )
     if notes:
         print("\n* " + "\n* ".join(notes))
