@@ -446,7 +446,9 @@ def _identity(recurrence, blocks, diff, static) -> AbstractAffineMap:
 
 def _context_parallel_fwd(engine: Engine, diff, static, h0, marks, doc_states, poison):
     out, (mine, states) = _three_phases(engine, diff, static, h0, marks, doc_states, poison)
-    return out, (diff, static, states, marks, doc_states, poison, mine)
+    # `h0` stays among the residuals though the backward does not read it: without it XLA
+    # fuses the forward differently on CPU, and a few outputs change in their last bit.
+    return out, (diff, static, states, marks, doc_states, poison, mine, h0)
 
 
 def _context_parallel_bwd(engine: Engine, res, cts):
@@ -457,7 +459,7 @@ def _context_parallel_bwd(engine: Engine, res, cts):
     # the states of phase 3.
     recurrence, blocks, exchange = engine.recurrence, engine.blocks, engine.exchange
     assert exchange is not None and engine.axis_name is not None
-    diff, static, states, marks, doc_states, poison, mine = res
+    diff, static, states, marks, doc_states, poison, mine, _ = res
     d_outputs, d_final, d_finals = cts
     g = state_cotangent_in(
         recurrence, blocks, diff, static, states, marks, poison, d_outputs, d_finals

@@ -160,7 +160,7 @@ def test_user_layout_inside_shard_map(fast_compile):
             per_rank, mesh=mesh, in_specs=((seq,) * len(args), P()), out_specs=(seq, P(), P("cp"))
         )
     )
-    placed = jax.device_put([layout.to_layout(x, cp) for x in args], NamedSharding(mesh, seq))
+    placed = jax.device_put(tuple(layout.to_layout(x, cp) for x in args), NamedSharding(mesh, seq))
     o, h, positions = fn(placed, h0)
     expected_o, expected_h = _reference(family, args, h0)
     np.testing.assert_array_equal(np.asarray(positions), layout.position_table(24, cp).reshape(-1))
