@@ -10,6 +10,7 @@ from ._affine import (
     prefix_scan as prefix_scan,
 )
 from ._exchange import (
+    AbstractCostedExchange as AbstractCostedExchange,
     AbstractExchange as AbstractExchange,
     AllGather as AllGather,
     Auto as Auto,
@@ -21,15 +22,8 @@ from ._hlo import (
     collectives as collectives,
     received_bytes_per_rank as received_bytes_per_rank,
 )
-from ._packing import (
-    pack as pack,
-    Segments as Segments,
-    segments as segments,
-    unpack as unpack,
-)
-from ._parallel import (
+from ._layout import (
     AbstractLayout as AbstractLayout,
-    ContextParallel as ContextParallel,
     Contiguous as Contiguous,
     from_zigzag as from_zigzag,
     Layout as Layout,
@@ -37,6 +31,13 @@ from ._parallel import (
     Walk as Walk,
     Zigzag as Zigzag,
 )
+from ._packing import (
+    pack as pack,
+    Segments as Segments,
+    segments as segments,
+    unpack as unpack,
+)
+from ._parallel import ContextParallel as ContextParallel
 from ._recurrence import AbstractRecurrence as AbstractRecurrence
 from ._run import (
     default_block_size as default_block_size,

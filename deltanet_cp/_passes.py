@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from jaxtyping import PyTree
 
 from ._affine import AbstractAffineMap
+from ._exchange import AbstractExchange
+from ._recurrence import AbstractRecurrence
 from ._sharding import summed_like, varying
 
 
@@ -114,13 +116,17 @@ def factors(recurrence, blocks: Blocks, diff: PyTree, static: PyTree) -> PyTree:
     def clean(x, decay):
         if not eqx.is_inexact_array(x):
             return x
-        wrong = jnp.isnan(x) | (x == jnp.inf)
-        if not decay:
-            wrong = wrong | (x == -jnp.inf)
-        return jnp.where(wrong, jnp.zeros((), x.dtype), x)
+        return jnp.where(non_finite(x, decay), jnp.zeros((), x.dtype), x)
 
     leaves = [clean(x, d) for x, d in zip(leaves, blocks.log_decays)]
     return recurrence.prepare(jax.tree.unflatten(treedef, leaves))
+
+
+def non_finite(x, log_decay: bool):
+    """Where a floating input is NaN or infinite; `-inf` in a log decay (a decay of zero,
+    which the recurrences take as it is) excepted."""
+    wrong = jnp.isnan(x) | (x == jnp.inf)
+    return wrong if log_decay else wrong | (x == -jnp.inf)
 
 
 def steps(recurrence, f, carry, marks, doc_states, poison, *, keep_states: bool):
@@ -353,27 +359,53 @@ def _chunk(tree: PyTree, i) -> PyTree:
 # The custom VJPs: one device (a pass), and context parallelism (three phases).
 
 
-@ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def local(recurrence, blocks, diff, static, h0, marks, doc_states, poison):
+class Engine(eqx.Module):
+    """What the passes over one rank's slice of a walk are configured by: the custom VJPs'
+    one non-differentiable argument (static, hashed with the trace).
+
+    - `recurrence`: the recurrence.
+    - `blocks`: how the slice's chunks are cut into blocks.
+    - `exchange`: the exchange of maps over `axis_name`; `None` on one device.
+    - `axis_name`: the context-parallel mesh axis; `None` on one device.
+    - `reverse`: the walk visits the ranks from the last to the first.
+    """
+
+    recurrence: AbstractRecurrence = eqx.field(static=True)
+    blocks: Blocks = eqx.field(static=True)
+    exchange: AbstractExchange | None = eqx.field(static=True, default=None)
+    axis_name: str | None = eqx.field(static=True, default=None)
+    reverse: bool = eqx.field(static=True, default=False)
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def local(engine: Engine, diff, static, h0, marks, doc_states, poison):
     """One pass over all chunks from `h0`: `(outputs, final_state, document_finals)`."""
     args = (diff, static, h0, marks, doc_states, poison)
-    return _local_fwd(recurrence, blocks, *args, keep=False)[0]
+    return _local_fwd(engine, *args, keep=False)[0]
 
 
-def _local_fwd(recurrence, blocks, diff, static, h0, marks, doc_states, poison, *, keep=True):
+def _local_fwd(engine: Engine, diff, static, h0, marks, doc_states, poison, *, keep=True):
     h0 = varying(h0, diff)
     (h, finals, outputs), states = forward(
-        recurrence, blocks, diff, static, h0, marks, doc_states, poison, keep_states=keep
+        engine.recurrence,
+        engine.blocks,
+        diff,
+        static,
+        h0,
+        marks,
+        doc_states,
+        poison,
+        keep_states=keep,
     )
     return (outputs, h, finals), (diff, static, states, marks, doc_states, poison)
 
 
-def _local_bwd(recurrence, blocks, res, cts):
+def _local_bwd(engine: Engine, res, cts):
     diff, static, states, marks, doc_states, poison = res
     d_outputs, d_h, d_finals = cts
     cts = (d_outputs, varying(d_h, diff), d_finals)
     d_diff, dh0, d_docs = backward(
-        recurrence, blocks, diff, static, states, marks, doc_states, poison, cts
+        engine.recurrence, engine.blocks, diff, static, states, marks, doc_states, poison, cts
     )
     return d_diff, None, dh0, None, d_docs, None
 
@@ -381,33 +413,18 @@ def _local_bwd(recurrence, blocks, res, cts):
 local.defvjp(_local_fwd, _local_bwd)
 
 
-@ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
-def context_parallel(
-    recurrence,
-    blocks,
-    exchange,
-    axis_name,
-    need_final,
-    reverse,
-    diff,
-    static,
-    h0,
-    marks,
-    doc_states,
-    poison,
-):
-    """The three phases: `(outputs, final_state or None, document_finals or None)`."""
-    walk = (recurrence, blocks, exchange, axis_name, need_final, reverse)
-    return _three_phases(walk, diff, static, h0, marks, doc_states, poison, keep=False)[0]
+@ft.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def context_parallel(engine: Engine, diff, static, h0, marks, doc_states, poison):
+    """The three phases: `(outputs, final_state, document_finals or None)`."""
+    return _three_phases(engine, diff, static, h0, marks, doc_states, poison, keep=False)[0]
 
 
-def _three_phases(walk, diff, static, h0, marks, doc_states, poison, *, keep=True):
-    recurrence, blocks, exchange, axis_name, need_final, reverse = walk
+def _three_phases(engine: Engine, diff, static, h0, marks, doc_states, poison, *, keep=True):
+    recurrence, blocks, exchange = engine.recurrence, engine.blocks, engine.exchange
+    assert exchange is not None and engine.axis_name is not None
     identity = _identity(recurrence, blocks, diff, static)
     mine = local_map(recurrence, blocks, diff, static, marks, doc_states, poison, identity)
-    h_in, h_final = exchange(
-        mine, h0, axis_name=axis_name, need_final_state=need_final, reverse=reverse
-    )
+    h_in, h_final = exchange(mine, h0, axis_name=engine.axis_name, reverse=engine.reverse)
     h_in = varying(h_in, diff)
     (_, finals, outputs), states = forward(
         recurrence, blocks, diff, static, h_in, marks, doc_states, poison, keep_states=keep
@@ -427,49 +444,34 @@ def _identity(recurrence, blocks, diff, static) -> AbstractAffineMap:
     return varying(zeros.identity_like(), diff)
 
 
-def _context_parallel_fwd(
-    recurrence,
-    blocks,
-    exchange,
-    axis_name,
-    need_final,
-    reverse,
-    diff,
-    static,
-    h0,
-    marks,
-    doc_states,
-    poison,
-):
-    walk = (recurrence, blocks, exchange, axis_name, need_final, reverse)
-    out, (mine, states) = _three_phases(walk, diff, static, h0, marks, doc_states, poison)
+def _context_parallel_fwd(engine: Engine, diff, static, h0, marks, doc_states, poison):
+    out, (mine, states) = _three_phases(engine, diff, static, h0, marks, doc_states, poison)
+    # `h0` stays among the residuals though the backward does not read it: without it XLA
+    # fuses the forward differently on CPU, and a few outputs change in their last bit.
     return out, (diff, static, states, marks, doc_states, poison, mine, h0)
 
 
-def _context_parallel_bwd(recurrence, blocks, exchange, axis_name, need_final, reverse, res, cts):
+def _context_parallel_bwd(engine: Engine, res, cts):
     # The backward has three phases too. The cotangent of the state entering rank r is
     # lambda_r = g_r + M_r^T lambda_{r+1}, with g_r what rank r's own outputs ask of it: an
     # affine map of lambda_{r+1}, so the exchange composes these maps walking the ranks the
     # other way, starting from the final state's cotangent. Nothing per chunk is kept but
     # the states of phase 3.
-    diff, static, states, marks, doc_states, poison, mine, h0 = res
+    recurrence, blocks, exchange = engine.recurrence, engine.blocks, engine.exchange
+    assert exchange is not None and engine.axis_name is not None
+    diff, static, states, marks, doc_states, poison, mine, _ = res
     d_outputs, d_final, d_finals = cts
     g = state_cotangent_in(
         recurrence, blocks, diff, static, states, marks, poison, d_outputs, d_finals
     )
-    start = d_final if need_final else jnp.zeros_like(h0)
     lam_next, lam0 = exchange(
-        mine.adjoint(g),
-        start,
-        axis_name=axis_name,
-        need_final_state=True,
-        reverse=not reverse,
+        mine.adjoint(g), d_final, axis_name=engine.axis_name, reverse=not engine.reverse
     )
     cts = (d_outputs, varying(lam_next, diff), d_finals)
     d_diff, _, d_docs = backward(
         recurrence, blocks, diff, static, states, marks, doc_states, poison, cts
     )
-    d_docs = None if d_docs is None else jax.lax.psum(d_docs, axis_name)
+    d_docs = None if d_docs is None else jax.lax.psum(d_docs, engine.axis_name)
     return d_diff, None, lam0, None, d_docs, None
 
 

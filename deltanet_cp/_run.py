@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, PyTree
 
 from ._chunking import num_chunks, split_chunks
-from ._exchange import _position
+from ._layout import Walk
 from ._mesh import mesh_to_run_on
 from ._packing import (
     as_cu_seqlens,
@@ -27,6 +27,7 @@ from ._packing import (
     unpack,
 )
 from ._parallel import (
+    along_walks,
     axis_size,
     check_cp,
     ContextParallel,
@@ -34,7 +35,7 @@ from ._parallel import (
     contiguous,
     ContiguousParallel,
 )
-from ._passes import Blocks, context_parallel, local
+from ._passes import Blocks, context_parallel, Engine, local, non_finite
 from ._recurrence import AbstractRecurrence, check_shapes
 from ._validate import as_index, as_positive_index, check_inputs
 
@@ -63,9 +64,10 @@ def run(
     the `shard_map` itself (compiled once per shapes, configuration and mesh).
 
     The phases run in [`deltanet_cp.run_contiguous`][], over contiguous, in-order slices
-    only: the layout hands it its walks ([`deltanet_cp.Contiguous`][]: the shard;
-    [`deltanet_cp.Zigzag`][]: the first pieces in rank order, then the second pieces in
-    reverse rank order from the state the first walk ends in).
+    only: `run` calls it once per walk of the layout, each from the state the walk before
+    it ends in ([`deltanet_cp.Contiguous`][]: the shard; [`deltanet_cp.Zigzag`][]: the
+    first pieces in rank order, then the second pieces in reverse rank order; a layout of
+    your own: its [`walks`][deltanet_cp.AbstractLayout.walks]).
 
     Differentiated by hand: the forward keeps one state per chunk, and the backward is
     three phases again, the exchange walking the ranks the other way (see the concept
@@ -131,16 +133,17 @@ def _per_rank(
     if batch == 0 or length == 0:  # (the same on every rank: the shapes are)
         return _empty(recurrence, inputs, initial_state, cu_seqlens)
     walks = (Contiguous() if cp is None else cp.layout).walks(length, axis_size(cp))
+    # Every walk runs in the typed engine, with the contiguous `ContextParallel` of a walk.
+    along = None if cp is None else along_walks(cp)
     outputs, finals = [], None
     for walk in walks:
-        out, state, f = _run(
+        out, state, f = run_contiguous(
             recurrence,
             jax.tree.map(lambda x: x[:, walk.local], inputs),
-            state,
-            cu_seqlens,
-            doc_h0,
-            axis_name=None if cp is None else cp.axis_name,
-            exchange=None if cp is None else cp.exchange,
+            cp=along,
+            initial_state=state,
+            cu_seqlens=cu_seqlens,
+            document_states=doc_h0,
             start=walk.start,
             reverse=walk.reverse,
             block_size=block_size,
@@ -187,9 +190,9 @@ def run_contiguous(
 
     Every call of the library ends here, once per walk of a shard: once for a
     [`deltanet_cp.Contiguous`][] shard, twice for a [`deltanet_cp.Zigzag`][] one (see
-    [`deltanet_cp.run`][]). It takes a `ContextParallel[Contiguous]` only: a zigzag one is
-    a pyright error and a `ValueError`, since reading a zigzag shard as one slice would
-    compose its two pieces as if they were adjacent.
+    [`deltanet_cp.run`][]). It takes a `ContextParallel[Contiguous]` only: a zigzag one (or
+    one of any other layout) is a pyright error and a `ValueError`, since reading a zigzag
+    shard as one slice would compose its two pieces as if they were adjacent.
 
     The ranks' slices, in rank order (or in reverse rank order with `reverse=True`), are
     consecutive tokens `[start, start + cp * length)` of the sequence.
@@ -240,19 +243,18 @@ def run_contiguous(
         )
     elif document_states is not None:
         raise ValueError("`document_states` are per document: pass `cu_seqlens` too.")
+    _, length = _batch_and_length(inputs)
     outputs, final, finals = _run(
         recurrence,
         inputs,
         initial_state,
         cu_seqlens,
         document_states,
-        axis_name=axis_name,
-        exchange=None if cp is None else cp.exchange,
-        start=start,
-        reverse=reverse,
+        cp=cp,
+        walk=Walk(slice(0, length), start, reverse),
         block_size=block_size,
     )
-    return outputs, cast(Array, final), finals
+    return outputs, final, finals
 
 
 @eqx.filter_jit
@@ -263,12 +265,13 @@ def _run(
     cu_seqlens: Array | None,
     document_states: Array | None,
     *,
-    axis_name: str | None,
-    exchange: Any,
-    start: int,
-    reverse: bool,
+    cp: "ContextParallel[Contiguous] | None",
+    walk: Walk,
     block_size: int | None,
-) -> tuple[PyTree, Array | None, Array | None]:
+) -> tuple[PyTree, Array, Array | None]:
+    """The walk of `run_contiguous`, its arguments checked: this rank's slice `inputs` of
+    `walk` (its whole shard)."""
+    axis_name = None if cp is None else cp.axis_name
     _, length = _batch_and_length(inputs)
     # A chunk longer than the slice only pads: cap it at the slice rounded up to a power of
     # two (T = 50 with chunk_size=16384 forms chunks of 64, not of 16384 mostly padding).
@@ -289,10 +292,7 @@ def _run(
         bad, bad_out = _split((bad, bad_out), blocks.padded, c)
         marks = None
     else:
-        offset = start
-        if axis_name is not None:
-            offset = offset + _position(axis_name, reverse) * length
-        seg = segments(cu_seqlens, length, c, offset)
+        seg = segments(cu_seqlens, length, c, walk.first_token(axis_name))
         doc_states = _doc_states(state, seg.num_docs, document_states)
         blocks = Blocks.of(seg.num_chunks, c, per_block, log_decays)
         chunks = _split(jax.tree.map(lambda x: pack(x, seg), inputs), blocks.padded, c)
@@ -309,24 +309,12 @@ def _run(
     after_bad = (jnp.cumsum(bad, axis=2) > 0) | bad_out
     after_bad = after_bad.reshape(bad.shape[0], -1)  # (B, padded * C)
     poison = (jnp.where(jnp.any(bad, axis=2).T, nan, zero), after_bad)  # (chunks, B), tokens
-    if axis_name is None:
-        out = local(recurrence, blocks, diff, static, h0, marks, doc_states, poison)
+    if cp is None:
+        out = local(Engine(recurrence, blocks), diff, static, h0, marks, doc_states, poison)
     else:
-        out = context_parallel(
-            recurrence,
-            blocks,
-            exchange,
-            axis_name,
-            True,
-            reverse,
-            diff,
-            static,
-            h0,
-            marks,
-            doc_states,
-            poison,
-        )
-    outputs, final, finals = cast(tuple[PyTree, Any, Any], out)
+        engine = Engine(recurrence, blocks, cp.exchange, cp.axis_name, walk.reverse)
+        out = context_parallel(engine, diff, static, h0, marks, doc_states, poison)
+    outputs, final, finals = cast(tuple[PyTree, Array, Any], out)
     if seg is None:
         outputs = jax.tree.map(lambda y: y[:, :length], outputs)
     else:
@@ -389,10 +377,7 @@ def _non_finite(
     bad_out = jnp.zeros((batch, length), bool)
     for x, decay, out in zip(jax.tree.leaves(inputs), log_decays, output_only):
         if eqx.is_inexact_array(x):
-            wrong = jnp.isnan(x) | (x == jnp.inf)
-            if not decay:
-                wrong = wrong | (x == -jnp.inf)
-            wrong = jnp.any(wrong.reshape(batch, length, -1), axis=2)
+            wrong = jnp.any(non_finite(x, decay).reshape(batch, length, -1), axis=2)
             if out:
                 bad_out = bad_out | wrong
             else:
@@ -475,7 +460,6 @@ def _run_global(recurrence, inputs, initial_state, cu_seqlens, cp: ContextParall
             lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec)), tree
         )
 
-    per_rank = ContextParallel(cp.axis_name, layout=cp.layout, exchange=cp.exchange)
     return _sharded(
         recurrence,
         place(inputs, seq),
@@ -483,7 +467,7 @@ def _run_global(recurrence, inputs, initial_state, cu_seqlens, cp: ContextParall
         place(cu_seqlens, P()),
         mesh=mesh,
         specs=(seq, state),
-        cp=per_rank,
+        cp=cp,
         block_size=block_size,
     )
 

@@ -143,10 +143,9 @@ class CausalConv1d(eqx.Module):
         # for `state`, which is replicated).
         incoming, holder = state, None
         for walk in walks:
-            first, last = (n - 1, 0) if walk.reverse else (0, n - 1)
-            step = -1 if walk.reverse else 1
             # Along the walk, each rank's tail goes to the next rank in walk order.
-            order = list(range(first, last + step, step))
+            order = walk.ranks(n)
+            first, last = order[0], order[-1]
             segment = x[walk.local]
             halo = jax.lax.ppermute(
                 segment[segment.shape[0] - w :], cp.axis_name, list(zip(order, order[1:]))

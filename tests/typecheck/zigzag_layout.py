@@ -1,8 +1,9 @@
 """Checked by pyright in `tests/test_typecheck.py`, never run.
 
-The engine's walk, `run_contiguous`, accepts only `ContextParallel[Contiguous]`, so the
+The typed engine, `run_contiguous`, accepts only `ContextParallel[Contiguous]`, so the
 lines marked "expect-error" below must be reported by pyright and nothing else may be: the
-public functions and `run` accept a `ContextParallel` of either layout. This folder has its
+public functions and `run` accept a `ContextParallel` of any layout (a zigzag one, one of
+your own), and an exchange of your own. This folder has its
 own pyright config, so the repository's pyright run does not see the deliberate errors.
 """
 
@@ -46,3 +47,23 @@ def engine_zigzag(inputs: dcp.DeltaInputs):
 def engine_zigzag_inline(inputs: dcp.DeltaInputs):
     z, rule = dcp.Zigzag(), dcp.GatedDeltaRule()
     return dcp.run_contiguous(rule, inputs, cp=dcp.ContextParallel("cp", layout=z))  # expect-error
+
+
+class Reversed(dcp.AbstractLayout):
+    def held(self, cp: int) -> tuple[tuple[int, ...], ...]:
+        return tuple((cp - 1 - r,) for r in range(cp))
+
+
+class Naive(dcp.AbstractExchange):
+    def __call__(self, local, h0, *, axis_name, reverse=False):
+        return h0, h0
+
+
+def run_own_layout_and_exchange(inputs: dcp.DeltaInputs):
+    cp = dcp.ContextParallel("cp", layout=Reversed(), exchange=Naive())
+    return dcp.run(dcp.GatedDeltaRule(), inputs, cp=cp)
+
+
+def engine_own_layout(inputs: dcp.DeltaInputs):
+    cp = dcp.ContextParallel("cp", layout=Reversed())
+    return dcp.run_contiguous(dcp.GatedDeltaRule(), inputs, cp=cp)  # expect-error
