@@ -17,7 +17,7 @@ from ..nn._context import layer_cp, local_positions
 from ..nn._gated_delta_net import GatedDeltaNet, GatedDeltaNetState
 from ..nn._hybrid import SwiGLU
 from ..nn._norm import ZeroCenteredRMSNorm
-from ..nn._schedule import KVExchange
+from ..nn._schedule import KVSchedule
 from ..nn._tokens import check_tokens
 from ._config import Qwen3_5Config
 
@@ -90,7 +90,9 @@ class Qwen3_5DecoderLayer(eqx.Module):
     post_attention_layernorm: ZeroCenteredRMSNorm
     mlp: SwiGLU
 
-    def __init__(self, config: Qwen3_5Config, kind: str, *, chunk_size, block_size, key, dtype):
+    def __init__(
+        self, config: Qwen3_5Config, kind: str, *, chunk_size, block_size, tile_size, key, dtype
+    ):
         kmix, kmlp = jr.split(key)
         c, eps = config, config.rms_norm_eps
         if kind == "linear_attention":
@@ -103,6 +105,7 @@ class Qwen3_5DecoderLayer(eqx.Module):
                 conv_kernel_size=c.linear_conv_kernel_dim,
                 norm_eps=eps,
                 chunk_size=chunk_size,
+                block_size=block_size,
                 key=kmix,
                 dtype=dtype,
             )
@@ -117,7 +120,7 @@ class Qwen3_5DecoderLayer(eqx.Module):
                 output_gate=True,
                 qk_norm=True,
                 norm_eps=eps,
-                block_size=block_size,
+                tile_size=tile_size,
                 key=kmix,
                 dtype=dtype,
             )
@@ -128,15 +131,15 @@ class Qwen3_5DecoderLayer(eqx.Module):
     def _mlp(self, x):
         return x + jax.vmap(self.mlp)(self.post_attention_layernorm(x))
 
-    def __call__(self, x, cp: ContextParallel | None, kv_exchange: KVExchange):
+    def __call__(self, x, cp: ContextParallel | None, kv_schedule: KVSchedule):
         h = self.input_layernorm(x)
         if isinstance(self.mixer, GatedDeltaNet):
             h = self.mixer(h, cp=cp)
         else:
-            h = self.mixer(h, cp=cp, kv_exchange=kv_exchange)
+            h = self.mixer(h, cp=cp, kv_schedule=kv_schedule)
         return self._mlp(x + h)
 
-    def prefill(self, x, cache, length, checkpoint_every, cp, kv_exchange: KVExchange):
+    def prefill(self, x, cache, length, checkpoint_every, cp, kv_schedule: KVSchedule):
         h = self.input_layernorm(x)
         saved = None
         if isinstance(self.mixer, GatedDeltaNet):
@@ -144,7 +147,7 @@ class Qwen3_5DecoderLayer(eqx.Module):
             h, cache, saved = self.mixer.prefill(h, cache, checkpoint_every=checkpoint_every, cp=cp)
         else:
             assert isinstance(cache, KVCache)
-            h, cache = self.mixer.prefill(h, cache, length, cp=cp, kv_exchange=kv_exchange)
+            h, cache = self.mixer.prefill(h, cache, length, cp=cp, kv_schedule=kv_schedule)
         return self._mlp(x + h), cache, saved
 
     def step(self, x, cache, position):
@@ -171,7 +174,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
 
     Unbatched like the layers: `model(tokens)` maps `(T,)` token ids to `(T, vocab)`
     logits; `jax.vmap` it over a batch. Context parallel: inside `jax.shard_map`, pass a
-    [`deltanet_cp.ContextParallel`][] as `cp` (and the attention layers' `kv_exchange`);
+    [`deltanet_cp.ContextParallel`][] as `cp` (and the attention layers' `kv_schedule`);
     every layer runs on the same shards.
 
     For generation: `prefill` (optionally context parallel, from a cache, with state
@@ -189,7 +192,8 @@ class Qwen3_5ForCausalLM(eqx.Module):
         config: Qwen3_5Config,
         *,
         chunk_size: int = 64,
-        block_size: int = 128,
+        block_size: int | None = None,
+        tile_size: int = 128,
         key: PRNGKeyArray,
         dtype=None,
     ):
@@ -197,7 +201,11 @@ class Qwen3_5ForCausalLM(eqx.Module):
 
         - `config`: the sizes, a [`deltanet_cp.models.Qwen3_5Config`][].
         - `chunk_size`: the Gated DeltaNet layers' chunk size.
-        - `block_size`: the attention layers' tile size.
+        - `block_size`: the Gated DeltaNet layers' engine block, tokens whose chunk factors
+            are formed together (the `block_size` of [`deltanet_cp.run`][]); `None` takes
+            [`deltanet_cp.default_block_size`][].
+        - `tile_size`: the side of the attention layers' score tiles (see
+            [`deltanet_cp.nn.CausalSelfAttention`][]).
         - `key`: a PRNG key for the (random) initial parameters.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
         """
@@ -205,7 +213,13 @@ class Qwen3_5ForCausalLM(eqx.Module):
         self.embed = eqx.nn.Embedding(config.vocab_size, config.hidden_size, key=kemb, dtype=dtype)
         self.layers = tuple(
             Qwen3_5DecoderLayer(
-                config, kind, chunk_size=chunk_size, block_size=block_size, key=k, dtype=dtype
+                config,
+                kind,
+                chunk_size=chunk_size,
+                block_size=block_size,
+                tile_size=tile_size,
+                key=k,
+                dtype=dtype,
             )
             for kind, k in zip(config.layer_types, keys)
         )
@@ -226,7 +240,8 @@ class Qwen3_5ForCausalLM(eqx.Module):
         *,
         dtype=None,
         chunk_size: int = 64,
-        block_size: int = 128,
+        block_size: int | None = None,
+        tile_size: int = 128,
     ) -> "Qwen3_5ForCausalLM":
         """Load a Hugging Face checkpoint: a directory with `config.json` and
         `model.safetensors`, or `model.safetensors.index.json` and its shards.
@@ -242,7 +257,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
         - `path`: the checkpoint directory.
         - `dtype`: cast every parameter to this dtype (e.g. `jnp.bfloat16`; the recurrent
             states stay float32); keep each tensor's stored dtype if `None`.
-        - `chunk_size`, `block_size`: as for `__init__`.
+        - `chunk_size`, `block_size`, `tile_size`: as for `__init__`.
 
         **Raises:**
 
@@ -250,7 +265,14 @@ class Qwen3_5ForCausalLM(eqx.Module):
         """
         from ._weights import load
 
-        return load(cls, path, dtype=dtype, chunk_size=chunk_size, block_size=block_size)
+        return load(
+            cls,
+            path,
+            dtype=dtype,
+            chunk_size=chunk_size,
+            block_size=block_size,
+            tile_size=tile_size,
+        )
 
     def _logits(self, x):
         x = self.norm(x)
@@ -263,7 +285,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
         tokens: Int[Array, " seq"],
         *,
         cp: ContextParallel | None = None,
-        kv_exchange: KVExchange = "allgather",
+        kv_schedule: KVSchedule = "allgather",
     ) -> Float[Array, "seq vocab"]:
         """**Arguments:**
 
@@ -275,7 +297,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
             [`deltanet_cp.Zigzag`][] (put the tokens in that order with
             `cp.layout.to_layout`; the logits come out in it too); its `exchange`: the
             Gated DeltaNet layers' state exchange.
-        - `kv_exchange`: how the attention layers get the other ranks' keys and values,
+        - `kv_schedule`: how the attention layers get the other ranks' keys and values,
             `"allgather"` or `"ring"` (see [`deltanet_cp.nn.CausalSelfAttention`][]).
 
         **Returns:**
@@ -296,7 +318,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
             return jnp.zeros((0, self.config.vocab_size), self.embed.weight.dtype)
         x = jax.vmap(self.embed)(tokens)
         for layer in self.layers:
-            x = layer(x, cp, kv_exchange)
+            x = layer(x, cp, kv_schedule)
         return self._logits(x)
 
     def init_cache(self, capacity: int, dtype=None) -> Qwen3_5Cache:
@@ -383,7 +405,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
         checkpoint_every: None = None,
         capacity: int | None = None,
         cp: ContextParallel | None = None,
-        kv_exchange: KVExchange = "allgather",
+        kv_schedule: KVSchedule = "allgather",
     ) -> tuple[Float[Array, "seq vocab"], Qwen3_5Cache]: ...
 
     @overload
@@ -395,7 +417,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
         checkpoint_every: int,
         capacity: int | None = None,
         cp: ContextParallel | None = None,
-        kv_exchange: KVExchange = "allgather",
+        kv_schedule: KVSchedule = "allgather",
     ) -> tuple[Float[Array, "seq vocab"], Qwen3_5Cache, Qwen3_5Checkpoints]: ...
 
     def prefill(
@@ -406,7 +428,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
         checkpoint_every: int | None = None,
         capacity: int | None = None,
         cp: ContextParallel | None = None,
-        kv_exchange: KVExchange = "allgather",
+        kv_schedule: KVSchedule = "allgather",
     ) -> (
         tuple[Float[Array, "seq vocab"], Qwen3_5Cache]
         | tuple[Float[Array, "seq vocab"], Qwen3_5Cache, Qwen3_5Checkpoints]
@@ -425,7 +447,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
             generated); if `None`, the whole prompt's length plus 256, room for 256 tokens
             of `decode_step` (pass `capacity` for longer generations). Only without a
             `cache` (whose own capacity holds).
-        - `cp`, `kv_exchange`: as for `__call__`.
+        - `cp`, `kv_schedule`: as for `__call__`.
 
         **Returns:**
 
@@ -496,7 +518,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
         x = jax.vmap(self.embed)(tokens)
         states, saved = [], []
         for layer, state in zip(self.layers, cache.layers):
-            x, state, ckpt = layer.prefill(x, state, length, checkpoint_every, cp, kv_exchange)
+            x, state, ckpt = layer.prefill(x, state, length, checkpoint_every, cp, kv_schedule)
             states.append(state)
             saved.append(ckpt)
         new_cache = Qwen3_5Cache(tuple(states), length + total)

@@ -16,7 +16,7 @@ from .._parallel import axis_size, ContextParallel
 from ._context import layer_cp, local_positions
 from ._flash import _blockwise_attention, _flash, _group_queries, _to_blocks, _ungroup_queries
 from ._norm import ZeroCenteredRMSNorm
-from ._schedule import _check_kv_exchange, _Schedule, KVExchange
+from ._schedule import _check_kv_exchange, _Schedule, KVSchedule
 
 
 class KVCache(eqx.Module):
@@ -55,7 +55,7 @@ def _cached_attention(
     k: Float[Array, "capacity kv_heads dim"],
     v: Float[Array, "capacity kv_heads dim"],
     length: Int[Array, ""] | int,
-    block_size: int,
+    tile_size: int,
 ) -> tuple[Array, Array]:
     """Attention of queries (RoPE applied, not yet scaled) to the first `length` entries of
     a key/value cache, all of which precede every query: `(out, lse)`, `(seq, heads, dim)`
@@ -63,7 +63,7 @@ def _cached_attention(
     `length` is 0. One tile per block of queries, against the whole cache."""
     t, h, d = q.shape
     group = h // k.shape[1]
-    b = max(c for c in range(1, min(block_size, t) + 1) if t % c == 0)
+    b = max(c for c in range(1, min(tile_size, t) + 1) if t % c == 0)
     rows = _to_blocks(_group_queries(q * (d**-0.5), group), b * group)
     length = jnp.asarray(length, jnp.int32)
     index = jnp.arange(k.shape[0], dtype=jnp.int32)
@@ -88,7 +88,7 @@ class CausalSelfAttention(eqx.Module):
     """Causal softmax self-attention with rotary position embeddings: multi-head or
     grouped-query, optionally with an output gate and q/k norms (Qwen3.5's attention).
 
-    The scores are computed in `(block_size, block_size)` tiles with an online softmax
+    The scores are computed in `(tile_size, tile_size)` tiles with an online softmax
     (flash attention): memory grows linearly with the sequence length, forward and
     backward (which recomputes the tiles), and tiles wholly in the future of their queries
     are never computed. With `num_kv_heads < num_heads`, query head `h` reads key/value
@@ -98,7 +98,7 @@ class CausalSelfAttention(eqx.Module):
     Inside `jax.shard_map` with time sharded over `cp.axis_name` (pass a
     [`deltanet_cp.ContextParallel`][] as `cp`), every rank attends from its own queries
     (at their global positions) to the keys and values of the whole sequence, received by
-    one all-gather or around a ring (`kv_exchange`): a payload of
+    one all-gather or around a ring (`kv_schedule`): a payload of
     `(cp - 1) / cp * S * 2 * num_kv_heads * head_dim` elements per rank and layer either
     way, growing with the sequence length `S`.
 
@@ -117,7 +117,7 @@ class CausalSelfAttention(eqx.Module):
     with either exchange (the ring's steps skip the future ranks' keys, so the early ranks
     idle). With `cp.layout = Zigzag()` every rank computes the same tiles' worth of work: the
     causal ideal plus half a tile per query block on the two diagonals, a fraction
-    `block_size / S` more.
+    `tile_size / S` more.
 
     For generation, a [`deltanet_cp.nn.KVCache`][] holds the keys and values seen so far:
     `prefill` attends to it as well and writes the new keys and values into it (context
@@ -136,7 +136,7 @@ class CausalSelfAttention(eqx.Module):
     rotary_dim: int = eqx.field(static=True)
     rope_theta: float = eqx.field(static=True)
     output_gate: bool = eqx.field(static=True)
-    block_size: int = eqx.field(static=True)
+    tile_size: int = eqx.field(static=True)
 
     def __init__(
         self,
@@ -150,7 +150,7 @@ class CausalSelfAttention(eqx.Module):
         output_gate: bool = False,
         qk_norm: bool = False,
         norm_eps: float = 1e-6,
-        block_size: int = 128,
+        tile_size: int = 128,
         key: PRNGKeyArray,
         dtype=None,
     ):
@@ -170,10 +170,11 @@ class CausalSelfAttention(eqx.Module):
         - `qk_norm`: a [`deltanet_cp.nn.ZeroCenteredRMSNorm`][] over each query and key
             head before the rotary embedding (Qwen3.5).
         - `norm_eps`: the epsilon of the q/k norms.
-        - `block_size`: the side of the score tiles. A sequence (on one device), local
-            sequence (`Contiguous`) or zigzag piece (`Zigzag`, half the local sequence)
-            shorter than it is one tile; a longer one must be a multiple of it (a
-            `ValueError` at call time says which value to pass otherwise).
+        - `tile_size`: the side of the score tiles, in queries and in keys (the Gated
+            DeltaNet layers' `block_size` is another quantity, the engine's). A sequence
+            (on one device), local sequence (`Contiguous`) or zigzag piece (`Zigzag`, half
+            the local sequence) shorter than it is one tile; a longer one must be a
+            multiple of it (a `ValueError` at call time says which value to pass otherwise).
         - `key`: a PRNG key for the initial parameters.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
         """
@@ -187,8 +188,8 @@ class CausalSelfAttention(eqx.Module):
             raise ValueError(
                 f"`rotary_dim` must be even and in (0, head_dim = {head_dim}]; got {rotary_dim}."
             )
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"`block_size` must be a positive int; got {block_size!r}.")
+        if not isinstance(tile_size, int) or isinstance(tile_size, bool) or tile_size < 1:
+            raise ValueError(f"`tile_size` must be a positive int; got {tile_size!r}.")
         kq, kk, kv, ko = jr.split(key, 4)
         inner, kv_inner = num_heads * head_dim, num_kv_heads * head_dim
 
@@ -210,7 +211,7 @@ class CausalSelfAttention(eqx.Module):
         self.rotary_dim = rotary_dim
         self.rope_theta = rope_theta
         self.output_gate = output_gate
-        self.block_size = block_size
+        self.tile_size = tile_size
 
     def init_cache(self, capacity: int, dtype=None) -> KVCache:
         """An empty cache for `capacity` tokens.
@@ -253,7 +254,7 @@ class CausalSelfAttention(eqx.Module):
         x: Float[Array, "seq hidden"],
         *,
         cp: ContextParallel | None = None,
-        kv_exchange: KVExchange = "allgather",
+        kv_schedule: KVSchedule = "allgather",
     ) -> Float[Array, "seq hidden"]:
         """**Arguments:**
 
@@ -263,8 +264,9 @@ class CausalSelfAttention(eqx.Module):
             ([`deltanet_cp.Contiguous`][]: rank `r` holds the `r`-th slice;
             [`deltanet_cp.Zigzag`][]: rank `r` holds pieces `r` and `2 cp - 1 - r` of
             `2 cp`, and the causal work is then the same on every rank). `None` on one
-            device. (`cp.exchange` is the recurrences' and plays no part here.)
-        - `kv_exchange`: how the keys and values reach every rank: `"allgather"` (one
+            device. (`cp.exchange` is the recurrences' state exchange and plays no part
+            here.)
+        - `kv_schedule`: how the keys and values reach every rank: `"allgather"` (one
             all-gather; each rank then computes only the tiles its queries need) or
             `"ring"` (`cp - 1` steps of `jax.lax.ppermute` in a loop, attending to one
             rank's keys per step in one online softmax, with `O(S / cp)` memory per rank;
@@ -275,12 +277,12 @@ class CausalSelfAttention(eqx.Module):
 
         The output, `(seq, hidden)`.
         """
-        _check_kv_exchange(kv_exchange)
+        _check_kv_exchange(kv_schedule)
         cp = layer_cp(cp, "CausalSelfAttention")
         rel = local_positions(cp, x.shape[0])
         q, k, v, gate = self._project(x, rel)
         out, _ = _blockwise_attention(
-            q, k, v, rel, cp=cp, kv_exchange=kv_exchange, block_size=self.block_size
+            q, k, v, rel, cp=cp, kv_exchange=kv_schedule, block_size=self.tile_size
         )
         return self._finish(out, gate)
 
@@ -291,7 +293,7 @@ class CausalSelfAttention(eqx.Module):
         length: Int[Array, ""] | int,
         *,
         cp: ContextParallel | None = None,
-        kv_exchange: KVExchange = "allgather",
+        kv_schedule: KVSchedule = "allgather",
     ) -> tuple[Float[Array, "seq hidden"], KVCache]:
         """`__call__` after `length` earlier tokens held in a cache, writing the new keys
         and values into it.
@@ -303,14 +305,14 @@ class CausalSelfAttention(eqx.Module):
             rank with `cp`. The queries attend to those too; it must hold `length + ` the
             whole sequence's tokens.
         - `length`: how many tokens `cache` holds (the position of the first token of `x`).
-        - `cp`, `kv_exchange`: as for `__call__`.
+        - `cp`, `kv_schedule`: as for `__call__`.
 
         **Returns:**
 
         `(output, new_cache)`, the new cache the same on every rank: under context
         parallelism the new keys and values are all-gathered into it, in sequence order.
         """
-        _check_kv_exchange(kv_exchange)
+        _check_kv_exchange(kv_schedule)
         cp = layer_cp(cp, "CausalSelfAttention")
         rel = local_positions(cp, x.shape[0])
         q, k, v, gate = self._project(x, rel + length)
@@ -320,12 +322,12 @@ class CausalSelfAttention(eqx.Module):
             v,
             rel,
             cp=cp,
-            kv_exchange=kv_exchange,
-            block_size=self.block_size,
+            kv_exchange=kv_schedule,
+            block_size=self.tile_size,
             return_lse=True,
         )
         assert lse is not None
-        old = _cached_attention(q, cache.k, cache.v, length, self.block_size)
+        old = _cached_attention(q, cache.k, cache.v, length, self.tile_size)
         o = _merge(old, (out, lse)).astype(v.dtype)
         if cp is not None:
             # Every rank's keys and values, the same on every rank (an invariant value),

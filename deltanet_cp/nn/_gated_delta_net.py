@@ -80,6 +80,7 @@ class GatedDeltaNet(eqx.Module):
     key_head_dim: int = eqx.field(static=True)
     value_head_dim: int = eqx.field(static=True)
     chunk_size: int = eqx.field(static=True)
+    block_size: int | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -92,6 +93,7 @@ class GatedDeltaNet(eqx.Module):
         conv_kernel_size: int = 4,
         norm_eps: float = 1e-6,
         chunk_size: int = 64,
+        block_size: int | None = None,
         key: PRNGKeyArray,
         dtype=None,
     ):
@@ -105,6 +107,9 @@ class GatedDeltaNet(eqx.Module):
         - `conv_kernel_size`: the length of the causal convolution.
         - `norm_eps`: the epsilon of the gated RMSNorm.
         - `chunk_size`: tokens per chunk of the gated delta rule.
+        - `block_size`: the engine's block, tokens whose chunk factors are formed together
+            (the `block_size` of [`deltanet_cp.run`][]); `None` takes
+            [`deltanet_cp.default_block_size`][] (the backend's default).
         - `key`: a PRNG key for the initial parameters. Linear layers and the convolution
             use the Equinox/torch defaults, $A_{\log} = \log U(1, 16)$ and $\Delta_b = 1$
             (Qwen3-Next's recipe), and the norm weight is ones.
@@ -113,7 +118,8 @@ class GatedDeltaNet(eqx.Module):
         **Raises:**
 
         `TypeError` if a size is not an int (NumPy integers are accepted), `ValueError` if it
-        is not positive or if `num_value_heads` is not a multiple of `num_key_heads`.
+        is not positive (`block_size` may also be `None`) or if `num_value_heads` is not a
+        multiple of `num_key_heads`.
         """
         hidden_size = as_positive_index(hidden_size, "hidden_size")
         num_key_heads = as_positive_index(num_key_heads, "num_key_heads")
@@ -122,6 +128,8 @@ class GatedDeltaNet(eqx.Module):
         value_head_dim = as_positive_index(value_head_dim, "value_head_dim")
         conv_kernel_size = as_positive_index(conv_kernel_size, "conv_kernel_size")
         chunk_size = as_positive_index(chunk_size, "chunk_size")
+        if block_size is not None:
+            block_size = as_positive_index(block_size, "block_size")
         if num_value_heads % num_key_heads != 0:
             raise ValueError(
                 f"`num_value_heads` ({num_value_heads}) must be a multiple of "
@@ -152,6 +160,7 @@ class GatedDeltaNet(eqx.Module):
         self.key_head_dim = key_head_dim
         self.value_head_dim = value_head_dim
         self.chunk_size = chunk_size
+        self.block_size = block_size
 
     @property
     def conv_dim(self) -> int:
@@ -366,6 +375,7 @@ class GatedDeltaNet(eqx.Module):
             DeltaInputs(q[None], k[None], v[None], g[None], beta[None]),
             initial_state=None if h0 is None else h0[None],
             cp=cp,
+            block_size=self.block_size,
         )
         saved = None
         if checkpoint_every is not None:

@@ -11,8 +11,8 @@ from jaxtyping import Array
 from .._parallel import AbstractLayout
 
 
-_KV_EXCHANGES = ("allgather", "ring")
-KVExchange = Literal["allgather", "ring"]
+_KV_SCHEDULES = ("allgather", "ring")
+KVSchedule = Literal["allgather", "ring"]
 
 
 def _triangle(m: int, q0: int = 0, k0: int = 0) -> list[tuple[int, int]]:
@@ -129,19 +129,19 @@ def _block(block_size: int, piece: int, what: str) -> int:
     if piece % b:
         fit = max(c for c in range(1, b + 1) if piece % c == 0)
         raise ValueError(
-            f"CausalSelfAttention(block_size={block_size}) must divide {what} ({piece}), or be "
-            f"at least as long: pass block_size={fit} (the largest divisor below it), or pad "
+            f"CausalSelfAttention(tile_size={block_size}) must divide {what} ({piece}), or be "
+            f"at least as long: pass tile_size={fit} (the largest divisor below it), or pad "
             f"the sequence so that {what} is a multiple of {block_size}."
         )
     return b
 
 
-def _check_kv_exchange(kv_exchange: object) -> None:
-    """Raise a `ValueError` unless `kv_exchange` is `"allgather"` or `"ring"`."""
-    if kv_exchange not in _KV_EXCHANGES:
+def _check_kv_exchange(kv_schedule: object) -> None:
+    """Raise a `ValueError` unless `kv_schedule` is `"allgather"` or `"ring"`."""
+    if kv_schedule not in _KV_SCHEDULES:
         raise ValueError(
-            f"CausalSelfAttention takes kv_exchange='allgather' (one all-gather of the keys "
-            f"and values) or kv_exchange='ring' (cp - 1 ppermute steps); got {kv_exchange!r}."
+            f"CausalSelfAttention takes kv_schedule='allgather' (one all-gather of the keys "
+            f"and values) or kv_schedule='ring' (cp - 1 ppermute steps); got {kv_schedule!r}."
         )
 
 
