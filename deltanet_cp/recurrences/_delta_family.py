@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._affine import AffineMap
+from .._precision import PrecisionName
 from .._recurrence import AbstractRecurrence
 from ..chunkops import (
     chunk_major,
@@ -106,7 +107,7 @@ class DeltaFactors(eqx.Module):
 class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]):
     """The delta-rule family: a delta update per step, with or without decay.
 
-    Final subclasses hold the fields `chunk_size`, `scale` and `use_qk_l2norm`, and say
+    Final subclasses hold the fields `chunk_size`, `scale`, `use_qk_l2norm` and `precision`, and say
     with `gate` whether decays are per head (`"head"`), per key channel (`"key"`), optional
     per head (`"optional"`) or absent (`"none"`), with `householder` whether a token makes
     several updates (the `n_h` axis of Gated DeltaProduct), and with `channel_gates`
@@ -116,6 +117,7 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
 
     scale: eqx.AbstractVar[float | None]
     use_qk_l2norm: eqx.AbstractVar[bool]
+    precision: eqx.AbstractVar[PrecisionName | None]
     gate: ClassVar[GateKind]
     householder: ClassVar[bool]
     channel_gates: ClassVar[bool] = False

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._affine import AffineMap
+from .._precision import as_precision, PrecisionName
 from .._recurrence import AbstractRecurrence
 from .._validate import as_chunk_size, as_scale
 from ..chunkops import chunk_major, cumulative_decays, decayed_grams, einsum, unit_lower_inverse
@@ -98,10 +99,16 @@ class DPLRDeltaRule(AbstractRecurrence[DPLRInputs, DPLRFactors, AffineMap]):
 
     - `chunk_size`: tokens per chunk.
     - `scale`: query scale; `K ** -0.5` if `None`.
+    - `precision`: how the large products multiply: `"highest"` (float32 operands at
+        `Precision.HIGHEST`), `"bfloat16"` (bfloat16 operands, float32 accumulation),
+        `"default"` (`jax.default_matmul_precision`), or `None`: `"bfloat16"` for
+        bfloat16 inputs, `"highest"` otherwise. The state, the decays and the chunk maps
+        stay float32 under every policy.
     """
 
     chunk_size: int = eqx.field(default=64, static=True, converter=as_chunk_size)
     scale: float | None = eqx.field(default=None, static=True, converter=as_scale)
+    precision: PrecisionName | None = eqx.field(default=None, static=True, converter=as_precision)
 
     def check(self, inputs: DPLRInputs) -> None:
         check_arrays(

@@ -19,6 +19,7 @@ from jaxtyping import Array, Float
 from .._affine import DiagonalAffineMap
 from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, States, ValueTensor
 from .._parallel import ContextParallel
+from .._precision import as_precision, PrecisionName
 from .._recurrence import AbstractRecurrence
 from .._run import run
 from .._validate import as_chunk_size, as_l2norm_flag, as_scale
@@ -70,11 +71,17 @@ class GatedLinearAttention(
     - `chunk_size`: tokens per chunk.
     - `scale`: query scale; `K ** -0.5` if `None`.
     - `use_qk_l2norm`: L2-normalise `q` and `k` over `K` (eps `1e-6`) first.
+    - `precision`: how the large products multiply: `"highest"` (float32 operands at
+        `Precision.HIGHEST`), `"bfloat16"` (bfloat16 operands, float32 accumulation),
+        `"default"` (`jax.default_matmul_precision`), or `None`: `"bfloat16"` for
+        bfloat16 inputs, `"highest"` otherwise. The state, the decays and the chunk maps
+        stay float32 under every policy.
     """
 
     chunk_size: int = eqx.field(default=64, static=True, converter=as_chunk_size)
     scale: float | None = eqx.field(default=None, static=True, converter=as_scale)
     use_qk_l2norm: bool = eqx.field(default=False, static=True, converter=as_l2norm_flag)
+    precision: PrecisionName | None = eqx.field(default=None, static=True, converter=as_precision)
 
     def check(self, inputs: GLAInputs) -> None:
         g = inputs.g
@@ -146,6 +153,7 @@ def chunk_gla(
     cu_seqlens: CuSeqlens | None = None,
     chunk_size: int = 64,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
 ) -> tuple[ValueTensor, States]:
     r"""Gated linear attention / Mamba-2 in chunked (WY) form: the training path.
 
@@ -160,7 +168,8 @@ def chunk_gla(
         reads key head `j // (HV // H)`.
     - `g`: natural-log decays $\le 0$: shape `(B, T, HV)` for one per head, or
         `(B, T, HV, K)` for one per key channel.
-    - `scale`, `initial_state`, `use_qk_l2norm`, `cu_seqlens`, `chunk_size`, `cp`: as in
+    - `scale`, `initial_state`, `use_qk_l2norm`, `cu_seqlens`, `chunk_size`, `cp`,
+        `precision`: as in
         [`deltanet_cp.chunk_gated_delta_rule`][].
 
     **Returns:**
@@ -170,7 +179,12 @@ def chunk_gla(
     per document).
     """
     return run(
-        GatedLinearAttention(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        GatedLinearAttention(
+            chunk_size=chunk_size,
+            scale=scale,
+            use_qk_l2norm=use_qk_l2norm,
+            precision=precision,
+        ),
         GLAInputs(q, k, v, g),
         initial_state=initial_state,
         cu_seqlens=cu_seqlens,
@@ -189,6 +203,7 @@ def recurrent_gla(
     use_qk_l2norm: bool = False,
     cu_seqlens: CuSeqlens | None = None,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
 ) -> tuple[ValueTensor, States]:
     r"""Gated linear attention / Mamba-2 token by token: the decoding path.
 
@@ -197,7 +212,12 @@ def recurrent_gla(
     (without `chunk_size`) and results.
     """
     return run(
-        GatedLinearAttention(chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        GatedLinearAttention(
+            chunk_size=1,
+            scale=scale,
+            use_qk_l2norm=use_qk_l2norm,
+            precision=precision,
+        ),
         GLAInputs(q, k, v, g),
         initial_state=initial_state,
         cu_seqlens=cu_seqlens,
