@@ -1,9 +1,11 @@
 """Blockwise causal attention: against float64 references written here, on one device and
-context parallel (both layouts, both key/value exchanges), forward and gradients; its tile
-schedules; and its memory, linear in the sequence length (and, around the ring, in the
-local length only)."""
+context parallel (both layouts, both key/value exchanges), forward and gradients; its
+precision policies (bfloat16 products against the float64 reference, and the products'
+dtypes in the compiled HLO); its tile schedules; and its memory, linear in the sequence
+length (and, around the ring, in the local length only)."""
 
 import functools as ft
+import re
 from typing import cast
 
 import equinox as eqx
@@ -16,7 +18,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import deltanet_cp as dcp
 from deltanet_cp.nn import CausalSelfAttention
-from deltanet_cp.nn._flash import _flash, _to_blocks
+from deltanet_cp.nn._attention import _decode_attention
+from deltanet_cp.nn._context import local_positions
+from deltanet_cp.nn._flash import _blockwise_attention, _flash, _to_blocks
 from deltanet_cp.nn._schedule import _allgather_schedule, _ring_schedule, _tiles, _tiling
 
 from .helpers import directional_check, rel_err
@@ -79,10 +83,20 @@ def reference_dense(x, wq, wk, wv, wo, *, heads=HEADS, theta=THETA):
             [y1 * jnp.cos(ang) - y2 * jnp.sin(ang), y2 * jnp.cos(ang) + y1 * jnp.sin(ang)], -1
         )
 
-    s = jnp.einsum("qhd,khd->hqk", rope(q), rope(k)) / np.sqrt(dim)
+    return dense_attention(rope(q), rope(k), v).reshape(t, heads * dim) @ wo.T
+
+
+def dense_attention(q, k, v):
+    """Causal softmax attention as one dense masked softmax in jax.numpy: `q` `(seq, heads,
+    dim)` (not yet scaled), `k`, `v` `(seq, kv_heads, dim)`, query head `h` reading key
+    head `h // (heads // kv_heads)`."""
+    t, h, dim = q.shape
+    group = h // k.shape[1]
+    k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
+    s = jnp.einsum("qhd,khd->hqk", q, k) / np.sqrt(dim)
     causal = jnp.tril(jnp.ones((t, t), bool))[None]
     p = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1)
-    return jnp.einsum("hqk,khd->qhd", p, v).reshape(t, heads * dim) @ wo.T
+    return jnp.einsum("hqk,khd->qhd", p, v)
 
 
 def _loss_weights(t: int) -> np.ndarray:
@@ -282,6 +296,224 @@ def test_kernel_gradients_through_lse():
         want = jax.jit(jax.grad(loss(dense), argnums=(0, 1, 2)))(q, k, v)
         for g, e in zip(got, want):
             assert rel_err(g, e) <= 1e-12
+
+
+# ---------------------------------------------------------------------------------------
+# The precision policies
+# ---------------------------------------------------------------------------------------
+
+# Grouped-query attention at a moderate size: 4 query heads reading 2 key/value heads.
+POLICY_T, POLICY_HEADS, POLICY_KV_HEADS, POLICY_DIM, POLICY_BLOCK = 1024, 4, 2, 64, 64
+OUT_BOUND, GRAD_BOUND = 5e-3, 8e-3  # relative RMS error, bfloat16 inputs and products
+
+
+def rms_ratio(actual, expected) -> float:
+    """rms(actual - expected) / rms(expected), in float64."""
+    a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    if a.shape != e.shape:
+        raise AssertionError(f"shapes differ: {a.shape} vs {e.shape}")
+    return float(np.sqrt(np.mean((a - e) ** 2) / np.mean(e**2)))
+
+
+def _policy_inputs(t: int = POLICY_T, dtype=jnp.bfloat16):
+    """`(q, k, v, w)`: queries, keys and values in `dtype` and a float32 loss weight."""
+    kq, kk, kv, kw = jr.split(jr.key(5), 4)
+    q = jr.normal(kq, (t, POLICY_HEADS, POLICY_DIM)).astype(dtype)
+    k = jr.normal(kk, (t, POLICY_KV_HEADS, POLICY_DIM)).astype(dtype)
+    v = jr.normal(kv, (t, POLICY_KV_HEADS, POLICY_DIM)).astype(dtype)
+    return q, k, v, jr.normal(kw, (t, POLICY_HEADS, POLICY_DIM))
+
+
+@ft.cache
+def _policy_reference(t: int = POLICY_T):
+    """Output and `d/d(q, k, v)` of `sum(out * w)` for the float64 dense attention, on the
+    bfloat16 inputs' values."""
+    inputs = [np.asarray(a, np.float64) for a in _policy_inputs(t)]  # drawn in float32
+    with jax.enable_x64(True):
+        q, k, v, w = (jnp.asarray(a) for a in inputs)
+
+        def loss(q, k, v):
+            out = dense_attention(q, k, v)
+            return jnp.sum(out * w), out
+
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+            q, k, v
+        )
+        return np.asarray(out), [np.asarray(g) for g in grads]
+
+
+def _kernel_loss(precision, cp=None, kv_exchange="allgather"):
+    """`(q, k, v, w) -> (sum(out * w), out)` of the kernel on this rank's tokens (summed over
+    the ranks with `cp`)."""
+
+    def loss(q, k, v, w):
+        pos = local_positions(cp, q.shape[0])
+        out, _ = _blockwise_attention(
+            q,
+            k,
+            v,
+            pos,
+            cp=cp,
+            kv_exchange=kv_exchange,
+            block_size=POLICY_BLOCK,
+            precision=precision,
+        )
+        total = jnp.sum(out.astype(jnp.float32) * w)
+        return (total if cp is None else jax.lax.psum(total, cp.axis_name)), out
+
+    return loss
+
+
+def _run_kernel(precision, q, k, v, w, cp=None, layout=None, kv_exchange="allgather"):
+    """Output and `(dq, dk, dv)` of the kernel, in sequence order, on one device or over
+    `cp` ranks under `layout`."""
+    grad = ft.partial(jax.value_and_grad, argnums=(0, 1, 2), has_aux=True)
+    if cp is None:
+        (_, out), grads = jax.jit(grad(_kernel_loss(precision)))(q, k, v, w)
+        return np.asarray(out), [np.asarray(g) for g in grads]
+    mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
+    context = dcp.ContextParallel("cp", layout=layout)
+    seq = P("cp")
+    f = jax.shard_map(
+        grad(_kernel_loss(precision, context, kv_exchange)),
+        mesh=mesh,
+        in_specs=(seq,) * 4,
+        out_specs=((P(), seq), (seq,) * 3),
+    )
+    args = [
+        jax.device_put(layout.to_layout(a, cp, axis=0), NamedSharding(mesh, seq))
+        for a in (q, k, v, w)
+    ]
+    (_, out), grads = jax.jit(f)(*args)
+    return [np.asarray(layout.from_layout(a, cp, axis=0)) for a in (out, *grads)][0], [
+        np.asarray(layout.from_layout(g, cp, axis=0)) for g in grads
+    ]
+
+
+def _policy_errors(out, grads) -> list[float]:
+    """Relative RMS errors of the output and of `dq, dk, dv` against the float64 reference."""
+    want_out, want_grads = _policy_reference()
+    return [rms_ratio(out, want_out)] + [rms_ratio(g, e) for g, e in zip(grads, want_grads)]
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", pytest.param("highest", marks=pytest.mark.slow)])
+def test_bfloat16_inputs_against_float64(precision):
+    # bfloat16 queries, keys and values (the output and gradients come back in bfloat16):
+    # with bfloat16 tile products the errors stay within the bounds of bfloat16 training;
+    # the float32 ("highest") products on the same inputs meet them too.
+    q, k, v, w = _policy_inputs()
+    out, grads = _run_kernel(precision, q, k, v, w)
+    assert out.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
+    errors = _policy_errors(out, grads)
+    assert errors[0] <= OUT_BOUND and max(errors[1:]) <= GRAD_BOUND, errors
+
+
+@pytest.mark.parametrize(
+    "layout, kv_exchange",
+    [
+        pytest.param("zigzag", "ring"),
+        pytest.param("contiguous", "allgather", marks=pytest.mark.slow),
+        pytest.param("contiguous", "ring", marks=pytest.mark.slow),
+        pytest.param("zigzag", "allgather", marks=pytest.mark.slow),
+    ],
+)
+def test_bfloat16_policy_context_parallel(layout, kv_exchange):
+    # The same bounds over 4 ranks: the statistics and accumulators stay float32 on every
+    # rank and around the ring, so the error does not grow with the ranks.
+    q, k, v, w = _policy_inputs()
+    out, grads = _run_kernel("bfloat16", q, k, v, w, 4, LAYOUTS[layout], kv_exchange)
+    errors = _policy_errors(out, grads)
+    assert errors[0] <= OUT_BOUND and max(errors[1:]) <= GRAD_BOUND, errors
+
+
+def test_default_policy_is_highest():
+    # On float32 inputs the kernel's default policy is "highest": outputs and gradients
+    # equal; "bfloat16" products are a different computation.
+    t = 128
+    q, k, v, w = _policy_inputs(t, jnp.float32)
+
+    def loss(q, k, v):
+        pos = jnp.arange(t)
+        out, _ = _blockwise_attention(
+            q, k, v, pos, cp=None, kv_exchange="allgather", block_size=POLICY_BLOCK
+        )
+        return jnp.sum(out * w), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    highest_out, highest_grads = _run_kernel("highest", q, k, v, w)
+    assert np.array_equal(out, highest_out)
+    assert all(np.array_equal(a, b) for a, b in zip(grads, highest_grads))
+    assert not np.array_equal(out, _run_kernel("bfloat16", q, k, v, w)[0])
+
+
+def test_decode_bfloat16_policy():
+    # One query against a bfloat16 cache of 1024 entries (700 of them visible), bfloat16
+    # products: within the output bound of the float64 softmax over the visible entries.
+    q, k, v, _ = _policy_inputs()
+    position = 699
+    got = _decode_attention(q[position], k, v, jnp.asarray(position), precision="bfloat16")
+    assert got.dtype == jnp.float32
+    want = _policy_reference()[0][position]
+    assert rms_ratio(got, want) <= OUT_BOUND
+    exact = _decode_attention(q[position], k, v, jnp.asarray(position))
+    assert rms_ratio(exact, want) <= 1e-5
+
+
+def test_bad_precision(without_runtime_typecheck):
+    q, k, v = jnp.zeros((64, 4, 8)), jnp.zeros((64, 2, 8)), jnp.zeros((64, 2, 8))
+    for bad in (None, "float32", jax.lax.Precision.HIGHEST):
+        with pytest.raises(ValueError, match="precision"):
+            _blockwise_attention(
+                q,
+                k,
+                v,
+                jnp.arange(64),
+                cp=None,
+                kv_exchange="allgather",
+                block_size=64,
+                precision=bad,  # pyright: ignore[reportArgumentType]
+            )
+
+
+_HLO_DEF = re.compile(r"%([\w.\-]+) = (\w+)\[")
+_HLO_DOT = re.compile(r"%[\w.\-]+ = (\w+)\[[^=]*? dot\(%([\w.\-]+), %([\w.\-]+)\)")
+
+
+def dot_dtypes(hlo_text: str) -> list[tuple[str, str, str]]:
+    """`(lhs, rhs, result)` element types of every `dot` in a compiled module's text."""
+    types = dict(_HLO_DEF.findall(hlo_text))
+    return [(types[a], types[b], out) for out, a, b in _HLO_DOT.findall(hlo_text)]
+
+
+@pytest.mark.parametrize(
+    "kv_exchange", [None, pytest.param("allgather", marks=pytest.mark.slow), "ring"]
+)
+def test_bfloat16_policy_hlo(kv_exchange):
+    # Compiled on XLA:CPU, forward and backward: every tile product (q k^T and p v; the
+    # recomputed q k^T, do v^T, ds k, ds^T q and p^T do) multiplies bfloat16 operands into
+    # float32, and under "highest" every one multiplies float32 at HIGHEST.
+    q, k, v, w = _policy_inputs(128, jnp.float32)
+    cp = None if kv_exchange is None else 4
+
+    def compiled(precision):
+        loss = jax.grad(lambda *a: _kernel_loss(precision, *context)(*a)[0], argnums=(0, 1, 2))
+        if cp is None:
+            return jax.jit(loss).lower(q, k, v, w).compile().as_text()
+        mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
+        f = jax.shard_map(loss, mesh=mesh, in_specs=(P("cp"),) * 4, out_specs=(P("cp"),) * 3)
+        args = [jax.device_put(a, NamedSharding(mesh, P("cp"))) for a in (q, k, v, w)]
+        return jax.jit(f).lower(*args).compile().as_text()
+
+    context = () if cp is None else (dcp.ContextParallel("cp", layout=dcp.Zigzag()), kv_exchange)
+    # The tile products: 2 forward and 5 backward per tile loop, each loop compiled once
+    # (the ring: the diagonal and the loop over the other ranks' keys).
+    loops = 2 if kv_exchange == "ring" else 1
+    bf16 = dot_dtypes(compiled("bfloat16"))
+    print(f"{kv_exchange}: {bf16.count(('bf16', 'bf16', 'f32'))} of {len(bf16)} dots bf16")
+    assert bf16 == [("bf16", "bf16", "f32")] * 7 * loops, bf16
+    hi_text = compiled("highest")
+    assert dot_dtypes(hi_text) == [("f32", "f32", "f32")] * 7 * loops
+    assert hi_text.count("operand_precision={highest,highest}") == 7 * loops
 
 
 # ---------------------------------------------------------------------------------------

@@ -13,8 +13,16 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._parallel import axis_size, ContextParallel
+from .._precision import accumulation_dtype, einsum, PrecisionName
 from ._context import layer_cp, local_positions
-from ._flash import _blockwise_attention, _flash, _group_queries, _to_blocks, _ungroup_queries
+from ._flash import (
+    _blockwise_attention,
+    _check_precision,
+    _flash,
+    _group_queries,
+    _to_blocks,
+    _ungroup_queries,
+)
 from ._norm import ZeroCenteredRMSNorm
 from ._schedule import _check_kv_exchange, _Schedule, KVSchedule
 
@@ -56,11 +64,14 @@ def _cached_attention(
     v: Float[Array, "capacity kv_heads dim"],
     length: Int[Array, ""] | int,
     tile_size: int,
+    *,
+    precision: PrecisionName = "highest",
 ) -> tuple[Array, Array]:
     """Attention of queries (RoPE applied, not yet scaled) to the first `length` entries of
     a key/value cache, all of which precede every query: `(out, lse)`, `(seq, heads, dim)`
     and `(seq, heads)` in the accumulation dtype; output 0 and log-sum-exp `-inf` where
-    `length` is 0. One tile per block of queries, against the whole cache."""
+    `length` is 0. One tile per block of queries, against the whole cache, the tile
+    products under `precision` (as in the kernel)."""
     t, h, d = q.shape
     group = h // k.shape[1]
     b = max(c for c in range(1, min(tile_size, t) + 1) if t % c == 0)
@@ -70,9 +81,41 @@ def _cached_attention(
     pos_k = jnp.where(index < length, index, jnp.iinfo(jnp.int32).max)
     pos_q = jnp.broadcast_to(length, rows.shape[:2])
     tiles = _Schedule.of([[(i, 0) for i in range(t // b)]]).at(0)
-    out, lse = cast(tuple[Array, Array], _flash(rows, k[None], v[None], pos_q, pos_k[None], *tiles))
+    out, lse = cast(
+        tuple[Array, Array],
+        _flash(rows, k[None], v[None], pos_q, pos_k[None], *tiles, precision=precision),
+    )
     out = _ungroup_queries(out.reshape(t * group, h // group, d), group)
     return out, _ungroup_queries(lse.transpose(0, 2, 1).reshape(t * group, -1), group)
+
+
+def _decode_attention(
+    q: Float[Array, "heads dim"],
+    k: Float[Array, "capacity kv_heads dim"],
+    v: Float[Array, "capacity kv_heads dim"],
+    position: Int[Array, ""],
+    *,
+    precision: PrecisionName = "highest",
+) -> Float[Array, "heads dim"]:
+    """Attention of one query (RoPE applied, not yet scaled) at `position` to the cache
+    entries `0 .. position` (its own included): the output in the accumulation dtype.
+
+    The two products (`q k^T` over the cache, `p v`) multiply under `precision`: under
+    `"highest"` float32 operands at `Precision.HIGHEST` (float64 for float64 inputs),
+    under `"bfloat16"` bfloat16 operands accumulated in float32, under `"default"` at JAX's
+    default matmul precision. The softmax is taken in the accumulation dtype whatever the
+    policy."""
+    precision = _check_precision(precision)
+    kvh, d = k.shape[1], q.shape[-1]
+    acc = accumulation_dtype(q)
+    qg = q.reshape(kvh, q.shape[0] // kvh, d).astype(acc) * (d**-0.5)
+    if precision != "bfloat16":
+        k, v = k.astype(acc), v.astype(acc)
+    s = einsum("hgd,chd->hgc", qg, k, precision=precision).astype(acc)
+    visible = jnp.arange(k.shape[0]) <= position
+    p = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1)
+    o = einsum("hgc,chd->hgd", p, v, precision=precision).astype(acc)
+    return o.reshape(q.shape[0], d)
 
 
 def _merge(a: tuple[Array, Array], b: tuple[Array, Array]) -> Array:
@@ -369,13 +412,5 @@ class CausalSelfAttention(eqx.Module):
             k=jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), position, 0),
             v=jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), position, 0),
         )
-        kvh, d = self.num_kv_heads, self.head_dim
-        acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
-        qg = q[0].reshape(kvh, self.num_heads // kvh, d).astype(acc) * (d**-0.5)
-        hi = jax.lax.Precision.HIGHEST
-        s = jnp.einsum("hgd,chd->hgc", qg, cache.k.astype(acc), precision=hi)
-        visible = jnp.arange(cache.k.shape[0]) <= position
-        p = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1)
-        o = jnp.einsum("hgc,chd->hgd", p, cache.v.astype(acc), precision=hi)
-        o = o.reshape(1, self.num_heads, d).astype(v.dtype)
-        return self._finish(o, gate)[0], cache
+        o = _decode_attention(q[0], cache.k, cache.v, position)
+        return self._finish(o[None].astype(v.dtype), gate)[0], cache

@@ -11,6 +11,11 @@ a payload of `(cp - 1) / cp * S * 2 * kv_heads * head_dim` elements per rank and
 either way, growing with the sequence length `S`. With the zigzag layout every rank does
 the same causal work. The all-gather holds the whole sequence's keys and values on every
 rank; the ring, one rank's piece at a time, forward and backward (`_ring`).
+
+Every entry point takes a resolved precision policy (`.._precision`): the tile products
+(`q k^T` and `p v`, in the backward `do v^T`, `ds k`, `ds^T q` and `p^T do`) multiply under
+it, while the softmax statistics (running max, denominator, log-sum-exp), the accumulators
+and the gradients' sums stay in the accumulation dtype whatever the policy.
 """
 
 import functools as ft
@@ -22,6 +27,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from .._parallel import ContextParallel, Contiguous
+from .._precision import accumulation_dtype, as_precision, einsum, PrecisionName
 from .._sharding import varying
 from ._schedule import _block, _check_kv_exchange, _Schedule, _tiles, _tiling
 
@@ -33,9 +39,25 @@ _HI = jax.lax.Precision.HIGHEST
 # ---------------------------------------------------------------------------------------
 
 
-def _acc_dtype(dtype) -> type:
-    """The accumulation dtype: float64 for float64 inputs, float32 otherwise."""
-    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+def _check_precision(precision: object) -> PrecisionName:
+    """`precision` if it is a policy name; a `ValueError` otherwise (`None` included: the
+    layer resolves it from its inputs before calling the kernel)."""
+    name = as_precision(precision)
+    if name is None:
+        raise ValueError(
+            "the attention kernel takes a resolved `precision` ('highest', 'bfloat16' or "
+            "'default'); resolve None with `resolve_precision` first."
+        )
+    return name
+
+
+def _dot(spec: str, x: Array, y: Array, precision: PrecisionName, acc) -> Array:
+    """A tile product in the accumulation dtype `acc`: under `"highest"` at
+    `Precision.HIGHEST` on the operands as given; otherwise `einsum` under the policy
+    (`"bfloat16"`: bfloat16 operands, accumulated in `acc`)."""
+    if precision == "highest":
+        return jnp.einsum(spec, x, y, precision=_HI, preferred_element_type=acc)
+    return einsum(spec, x, y, precision=precision).astype(acc)
 
 
 def _tile_loop(tiles: Array, count: Array, body, init):
@@ -57,11 +79,9 @@ def _put(x: Array, y: Array, i: Array) -> Array:
     return jax.lax.dynamic_update_index_in_dim(x, y.astype(x.dtype), i, 0)
 
 
-def _tile_scores(q, k, pos_q, pos_k, i, j, acc):
+def _tile_scores(q, k, pos_q, pos_k, i, j, acc, precision):
     """Scores of tile `(i, j)`, `(heads, block, block)`, and the causal mask of the tile."""
-    s = jnp.einsum(
-        "qhd,khd->hqk", _take(q, i), _take(k, j), precision=_HI, preferred_element_type=acc
-    )
+    s = _dot("qhd,khd->hqk", _take(q, i), _take(k, j), precision, acc)
     mask = _take(pos_q, i)[:, None] >= _take(pos_k, j)[None, :]
     return s, mask[None]
 
@@ -70,7 +90,7 @@ def _flash_init(q: Array, like) -> tuple[Array, Array, Array]:
     """The empty online-softmax state of queries `q`: (unnormalised output, running max,
     running denominator), in the accumulation dtype, varying wherever `like` does."""
     nq, b, h, d = q.shape
-    acc = _acc_dtype(q.dtype)
+    acc = accumulation_dtype(q)
     init = (
         jnp.zeros((nq, b, h, d), acc),
         jnp.full((nq, h, b), jnp.finfo(acc).min, acc),
@@ -79,27 +99,22 @@ def _flash_init(q: Array, like) -> tuple[Array, Array, Array]:
     return varying(init, like)
 
 
-def _flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, state):
-    """Run the listed tiles into the online-softmax `state` (see `_flash_init`)."""
-    acc = _acc_dtype(q.dtype)
+def _flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, state, precision):
+    """Run the listed tiles into the online-softmax `state` (see `_flash_init`), the tile
+    products under `precision`."""
+    acc = accumulation_dtype(q)
 
     def body(t, carry):
         o, m, denom = carry
         i, j = _tile(tiles, row, t)
-        s, mask = _tile_scores(q, k, pos_q, pos_k, i, j, acc)
+        s, mask = _tile_scores(q, k, pos_q, pos_k, i, j, acc, precision)
         s = jnp.where(mask, s, -jnp.inf)
         m_old = _take(m, i)
         m_new = jnp.maximum(m_old, jnp.max(s, axis=-1))
         p = jnp.exp(s - m_new[..., None])
         alpha = jnp.exp(m_old - m_new)
         l_new = alpha * _take(denom, i) + jnp.sum(p, axis=-1)
-        pv = jnp.einsum(
-            "hqk,khd->qhd",
-            p.astype(v.dtype),
-            _take(v, j),
-            precision=_HI,
-            preferred_element_type=acc,
-        )
+        pv = _dot("hqk,khd->qhd", p.astype(v.dtype), _take(v, j), precision, acc)
         o_new = alpha.T[..., None] * _take(o, i) + pv
         return _put(o, o_new, i), _put(m, m_new, i), _put(denom, l_new, i)
 
@@ -116,13 +131,13 @@ def _flash_finish(state: tuple[Array, Array, Array]) -> tuple[Array, Array]:
     return out, lse
 
 
-def _flash_forward(q, k, v, pos_q, pos_k, tiles, row, count):
+def _flash_forward(precision, q, k, v, pos_q, pos_k, tiles, row, count):
     state = _flash_init(q, (q, k, v, pos_q, pos_k, tiles, row, count))
-    return _flash_finish(_flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, state))
+    state = _flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, state, precision)
+    return _flash_finish(state)
 
 
-@jax.custom_vjp
-def _flash(q, k, v, pos_q, pos_k, tiles, row, count):
+def _flash(q, k, v, pos_q, pos_k, tiles, row, count, *, precision: PrecisionName = "highest"):
     """Blockwise causal attention over a list of tiles, with an online softmax.
 
     **Arguments:**
@@ -135,6 +150,9 @@ def _flash(q, k, v, pos_q, pos_k, tiles, row, count):
         (query block, key block) pair; `tiles` is `(rows, pairs, 2)` int32 (one row per
         rank), `row` an int32 scalar (may be traced). Tiles not listed are not computed.
     - `count`: how many of the listed tiles to compute (an int32 scalar, may be traced).
+    - `precision`: the policy of the tile products, forward and backward (`"highest"`,
+        `"bfloat16"` or `"default"`); the softmax statistics and accumulators stay in the
+        accumulation dtype.
 
     **Returns:**
 
@@ -143,11 +161,16 @@ def _flash(q, k, v, pos_q, pos_k, tiles, row, count):
     query that sees no key gets output 0 and log-sum-exp `-inf`. Partial results over
     disjoint keys merge with `logaddexp`; gradients flow through both outputs.
     """
-    return _flash_forward(q, k, v, pos_q, pos_k, tiles, row, count)
+    return _flash_vjp(_check_precision(precision), q, k, v, pos_q, pos_k, tiles, row, count)
 
 
-def _flash_fwd(q, k, v, pos_q, pos_k, tiles, row, count):
-    out, lse = _flash_forward(q, k, v, pos_q, pos_k, tiles, row, count)
+@ft.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash_vjp(precision, q, k, v, pos_q, pos_k, tiles, row, count):
+    return _flash_forward(precision, q, k, v, pos_q, pos_k, tiles, row, count)
+
+
+def _flash_fwd(precision, q, k, v, pos_q, pos_k, tiles, row, count):
+    out, lse = _flash_forward(precision, q, k, v, pos_q, pos_k, tiles, row, count)
     return (out, lse), (q, k, v, pos_q, pos_k, tiles, row, count, out, lse)
 
 
@@ -163,26 +186,29 @@ def _flash_grad_prep(out, lse, d_out, d_lse):
     return d_out, jnp.where(jnp.isfinite(lse), lse, 0), delta
 
 
-def _flash_grad_steps(q, k, v, pos_q, pos_k, tiles, row, count, lse, delta, d_out, grads):
-    """Add the listed tiles' gradients to `grads = (dq, dk, dv)` (accumulation dtype).
+def _flash_grad_steps(
+    q, k, v, pos_q, pos_k, tiles, row, count, lse, delta, d_out, grads, precision
+):
+    """Add the listed tiles' gradients to `grads = (dq, dk, dv)` (accumulation dtype), the
+    tile products under `precision`.
 
     The scores are recomputed tile by tile from the saved log-sum-exp:
     p = exp(s - lse), dp = dout v^T, ds = p * (dp - delta), delta = rowsum(dout * out) - dlse.
     """
-    acc = _acc_dtype(q.dtype)
+    acc = accumulation_dtype(q)
 
     def body(t, carry):
         dq, dk, dv = carry
         i, j = _tile(tiles, row, t)
-        s, mask = _tile_scores(q, k, pos_q, pos_k, i, j, acc)
+        s, mask = _tile_scores(q, k, pos_q, pos_k, i, j, acc, precision)
         p = jnp.where(mask, jnp.exp(s - _take(lse, i)[..., None]), 0)
         q_i, k_j = _take(q, i).astype(acc), _take(k, j).astype(acc)
         v_j, do_i = _take(v, j).astype(acc), _take(d_out, i)
-        dp = jnp.einsum("qhd,khd->hqk", do_i, v_j, precision=_HI)
+        dp = _dot("qhd,khd->hqk", do_i, v_j, precision, acc)
         ds = p * (dp - _take(delta, i)[..., None])
-        dq_i = jnp.einsum("hqk,khd->qhd", ds, k_j, precision=_HI)
-        dk_j = jnp.einsum("hqk,qhd->khd", ds, q_i, precision=_HI)
-        dv_j = jnp.einsum("hqk,qhd->khd", p, do_i, precision=_HI)
+        dq_i = _dot("hqk,khd->qhd", ds, k_j, precision, acc)
+        dk_j = _dot("hqk,qhd->khd", ds, q_i, precision, acc)
+        dv_j = _dot("hqk,qhd->khd", p, do_i, precision, acc)
         dq = _put(dq, _take(dq, i) + dq_i, i)
         dk = _put(dk, _take(dk, j) + dk_j, j)
         dv = _put(dv, _take(dv, j) + dv_j, j)
@@ -191,20 +217,20 @@ def _flash_grad_steps(q, k, v, pos_q, pos_k, tiles, row, count, lse, delta, d_ou
     return _tile_loop(tiles, count, body, grads)
 
 
-def _flash_bwd(res, cts):
+def _flash_bwd(precision, res, cts):
     q, k, v, pos_q, pos_k, tiles, row, count, out, lse = res
     d_out, lse, delta = _flash_grad_prep(out, lse, *cts)
-    acc = _acc_dtype(q.dtype)
+    acc = accumulation_dtype(q)
     init = (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
     init = varying(init, (q, k, v, pos_q, pos_k, tiles, row, count, d_out, delta))
     dq, dk, dv = _flash_grad_steps(
-        q, k, v, pos_q, pos_k, tiles, row, count, lse, delta, d_out, init
+        q, k, v, pos_q, pos_k, tiles, row, count, lse, delta, d_out, init, precision
     )
     grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
     return grads + (None, None, None, None, None)
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash_vjp.defvjp(_flash_fwd, _flash_bwd)
 
 
 def _to_blocks(x: Array, b: int) -> Array:
@@ -212,9 +238,9 @@ def _to_blocks(x: Array, b: int) -> Array:
     return x.reshape(-1, b, *x.shape[1:])
 
 
-def _attend(q, k, v, pos_q, pos_k, tiles, b, group):
-    """`_flash` on `(rows, heads, dim)` arrays, `b` keys and `b * group` query rows a tile:
-    `(out (rows, heads, dim), lse (rows, heads))`."""
+def _attend(q, k, v, pos_q, pos_k, tiles, b, group, *, precision: PrecisionName = "highest"):
+    """`_flash` on `(rows, heads, dim)` arrays, `b` keys and `b * group` query rows a tile,
+    the tile products under `precision`: `(out (rows, heads, dim), lse (rows, heads))`."""
     tiles, row, count = tiles
     out, lse = cast(
         tuple[Array, Array],
@@ -227,6 +253,7 @@ def _attend(q, k, v, pos_q, pos_k, tiles, b, group):
             tiles,
             row,
             count,
+            precision=precision,
         ),
     )
     t = q.shape[0]
@@ -264,27 +291,28 @@ class _Ring:
         return pos_k, tiles, row, count
 
 
-def _ring_forward(ring: _Ring, q, k, v, pos_q, pos_k):
+def _ring_forward(ring: _Ring, q, k, v, pos_q, pos_k, *, precision: PrecisionName = "highest"):
+    precision = _check_precision(precision)
     rank = jax.lax.axis_index(ring.axis_name)
     state = _flash_init(q, (q, k, v, pos_q, pos_k))
-    state = _flash_steps(q, k, v, pos_q, pos_k, *ring.diagonal.at(rank), state)
+    state = _flash_steps(q, k, v, pos_q, pos_k, *ring.diagonal.at(rank), state, precision)
 
     def body(step, carry):
         k, v, state = carry
         k, v = ring.ppermute((k, v))
         pos_k, tiles, row, count = ring.step(rank, step)
-        state = _flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, state)
+        state = _flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, state, precision)
         return k, v, state
 
     _, _, state = ring.ring_loop(body, (k, v, state))
     return _flash_finish(state)
 
 
-@ft.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(ring: _Ring, q, k, v, pos_q, pos_k):
+def _ring(ring: _Ring, q, k, v, pos_q, pos_k, *, precision: PrecisionName = "highest"):
     """Causal attention of the local queries to the whole sequence's keys, passed around
     the ring: `out`, `(nq, block, heads, dim)` in the accumulation dtype (arguments in
-    blocks as for `_flash`; `k`, `v` and their positions `pos_k` this rank's own).
+    blocks as for `_flash`, `precision` too; `k`, `v` and their positions `pos_k` this
+    rank's own).
 
     At step 0 the queries attend to the local keys (the causal diagonal); at each step
     `i = 1 .. cp - 1` of a loop the keys and values move one rank on (rank `r` then holds
@@ -296,24 +324,29 @@ def _ring(ring: _Ring, q, k, v, pos_q, pos_k):
     adds its tiles' contributions (recomputed from the log-sum-exp, as `_flash` does); one
     last step brings the accumulators home, where each holds its rank's `dk`, `dv`.
     """
-    return _ring_forward(ring, q, k, v, pos_q, pos_k)[0]
+    return _ring_vjp(ring, _check_precision(precision), q, k, v, pos_q, pos_k)
 
 
-def _ring_fwd(ring: _Ring, q, k, v, pos_q, pos_k):
-    out, lse = _ring_forward(ring, q, k, v, pos_q, pos_k)
+@ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ring_vjp(ring: _Ring, precision, q, k, v, pos_q, pos_k):
+    return _ring_forward(ring, q, k, v, pos_q, pos_k, precision=precision)[0]
+
+
+def _ring_fwd(ring: _Ring, precision, q, k, v, pos_q, pos_k):
+    out, lse = _ring_forward(ring, q, k, v, pos_q, pos_k, precision=precision)
     return out, (q, k, v, pos_q, pos_k, out, lse)
 
 
-def _ring_bwd(ring: _Ring, res, d_out):
+def _ring_bwd(ring: _Ring, precision, res, d_out):
     q, k, v, pos_q, pos_k, out, lse = res
     rank = jax.lax.axis_index(ring.axis_name)
     d_out, lse, delta = _flash_grad_prep(out, lse, d_out, None)
-    acc = _acc_dtype(q.dtype)
+    acc = accumulation_dtype(q)
     grads = (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
     grads = varying(grads, (q, k, v, pos_q, pos_k, d_out, delta))
     tiles, row, count = ring.diagonal.at(rank)
     dq, dk, dv = _flash_grad_steps(
-        q, k, v, pos_q, pos_k, tiles, row, count, lse, delta, d_out, grads
+        q, k, v, pos_q, pos_k, tiles, row, count, lse, delta, d_out, grads, precision
     )
 
     def body(step, carry):
@@ -321,7 +354,7 @@ def _ring_bwd(ring: _Ring, res, d_out):
         k, v, dk, dv = ring.ppermute((k, v, dk, dv))
         pos_k, tiles, row, count = ring.step(rank, step)
         dq, dk, dv = _flash_grad_steps(
-            q, k, v, pos_q, pos_k, tiles, row, count, lse, delta, d_out, (dq, dk, dv)
+            q, k, v, pos_q, pos_k, tiles, row, count, lse, delta, d_out, (dq, dk, dv), precision
         )
         return k, v, dq, dk, dv
 
@@ -331,7 +364,7 @@ def _ring_bwd(ring: _Ring, res, d_out):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
-_ring.defvjp(_ring_fwd, _ring_bwd)
+_ring_vjp.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _group_queries(x: Array, group: int) -> Array:
@@ -360,12 +393,19 @@ def _blockwise_attention(
     kv_exchange: str,
     block_size: int,
     return_lse: bool = False,
+    precision: PrecisionName = "highest",
 ) -> tuple[Array, Array | None]:
     """Causal softmax attention of this rank's queries (global positions `pos_q`, RoPE
     already applied, not yet scaled) against every earlier key of the sequence.
 
     Query head `h` reads key/value head `h // (heads // kv_heads)` (grouped-query
     attention); the keys and values travel with `kv_heads` heads.
+
+    The tile products multiply under `precision` (`"highest"`: float32 operands at
+    `Precision.HIGHEST`, or the inputs' dtype where that is narrower in the forward;
+    `"bfloat16"`: bfloat16 operands accumulated in float32; `"default"`: JAX's default
+    matmul precision), forward and backward; the softmax statistics, the accumulators and
+    the log-sum-exp stay in the accumulation dtype.
 
     **Returns:**
 
@@ -375,6 +415,7 @@ def _blockwise_attention(
     without its memory-saving backward).
     """
     _check_kv_exchange(kv_exchange)
+    precision = _check_precision(precision)
     t, h, d = q.shape
     group = h // k.shape[1]
     q = _group_queries(q * (d**-0.5), group)
@@ -389,7 +430,8 @@ def _blockwise_attention(
     if cp is None:
         b = _block(block_size, t, "the sequence length")
         ((schedule,),) = _tiles(Contiguous().held(1), t // b, "allgather")
-        return finish(*_attend(q, k, v, pos_q_rows, pos_q, schedule.at(0), b, group))
+        att = _attend(q, k, v, pos_q_rows, pos_q, schedule.at(0), b, group, precision=precision)
+        return finish(*att)
     n = jax.lax.axis_size(cp.axis_name)
     rank = jax.lax.axis_index(cp.axis_name)
     b, m = _tiling(cp.layout, t, n, block_size)
@@ -399,12 +441,13 @@ def _blockwise_attention(
         k = jax.lax.all_gather(k, cp.axis_name, axis=0, tiled=True)
         v = jax.lax.all_gather(v, cp.axis_name, axis=0, tiled=True)
         pos_k = jnp.asarray(table.reshape(-1))
-        return finish(*_attend(q, k, v, pos_q_rows, pos_k, loops[0][0].at(rank), b, group))
+        tiles = loops[0][0].at(rank)
+        return finish(*_attend(q, k, v, pos_q_rows, pos_k, tiles, b, group, precision=precision))
     (diagonal,), steps = loops
     ring = _Ring(cp.axis_name, n, diagonal, steps, table.reshape(n, -1, b))
     qb, pos_qb = _to_blocks(q, b * group), _to_blocks(pos_q_rows, b * group)
     kb, vb, pos_kb = _to_blocks(k, b), _to_blocks(v, b), _to_blocks(pos_q, b)
     if return_lse:
-        out, lse = _ring_forward(ring, qb, kb, vb, pos_qb, pos_kb)
+        out, lse = _ring_forward(ring, qb, kb, vb, pos_qb, pos_kb, precision=precision)
         return finish(out, lse.transpose(0, 2, 1))
-    return finish(cast(Array, _ring(ring, qb, kb, vb, pos_qb, pos_kb)), None)
+    return finish(_ring(ring, qb, kb, vb, pos_qb, pos_kb, precision=precision), None)
