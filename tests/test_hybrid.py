@@ -82,14 +82,48 @@ def test_block_and_tile_sizes_reach_the_layers(getkey, monkeypatch):
     seen = _spy_block_sizes(monkeypatch)
     tokens = jnp.arange(24) % 16
     for block, tile in ((None, 128), (16, 4)):
-        kw = {} if block is None else {"block_size": block, "tile_size": tile}
-        model = HybridLM(16, 32, 2, attention_every=2, chunk_size=8, key=getkey(), **kw)
+        model = HybridLM(
+            16,
+            32,
+            2,
+            attention_every=2,
+            chunk_size=8,
+            block_size=block,
+            tile_size=tile,
+            key=getkey(),
+        )
         gdn, attn = (b.mixer for b in model.blocks)
         assert isinstance(gdn, GatedDeltaNet) and isinstance(attn, CausalSelfAttention)
         assert (gdn.block_size, attn.tile_size) == (block, tile)
         seen.clear()
         assert bool(jnp.all(jnp.isfinite(model(tokens))))
         assert seen == [block]
+
+
+def test_attention_precision_policy(getkey, without_runtime_typecheck):
+    """On float32 parameters the attention layer's default policy (`None`) is `"highest"`,
+    bit for bit: in `__call__`, `prefill` (and its cache) and `step`; HybridLM hands its
+    `precision` to every token mixer."""
+    key, x = getkey(), jr.normal(getkey(), (12, 32))
+    results = {}
+    for precision in (None, "highest"):
+        attn = CausalSelfAttention(
+            32, 4, 8, num_kv_heads=2, tile_size=4, key=key, precision=precision
+        )
+        assert attn.precision == precision
+        cache = attn.init_cache(16)
+        out, cache = eqx.filter_jit(lambda a, x, c: a.prefill(x, c, 0))(attn, x[:8], cache)
+        step = eqx.filter_jit(lambda a, x, c: a.step(x, c, 8))(attn, x[8], cache)
+        results[precision] = (eqx.filter_jit(lambda a, x: a(x))(attn, x), out, cache, step)
+    for a, b in zip(jax.tree.leaves(results[None]), jax.tree.leaves(results["highest"])):
+        np.testing.assert_array_equal(a, b)
+    model = eqx.filter_eval_shape(
+        HybridLM, 16, 32, 4, attention_every=2, precision="bfloat16", key=getkey()
+    )
+    assert model.precision == "bfloat16"
+    assert [b.mixer.precision for b in model.blocks] == ["bfloat16"] * 4
+    with pytest.raises(ValueError, match="`precision` must be one of"):
+        CausalSelfAttention(32, 4, 8, precision="fp32", key=key)  # pyright: ignore[reportArgumentType]
 
 
 B, T, VOCAB = 2, 32, 16

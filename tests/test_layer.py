@@ -176,6 +176,42 @@ def test_block_size_reaches_the_engine(getkey):
         GatedDeltaNet(*SIZES, block_size=0, key=getkey())
 
 
+def test_precision_policy(getkey, monkeypatch, without_runtime_typecheck):
+    """`precision` reaches the gated delta rule in the chunked pass and in `step`; on
+    float32 parameters the default (`None`) is `"highest"`, bit for bit."""
+    from deltanet_cp.nn import _gated_delta_net
+    from deltanet_cp.recurrences import _gated_delta
+
+    key, x = getkey(), jr.normal(getkey(), (40, SIZES[0]))
+    outs, steps = {}, {}
+    for precision in (None, "highest"):
+        layer = GatedDeltaNet(*SIZES, chunk_size=8, precision=precision, key=key)
+        assert layer.precision == precision
+        outs[precision] = eqx.filter_jit(lambda m, x: m(x))(layer, x)
+        steps[precision] = eqx.filter_jit(lambda m, x, s: m.step(x, s))(
+            layer, x[0], layer.init_state()
+        )
+    np.testing.assert_array_equal(outs[None], outs["highest"])
+    for a, b in zip(jax.tree.leaves(steps[None]), jax.tree.leaves(steps["highest"])):
+        np.testing.assert_array_equal(a, b)
+
+    seen = []
+    for module in (_gated_delta_net, _gated_delta):
+        real = module.run
+
+        def spy(recurrence, *args, _real=real, **kwargs):
+            seen.append(recurrence.precision)
+            return _real(recurrence, *args, **kwargs)
+
+        monkeypatch.setattr(module, "run", spy)
+    layer = GatedDeltaNet(*SIZES, chunk_size=8, precision="bfloat16", key=key)
+    jax.eval_shape(layer, x)
+    jax.eval_shape(layer.step, x[0], layer.init_state())
+    assert seen == ["bfloat16", "bfloat16"]
+    with pytest.raises(ValueError, match="`precision` must be one of"):
+        GatedDeltaNet(*SIZES, precision="float8", key=key)  # pyright: ignore[reportArgumentType]
+
+
 def test_float64_layer(getkey):
     with jax.enable_x64(True):
         layer = GatedDeltaNet(*SIZES, chunk_size=16, key=getkey(), dtype=jnp.float64)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
+from .._precision import accumulation_dtype
 from ..nn._attention import KVCache
 from ..nn._gated_delta_net import GatedDeltaNetState
 
@@ -120,7 +121,7 @@ def check_cache(model: "Qwen3_5ForCausalLM", cache: Any, name: str = "cache") ->
                 "by another config, or does it carry a batch axis (`jax.vmap` over it)?"
             )
         if isinstance(got, GatedDeltaNetState):
-            rdt = jnp.float64 if got.conv.dtype == jnp.float64 else jnp.float32
+            rdt = accumulation_dtype(got.conv)
             if got.recurrent.dtype != rdt:
                 raise ValueError(
                     f"`{name}.layers[{i}].recurrent` has dtype {got.recurrent.dtype}; the "

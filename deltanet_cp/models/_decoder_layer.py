@@ -25,7 +25,16 @@ class Qwen3_5DecoderLayer(eqx.Module):
     mlp: SwiGLU
 
     def __init__(
-        self, config: Qwen3_5Config, kind: str, *, chunk_size, block_size, tile_size, key, dtype
+        self,
+        config: Qwen3_5Config,
+        kind: str,
+        *,
+        chunk_size,
+        block_size,
+        tile_size,
+        precision,
+        key,
+        dtype,
     ):
         kmix, kmlp = jr.split(key)
         c, eps = config, config.rms_norm_eps
@@ -40,6 +49,7 @@ class Qwen3_5DecoderLayer(eqx.Module):
                 norm_eps=eps,
                 chunk_size=chunk_size,
                 block_size=block_size,
+                precision=precision,
                 key=kmix,
                 dtype=dtype,
             )
@@ -55,6 +65,7 @@ class Qwen3_5DecoderLayer(eqx.Module):
                 qk_norm=True,
                 norm_eps=eps,
                 tile_size=tile_size,
+                precision=precision,
                 key=kmix,
                 dtype=dtype,
             )

@@ -10,6 +10,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._parallel import axis_size, ContextParallel
+from .._precision import as_precision, PrecisionName
 from .._validate import as_index, as_positive_index
 from ..nn._context import layer_cp, local_positions
 from ..nn._gated_delta_net import GatedDeltaNet
@@ -49,6 +50,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
     norm: ZeroCenteredRMSNorm
     lm_head: eqx.nn.Linear | None
     config: Qwen3_5Config = eqx.field(static=True)
+    precision: PrecisionName | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -57,6 +59,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
         chunk_size: int = 64,
         block_size: int | None = None,
         tile_size: int = 128,
+        precision: PrecisionName | None = None,
         key: PRNGKeyArray,
         dtype=None,
     ):
@@ -69,9 +72,18 @@ class Qwen3_5ForCausalLM(eqx.Module):
             [`deltanet_cp.default_block_size`][].
         - `tile_size`: the side of the attention layers' score tiles (see
             [`deltanet_cp.nn.CausalSelfAttention`][]).
+        - `precision`: every token mixer's precision policy: `"highest"` (float32
+            operands at `Precision.HIGHEST`), `"bfloat16"` (bfloat16 operands, float32
+            accumulation), `"default"` (`jax.default_matmul_precision`), or `None`: from
+            the parameters' dtype, `"bfloat16"` for bfloat16 parameters and `"highest"`
+            otherwise. The recurrent states, the softmax statistics and the norms stay
+            float32 under every policy; the dense projections, MLPs, embedding and LM
+            head multiply in the parameters' dtype at JAX's default precision. See
+            [`deltanet_cp.nn.GatedDeltaNet`][] and [`deltanet_cp.nn.CausalSelfAttention`][].
         - `key`: a PRNG key for the (random) initial parameters.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
         """
+        precision = as_precision(precision)
         kemb, khead, *keys = jr.split(key, config.num_hidden_layers + 2)
         self.embed = eqx.nn.Embedding(config.vocab_size, config.hidden_size, key=kemb, dtype=dtype)
         self.layers = tuple(
@@ -81,6 +93,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
                 chunk_size=chunk_size,
                 block_size=block_size,
                 tile_size=tile_size,
+                precision=precision,
                 key=k,
                 dtype=dtype,
             )
@@ -95,6 +108,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
             )
         )
         self.config = config
+        self.precision = precision
 
     @classmethod
     def from_pretrained(
@@ -105,6 +119,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
         chunk_size: int = 64,
         block_size: int | None = None,
         tile_size: int = 128,
+        precision: PrecisionName | None = None,
     ) -> "Qwen3_5ForCausalLM":
         """Load a Hugging Face checkpoint: a directory with `config.json` and
         `model.safetensors`, or `model.safetensors.index.json` and its shards.
@@ -120,7 +135,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
         - `path`: the checkpoint directory.
         - `dtype`: cast every parameter to this dtype (e.g. `jnp.bfloat16`; the recurrent
             states stay float32); keep each tensor's stored dtype if `None`.
-        - `chunk_size`, `block_size`, `tile_size`: as for `__init__`.
+        - `chunk_size`, `block_size`, `tile_size`, `precision`: as for `__init__`.
 
         **Raises:**
 
@@ -135,6 +150,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
             chunk_size=chunk_size,
             block_size=block_size,
             tile_size=tile_size,
+            precision=precision,
         )
 
     def _logits(self, x):

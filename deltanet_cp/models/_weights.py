@@ -169,6 +169,7 @@ def load(
     chunk_size: int,
     block_size: int | None,
     tile_size: int,
+    precision,
 ):
     path = Path(path)
     if not path.is_dir():
@@ -183,6 +184,7 @@ def load(
         chunk_size=chunk_size,
         block_size=block_size,
         tile_size=tile_size,
+        precision=precision,
         key=jr.key(0),
         dtype=dtype,
     )

@@ -13,7 +13,13 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._parallel import axis_size, ContextParallel
-from .._precision import accumulation_dtype, einsum, PrecisionName
+from .._precision import (
+    accumulation_dtype,
+    as_precision,
+    einsum,
+    PrecisionName,
+    resolve_precision,
+)
 from ._context import layer_cp, local_positions
 from ._flash import (
     _blockwise_attention,
@@ -180,6 +186,7 @@ class CausalSelfAttention(eqx.Module):
     rope_theta: float = eqx.field(static=True)
     output_gate: bool = eqx.field(static=True)
     tile_size: int = eqx.field(static=True)
+    precision: PrecisionName | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -194,6 +201,7 @@ class CausalSelfAttention(eqx.Module):
         qk_norm: bool = False,
         norm_eps: float = 1e-6,
         tile_size: int = 128,
+        precision: PrecisionName | None = None,
         key: PRNGKeyArray,
         dtype=None,
     ):
@@ -218,6 +226,15 @@ class CausalSelfAttention(eqx.Module):
             (on one device), local sequence (`Contiguous`) or zigzag piece (`Zigzag`, half
             the local sequence) shorter than it is one tile; a longer one must be a
             multiple of it (a `ValueError` at call time says which value to pass otherwise).
+        - `precision`: how the score tiles' products (`q k^T`, `p v`, and their backward)
+            and the decoding step's multiply: `"highest"` (float32 operands at
+            `Precision.HIGHEST`), `"bfloat16"` (bfloat16 operands, float32 accumulation),
+            `"default"` (`jax.default_matmul_precision`), or `None`: from the queries,
+            keys and values, which are in the parameters' dtype (`"bfloat16"` for
+            bfloat16 parameters, `"highest"` otherwise). The softmax statistics and the
+            accumulators stay float32 under every policy. The projections are
+            `equinox.nn.Linear`s: they multiply in the parameters' dtype at JAX's default
+            precision whatever the policy.
         - `key`: a PRNG key for the initial parameters.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
         """
@@ -233,6 +250,7 @@ class CausalSelfAttention(eqx.Module):
             )
         if not isinstance(tile_size, int) or isinstance(tile_size, bool) or tile_size < 1:
             raise ValueError(f"`tile_size` must be a positive int; got {tile_size!r}.")
+        precision = as_precision(precision)
         kq, kk, kv, ko = jr.split(key, 4)
         inner, kv_inner = num_heads * head_dim, num_kv_heads * head_dim
 
@@ -255,6 +273,7 @@ class CausalSelfAttention(eqx.Module):
         self.rope_theta = rope_theta
         self.output_gate = output_gate
         self.tile_size = tile_size
+        self.precision = precision
 
     def init_cache(self, capacity: int, dtype=None) -> KVCache:
         """An empty cache for `capacity` tokens.
@@ -325,7 +344,14 @@ class CausalSelfAttention(eqx.Module):
         rel = local_positions(cp, x.shape[0])
         q, k, v, gate = self._project(x, rel)
         out, _ = _blockwise_attention(
-            q, k, v, rel, cp=cp, kv_exchange=kv_schedule, block_size=self.tile_size
+            q,
+            k,
+            v,
+            rel,
+            cp=cp,
+            kv_exchange=kv_schedule,
+            block_size=self.tile_size,
+            precision=resolve_precision(self.precision, q, k, v),
         )
         return self._finish(out, gate)
 
@@ -359,6 +385,7 @@ class CausalSelfAttention(eqx.Module):
         cp = layer_cp(cp, "CausalSelfAttention")
         rel = local_positions(cp, x.shape[0])
         q, k, v, gate = self._project(x, rel + length)
+        precision = resolve_precision(self.precision, q, k, v)
         out, lse = _blockwise_attention(
             q,
             k,
@@ -368,9 +395,10 @@ class CausalSelfAttention(eqx.Module):
             kv_exchange=kv_schedule,
             block_size=self.tile_size,
             return_lse=True,
+            precision=precision,
         )
         assert lse is not None
-        old = _cached_attention(q, cache.k, cache.v, length, self.tile_size)
+        old = _cached_attention(q, cache.k, cache.v, length, self.tile_size, precision=precision)
         o = _merge(old, (out, lse)).astype(v.dtype)
         if cp is not None:
             # Every rank's keys and values, the same on every rank (an invariant value),
@@ -412,5 +440,6 @@ class CausalSelfAttention(eqx.Module):
             k=jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), position, 0),
             v=jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), position, 0),
         )
-        o = _decode_attention(q[0], cache.k, cache.v, position)
+        precision = resolve_precision(self.precision, q, k, v)
+        o = _decode_attention(q[0], cache.k, cache.v, position, precision=precision)
         return self._finish(o[None].astype(v.dtype), gate)[0], cache

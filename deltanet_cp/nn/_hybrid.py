@@ -7,6 +7,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._parallel import ContextParallel
+from .._precision import as_precision, PrecisionName
 from .._validate import as_positive_index
 from ._attention import CausalSelfAttention
 from ._context import layer_cp
@@ -112,6 +113,7 @@ class HybridLM(eqx.Module):
     blocks: tuple[HybridBlock, ...]
     norm: eqx.nn.RMSNorm
     lm_head: eqx.nn.Linear
+    precision: PrecisionName | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -131,6 +133,7 @@ class HybridLM(eqx.Module):
         chunk_size: int = 64,
         block_size: int | None = None,
         tile_size: int = 128,
+        precision: PrecisionName | None = None,
         key: PRNGKeyArray,
         dtype=None,
     ):
@@ -149,6 +152,11 @@ class HybridLM(eqx.Module):
         - `num_attention_heads`, `attention_head_dim`: the attention sizes.
         - `tile_size`: the side of the attention layers' score tiles (see
             [`deltanet_cp.nn.CausalSelfAttention`][]).
+        - `precision`: every token mixer's precision policy (`"highest"`, `"bfloat16"`,
+            `"default"`, or `None`: from the parameters' dtype); see
+            [`deltanet_cp.nn.GatedDeltaNet`][] and [`deltanet_cp.nn.CausalSelfAttention`][].
+            The MLPs, the embedding and the LM head multiply in the parameters' dtype at
+            JAX's default precision.
         - `intermediate_size`: the MLP width; `4 * hidden_size` if `None`.
         - `key`: a PRNG key for the initial parameters.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
@@ -162,6 +170,7 @@ class HybridLM(eqx.Module):
         hidden_size = as_positive_index(hidden_size, "hidden_size")
         num_layers = as_positive_index(num_layers, "num_layers")
         attention_every = as_positive_index(attention_every, "attention_every")
+        precision = as_precision(precision)
         intermediate_size = 4 * hidden_size if intermediate_size is None else intermediate_size
         kemb, khead, *kblocks = jr.split(key, num_layers + 2)
         blocks = []
@@ -173,6 +182,7 @@ class HybridLM(eqx.Module):
                     num_attention_heads,
                     attention_head_dim,
                     tile_size=tile_size,
+                    precision=precision,
                     key=kmix,
                     dtype=dtype,
                 )
@@ -186,6 +196,7 @@ class HybridLM(eqx.Module):
                     conv_kernel_size=conv_kernel_size,
                     chunk_size=chunk_size,
                     block_size=block_size,
+                    precision=precision,
                     key=kmix,
                     dtype=dtype,
                 )
@@ -197,6 +208,7 @@ class HybridLM(eqx.Module):
         self.lm_head = eqx.nn.Linear(
             hidden_size, vocab_size, use_bias=False, key=khead, dtype=dtype
         )
+        self.precision = precision
 
     def __call__(
         self,
