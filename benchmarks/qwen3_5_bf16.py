@@ -110,9 +110,7 @@ def main() -> None:
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))
     for r in rows:
-        cells = [
-            f"{r[k]:.2e}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys
-        ]
+        cells = [f"{r[k]:.2e}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys]
         print("| " + " | ".join(cells) + " |")
     print(json.dumps(rows))
 
