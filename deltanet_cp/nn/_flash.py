@@ -137,7 +137,19 @@ def _flash_forward(precision, q, k, v, pos_q, pos_k, tiles, row, count):
     return _flash_finish(state)
 
 
-def _flash(q, k, v, pos_q, pos_k, tiles, row, count, *, precision: PrecisionName = "highest"):
+def _flash(
+    q,
+    k,
+    v,
+    pos_q,
+    pos_k,
+    tiles,
+    row,
+    count,
+    *,
+    precision: PrecisionName = "highest",
+    gather: str | None = None,
+):
     """Blockwise causal attention over a list of tiles, with an online softmax.
 
     **Arguments:**
@@ -153,6 +165,12 @@ def _flash(q, k, v, pos_q, pos_k, tiles, row, count, *, precision: PrecisionName
     - `precision`: the policy of the tile products, forward and backward (`"highest"`,
         `"bfloat16"` or `"default"`); the softmax statistics and accumulators stay in the
         accumulation dtype.
+    - `gather`: a mesh axis name, or `None`. With a name, `k` and `v` are this rank's
+        blocks, all-gathered (tiled, in their own dtype) over that axis into the whole
+        sequence's before the tiles run (`pos_k` then the gathered keys' positions); in
+        the backward their gradients are reduce-scattered back in the accumulation dtype
+        and only then cast to the inputs' dtype, so the sum over the ranks' queries is
+        not rounded to bfloat16.
 
     **Returns:**
 
@@ -161,15 +179,23 @@ def _flash(q, k, v, pos_q, pos_k, tiles, row, count, *, precision: PrecisionName
     query that sees no key gets output 0 and log-sum-exp `-inf`. Partial results over
     disjoint keys merge with `logaddexp`; gradients flow through both outputs.
     """
-    return _flash_vjp(_check_precision(precision), q, k, v, pos_q, pos_k, tiles, row, count)
+    precision = _check_precision(precision)
+    return _flash_vjp(precision, gather, q, k, v, pos_q, pos_k, tiles, row, count)
 
 
-@ft.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash_vjp(precision, q, k, v, pos_q, pos_k, tiles, row, count):
+def _gathered(x: Array, gather: str | None) -> Array:
+    """`x` all-gathered (tiled) over the mesh axis `gather`; `x` itself if `None`."""
+    return x if gather is None else jax.lax.all_gather(x, gather, axis=0, tiled=True)
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _flash_vjp(precision, gather, q, k, v, pos_q, pos_k, tiles, row, count):
+    k, v = _gathered(k, gather), _gathered(v, gather)
     return _flash_forward(precision, q, k, v, pos_q, pos_k, tiles, row, count)
 
 
-def _flash_fwd(precision, q, k, v, pos_q, pos_k, tiles, row, count):
+def _flash_fwd(precision, gather, q, k, v, pos_q, pos_k, tiles, row, count):
+    k, v = _gathered(k, gather), _gathered(v, gather)
     out, lse = _flash_forward(precision, q, k, v, pos_q, pos_k, tiles, row, count)
     return (out, lse), (q, k, v, pos_q, pos_k, tiles, row, count, out, lse)
 
@@ -217,7 +243,7 @@ def _flash_grad_steps(
     return _tile_loop(tiles, count, body, grads)
 
 
-def _flash_bwd(precision, res, cts):
+def _flash_bwd(precision, gather, res, cts):
     q, k, v, pos_q, pos_k, tiles, row, count, out, lse = res
     d_out, lse, delta = _flash_grad_prep(out, lse, *cts)
     acc = accumulation_dtype(q)
@@ -226,6 +252,11 @@ def _flash_bwd(precision, res, cts):
     dq, dk, dv = _flash_grad_steps(
         q, k, v, pos_q, pos_k, tiles, row, count, lse, delta, d_out, init, precision
     )
+    if gather is not None:
+        # The transpose of the all-gather, summed over the ranks in the accumulation dtype.
+        dk, dv = (
+            jax.lax.psum_scatter(g, gather, scatter_dimension=0, tiled=True) for g in (dk, dv)
+        )
     grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
     return grads + (None, None, None, None, None)
 
@@ -238,9 +269,22 @@ def _to_blocks(x: Array, b: int) -> Array:
     return x.reshape(-1, b, *x.shape[1:])
 
 
-def _attend(q, k, v, pos_q, pos_k, tiles, b, group, *, precision: PrecisionName = "highest"):
+def _attend(
+    q,
+    k,
+    v,
+    pos_q,
+    pos_k,
+    tiles,
+    b,
+    group,
+    *,
+    precision: PrecisionName = "highest",
+    gather: str | None = None,
+):
     """`_flash` on `(rows, heads, dim)` arrays, `b` keys and `b * group` query rows a tile,
-    the tile products under `precision`: `(out (rows, heads, dim), lse (rows, heads))`."""
+    the tile products under `precision` (`k`, `v` gathered over the axis `gather` if
+    given): `(out (rows, heads, dim), lse (rows, heads))`."""
     tiles, row, count = tiles
     out, lse = cast(
         tuple[Array, Array],
@@ -254,6 +298,7 @@ def _attend(q, k, v, pos_q, pos_k, tiles, b, group, *, precision: PrecisionName 
             row,
             count,
             precision=precision,
+            gather=gather,
         ),
     )
     t = q.shape[0]
@@ -438,11 +483,11 @@ def _blockwise_attention(
     table = cp.layout.position_table(t, n)
     loops = _tiles(cp.layout.held(n), m, kv_exchange)
     if kv_exchange == "allgather":
-        k = jax.lax.all_gather(k, cp.axis_name, axis=0, tiled=True)
-        v = jax.lax.all_gather(v, cp.axis_name, axis=0, tiled=True)
-        pos_k = jnp.asarray(table.reshape(-1))
-        tiles = loops[0][0].at(rank)
-        return finish(*_attend(q, k, v, pos_q_rows, pos_k, tiles, b, group, precision=precision))
+        pos_k, tiles = jnp.asarray(table.reshape(-1)), loops[0][0].at(rank)
+        att = _attend(
+            q, k, v, pos_q_rows, pos_k, tiles, b, group, precision=precision, gather=cp.axis_name
+        )
+        return finish(*att)
     (diagonal,), steps = loops
     ring = _Ring(cp.axis_name, n, diagonal, steps, table.reshape(n, -1, b))
     qb, pos_qb = _to_blocks(q, b * group), _to_blocks(pos_q_rows, b * group)
