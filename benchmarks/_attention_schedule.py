@@ -21,7 +21,7 @@ def blockwise_attention(q, k, v, pos_q, *, cp, kv_exchange: str, block_size: int
     """The layer's causal attention of this rank's queries (RoPE applied, not yet scaled)
     against every earlier key: `(out, None)`. The kernel has no public form."""
     return _flash.blockwise_attention(
-        q, k, v, pos_q, cp=cp, kv_exchange=kv_exchange, block_size=block_size
+        q, k, v, pos_q, cp=cp, kv_schedule=kv_exchange, tile_size=block_size
     )
 
 

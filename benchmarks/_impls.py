@@ -105,7 +105,10 @@ def jax_forward(name: str, *, h: int, hv: int, d: int, chunk: int = 64, dtype="f
     peer, _ = load_peer(name, kw.get("wheels"))
     rep = hv // h
     if name == "ours":
-        rule = peer.GatedDeltaRule(chunk_size=chunk, use_qk_l2norm=True)
+        # `precision`: the products' policy (None: from the inputs, bfloat16 -> "bfloat16").
+        rule = peer.GatedDeltaRule(
+            chunk_size=chunk, use_qk_l2norm=True, precision=kw.get("precision")
+        )
         block_size = kw.get("block_size")  # None: the backend's default
 
         def forward(q, k, v, g, beta):

@@ -8,9 +8,11 @@ Two parts, both at Qwen3-Next heads (B=1, H=16, HV=32, K=V=128, chunk 64, q/k L2
    MaxText and (when its wheel is there) jax-linear-attention's plain-JAX path, T=4096.
 2. **Paired time** through `_harness.py`: bfloat16 and float32, T = 4096, 16384 and 65536,
    forward and forward+backward (the pullback of fixed cotangents of `o` and the final
-   state to q, k, v, g and beta). Three implementations, each in its own process (two JAX
+   state to q, k, v, g and beta). Four implementations, each in its own process (three JAX
    processes without preallocation, one PyTorch process), stopped while another is timed:
-   - ours: `deltanet_cp.chunk_gated_delta_rule`;
+   - ours: `deltanet_cp.chunk_gated_delta_rule` (its default policy: bfloat16 products
+     with float32 accumulation for bfloat16 inputs, float32 HIGHEST for float32 ones);
+   - ours highest: the same with `precision="highest"` (float32 products for both);
    - FLA: `fla.ops.gated_delta_rule.chunk_gated_delta_rule` (Triton; the `fla-core` wheel);
    - MaxText 0.2.5: `jax_chunk_gated_delta_rule` (`_maxtext.py`), `compute_dtype` = the
      case's dtype.
@@ -165,6 +167,9 @@ def main() -> int:
     wheels = {"wheels": args.wheels} if args.wheels else {}
     impls = [
         Impl("ours", "_impls:ours", env=jax_env),
+        # The same with float32 products at Precision.HIGHEST on bfloat16 inputs too (ours
+        # above runs the bfloat16 policy there: bfloat16 operands, float32 accumulation).
+        Impl("ours highest", "_impls:ours", {"precision": "highest"}, env=jax_env),
         Impl("MaxText", "_impls:maxtext", wheels, env=jax_env),
     ]
     notes = []

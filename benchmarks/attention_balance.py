@@ -118,9 +118,9 @@ def compile_rank(
 
     def attend(q, k, v):
         pos = layout.positions(q.shape[0], "cp")
-        return blockwise_attention(
-            q, k, v, pos, cp=context, kv_exchange=exchange, block_size=BLOCK
-        )[0]
+        return blockwise_attention(q, k, v, pos, cp=context, kv_schedule=exchange, tile_size=BLOCK)[
+            0
+        ]
 
     if grad:
 
@@ -286,7 +286,7 @@ def main():
             "S",
             "cp",
             "layout",
-            "kv_exchange",
+            "kv_schedule",
             "fwd FLOPs / ideal (busiest rank)",
             "(its tiles / ideal)",
             "(least busy rank)",

@@ -184,3 +184,95 @@ def received_bytes_per_rank(hlo_text: str, kinds: tuple[str, ...] = _KINDS) -> d
             for r, b in c.received_bytes.items():
                 total[r] = total.get(r, 0) + b
     return total
+
+
+# The products of a StableHLO module (`jax.jit(f).lower(...).as_text()`, or an exported
+# module's `mlir_module()`): their operand and result dtypes and where in the source they are.
+
+_DOT = re.compile(
+    r"stablehlo\.dot_general .*?: \(tensor<(?P<lhs>[^>]*)>, tensor<(?P<rhs>[^>]*)>\) -> "
+    r"tensor<(?P<out>[^>]*)>.*loc\((?P<loc>#loc\d+)\)\s*$"
+)
+_LOC = re.compile(r"^(#loc\d+) = loc\((.*)\)\s*$", re.M)
+_SPEC = re.compile(r"[\w.]+,[\w.]+->[\w.]*")
+
+
+@dataclasses.dataclass(frozen=True)
+class Product:
+    """One `dot_general` of a StableHLO module.
+
+    **Fields:**
+
+    - `operands`: the two operands' element types, e.g. `("bf16", "f32")`.
+    - `result`: the result's element type.
+    - `shapes`: the operands' and the result's shapes.
+    - `spec`: the `einsum` subscripts it came from, or `""`.
+    - `frames`: the Python frames that emitted it, innermost first, as `"function file:line"`.
+    """
+
+    operands: tuple[str, str]
+    result: str
+    shapes: tuple[tuple[int, ...], ...]
+    spec: str
+    frames: tuple[str, ...]
+
+    def where(self, skip: tuple[str, ...] = ("_precision.py",)) -> str:
+        """The innermost frame outside the files in `skip` (the einsum wrappers)."""
+        for frame in self.frames:
+            if not any(s in frame for s in skip):
+                return frame
+        return self.frames[0] if self.frames else "?"
+
+
+def _tensor(text: str) -> tuple[tuple[int, ...], str]:
+    *dims, dtype = text.split("x")
+    return tuple(int(d) for d in dims), dtype
+
+
+def products(text: str) -> list[Product]:
+    """Every `dot_general` of a StableHLO module's text, with its dtypes and source frames.
+
+    **Arguments:**
+
+    - `text`: the module, with its debug locations (`lowered.as_text()`, or
+        `jax.export.export(...)(...).mlir_module()`).
+
+    **Returns:**
+
+    One [`Product`][] per `dot_general` in the module's text (each once, however often a
+    loop runs it).
+    """
+    locs = dict(_LOC.findall(text))
+
+    def frames(ref: str, depth: int = 0) -> list[tuple[str, str]]:
+        body = locs.get(ref, "")
+        if depth > 64 or not body:
+            return []
+        if body.startswith("callsite("):
+            inner = re.match(r"callsite\((#loc\d+) at (#loc\d+)\)", body)
+            return (
+                frames(inner.group(1), depth + 1) + frames(inner.group(2), depth + 1)
+                if inner
+                else []
+            )
+        named = re.match(r'"([^"]*)"\((#loc\d+)\)', body)
+        if named:
+            sub = locs.get(named.group(2), "")
+            place = re.match(r'"([^"]*)":(\d+)', sub)
+            if place:
+                return [(named.group(1), f"{place.group(1).rsplit('/', 1)[-1]}:{place.group(2)}")]
+            return [(named.group(1), "")] + frames(named.group(2), depth + 1)
+        place = re.match(r'"([^"]*)":(\d+)', body)
+        return [("", f"{place.group(1).rsplit('/', 1)[-1]}:{place.group(2)}")] if place else []
+
+    found = []
+    for line in text.splitlines():
+        m = _DOT.search(line)
+        if m is None:
+            continue
+        (ls, lt), (rs, rt), (os_, ot) = (_tensor(m.group(k)) for k in ("lhs", "rhs", "out"))
+        chain = frames(m.group("loc"))
+        spec = next((s.group(0) for n, _ in chain if (s := _SPEC.search(n))), "")
+        named = tuple(f"{n} {p}".strip() for n, p in chain if p)
+        found.append(Product((lt, rt), ot, (ls, rs, os_), spec, named))
+    return found

@@ -34,7 +34,7 @@ class ContextParallel(eqx.Module, Generic[_L]):
         `shard_map` itself (and returns global arrays). The layers and models take a
         `ContextParallel` without `mesh` only.
     - The ranks exchange recurrent state by `exchange`; attention's keys and values go by
-        the `kv_exchange=` of the layer's call instead.
+        the `kv_schedule=` of the layer's call instead.
 
     **Arguments:**
 

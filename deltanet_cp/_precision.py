@@ -14,6 +14,7 @@ Whatever the policy, the state, its recursion, the log decays and their sums, th
 maps and their exchange stay in the accumulation dtype ([`accumulation_dtype`][]).
 """
 
+import functools as ft
 from typing import Any, Literal, TypeAlias
 
 import jax
@@ -76,8 +77,10 @@ def einsum(spec: str, *operands: Array, precision: PrecisionName = "highest") ->
         every backend (the default precision rounds them to bfloat16 or TF32 on TPUs and
         GPUs, a relative error near $10^{-3}$). `"bfloat16"`: the operands rounded to
         bfloat16, the product accumulated and returned in float32 (float64 if an operand
-        is float64). `"default"`: `jax.default_matmul_precision` decides, the result in
-        the accumulation dtype.
+        is float64); its VJP multiplies the same way (the cotangent rounded to bfloat16,
+        float32 accumulation), and the operands' cotangents come back in their dtypes.
+        `"default"`: `jax.default_matmul_precision` decides, the result in the
+        accumulation dtype.
 
     **Returns:**
 
@@ -87,9 +90,98 @@ def einsum(spec: str, *operands: Array, precision: PrecisionName = "highest") ->
         return jnp.einsum(spec, *operands, precision=jax.lax.Precision.HIGHEST)
     acc = accumulation_dtype(*operands)
     if precision == "bfloat16":
-        operands = tuple(x.astype(jnp.bfloat16) for x in operands)
-        return jnp.einsum(spec, *operands, preferred_element_type=acc)
+        if len(operands) != 2 or not _transposable(spec):
+            raise ValueError(
+                f"`einsum` under precision='bfloat16' takes two operands and explicit "
+                f"subscripts, none repeated inside one operand (e.g. 'bik,bkj->bij'); got "
+                f"{spec!r} with {len(operands)} operands."
+            )
+        return _bf16_einsum(spec, acc, *operands)
     if precision == "default":
         return jnp.einsum(spec, *operands, preferred_element_type=acc)
     as_precision(precision)  # raises the ValueError for a name that is not a policy
     raise AssertionError(precision)
+
+
+def _parse(spec: str) -> tuple[str, str, str]:
+    inputs, out = spec.replace(" ", "").split("->")
+    lhs, rhs = inputs.split(",")
+    return lhs, rhs, out
+
+
+def _transposable(spec: str) -> bool:
+    """Whether `_bf16_einsum`'s VJP handles `spec`: two operands, an explicit output, no
+    subscript repeated inside one term."""
+    if spec.count("->") != 1 or spec.count(",") != 1:
+        return False
+    terms = _parse(spec)
+    return all(len(set(t.replace("...", ""))) == len(t.replace("...", "")) for t in terms)
+
+
+def _bf16_product(spec: str, acc: Any, x: Array, y: Array) -> Array:
+    """bfloat16 operands, `acc` accumulation. On accelerators one product with
+    `preferred_element_type`; on XLA:CPU, whose runtime dot has no bfloat16 x bfloat16 ->
+    float32 kernel for every layout, the bfloat16-rounded operands multiplied in `acc` at
+    `Precision.HIGHEST`: the same numbers (a product of two bfloat16 values is exact in
+    float32), summed in `acc`."""
+    x, y = x.astype(jnp.bfloat16), y.astype(jnp.bfloat16)
+
+    def native(x, y):
+        return jnp.einsum(spec, x, y, preferred_element_type=acc)
+
+    def emulated(x, y):
+        highest = jax.lax.Precision.HIGHEST
+        return jnp.einsum(spec, x.astype(acc), y.astype(acc), precision=highest)
+
+    return jax.lax.platform_dependent(x, y, cpu=emulated, default=native)
+
+
+def _operand_cotangent(
+    out: str, other: str, mine: str, acc: Any, g: Array, y: Array, x: Array
+) -> Array:
+    """The cotangent of the operand `x` (subscripts `mine`) of `einsum(mine, other -> out)`
+    from the result's cotangent `g`: `einsum(out, other -> mine)` in bfloat16 with `acc`
+    accumulation, its broadcast axes summed back to `x`'s shape."""
+    letters = mine.replace("...", "")
+    kept = "".join(c for c in letters if c in out or c in other)
+    target = ("..." if "..." in mine else "") + kept
+    d = _bf16_product(f"{out},{other}->{target}", acc, g, y)
+    if kept != letters:  # subscripts summed inside `x` alone: the cotangent is broadcast
+        rank = d.ndim - len(kept)
+        lead, tail = d.shape[:rank], d.shape[rank:]
+        sizes = dict(zip(kept, tail))
+        for i, c in enumerate(letters):
+            if c not in sizes:
+                sizes[c] = x.shape[x.ndim - len(letters) + i]
+        order = [kept.index(c) for c in letters if c in kept]
+        d = jnp.transpose(d, (*range(rank), *(rank + i for i in order)))
+        expand = tuple(rank + i for i, c in enumerate(letters) if c not in kept)
+        d = jnp.broadcast_to(jnp.expand_dims(d, expand), (*lead, *(sizes[c] for c in letters)))
+    lead = d.ndim - x.ndim
+    if lead:
+        d = jnp.sum(d, axis=tuple(range(lead)))
+    axes = tuple(i for i, n in enumerate(x.shape) if n == 1 and d.shape[i] != 1)
+    if axes:
+        d = jnp.sum(d, axis=axes, keepdims=True)
+    return d.astype(x.dtype)
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _bf16_einsum(spec: str, acc: Any, x: Array, y: Array) -> Array:
+    return _bf16_product(spec, acc, x, y)
+
+
+def _bf16_einsum_fwd(spec, acc, x, y):
+    return _bf16_product(spec, acc, x, y), (x, y)
+
+
+def _bf16_einsum_bwd(spec, acc, res, g):
+    x, y = res
+    lhs, rhs, out = _parse(spec)
+    g = g.astype(jnp.bfloat16)
+    dx = _operand_cotangent(out, rhs, lhs, acc, g, y, x)
+    dy = _operand_cotangent(out, lhs, rhs, acc, g, x, y)
+    return dx, dy
+
+
+_bf16_einsum.defvjp(_bf16_einsum_fwd, _bf16_einsum_bwd)

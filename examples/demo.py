@@ -139,7 +139,7 @@ def payloads(
                 out[seq_len, name, f"GDN, {exchange}"] = p["total"]
             for kv in ("allgather", "ring"):
                 parallel = dcp.ContextParallel(AXIS, layout=layout)
-                p = _layer_payload(attn, cfg, cp, seq_len, parallel, kv_exchange=kv)
+                p = _layer_payload(attn, cfg, cp, seq_len, parallel, kv_schedule=kv)
                 # The ring's one ppermute of (K, V) is in the body of its loop over the cp - 1
                 # steps, which the HLO text holds once.
                 out[seq_len, name, f"attn, {kv}"] = p["total"] * (

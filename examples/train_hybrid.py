@@ -53,7 +53,7 @@ class Config:
     seed: int = 0
     # The Gated DeltaNet layers' state exchange, and the attention layers' key/value one.
     exchange: Literal["allgather", "ppermute", "ring", "auto"] = "allgather"
-    kv_exchange: Literal["allgather", "ring"] = "allgather"
+    kv_schedule: Literal["allgather", "ring"] = "allgather"
     layout: str = "contiguous"  # or "zigzag": every layer on load-balanced shards
 
 
@@ -140,7 +140,7 @@ def loss_fn(model: HybridLM, inputs, targets, mask, *, cp: int, mesh=None, cfg: 
 
     def local(params, inputs, targets, mask):
         m = eqx.combine(params, static)
-        call = ft.partial(m, cp=context_parallel(cfg), kv_exchange=cfg.kv_exchange)
+        call = ft.partial(m, cp=context_parallel(cfg), kv_schedule=cfg.kv_schedule)
         logits = jax.vmap(call)(inputs)
         total, count = _nll(logits, targets, mask)
         return jax.lax.psum(total, AXIS) / jax.lax.psum(count, AXIS)
@@ -222,14 +222,14 @@ def main():
     parser.add_argument("--seq-len", type=int, default=Config.seq_len)
     parser.add_argument("--exchange", default=Config.exchange)
     parser.add_argument("--layout", default=Config.layout, choices=["contiguous", "zigzag"])
-    parser.add_argument("--kv-exchange", default=Config.kv_exchange, choices=["allgather", "ring"])
+    parser.add_argument("--kv-schedule", default=Config.kv_schedule, choices=["allgather", "ring"])
     args = parser.parse_args()
     cfg = Config(
         steps=args.steps,
         seq_len=args.seq_len,
         exchange=args.exchange,
         layout=args.layout,
-        kv_exchange=args.kv_exchange,
+        kv_schedule=args.kv_schedule,
     )
     for i, loss in enumerate(train(cfg, args.cp)):
         print(f"step {i:3d}  loss {loss:.4f}")

@@ -128,7 +128,7 @@ def _grads_of(grads_module, dx) -> list[np.ndarray]:
 
 @ft.cache
 def _attn(block_size: int) -> CausalSelfAttention:
-    return CausalSelfAttention(HIDDEN, HEADS, HEAD_DIM, block_size=block_size, key=jr.key(0))
+    return CausalSelfAttention(HIDDEN, HEADS, HEAD_DIM, tile_size=block_size, key=jr.key(0))
 
 
 def _inputs(t: int):
@@ -155,7 +155,7 @@ def _run_cp(attn, x, w, cp: int, layout, kv_exchange: str):
     context = dcp.ContextParallel("cp", layout=layout)
 
     def local(params, x, w):
-        out = eqx.combine(params, static)(x, cp=context, kv_exchange=kv_exchange)
+        out = eqx.combine(params, static)(x, cp=context, kv_schedule=kv_exchange)
         return jax.lax.psum(jnp.sum(out * w), "cp"), out
 
     seq = P("cp")
@@ -354,8 +354,8 @@ def _kernel_loss(precision, cp=None, kv_exchange="allgather"):
             v,
             pos,
             cp=cp,
-            kv_exchange=kv_exchange,
-            block_size=POLICY_BLOCK,
+            kv_schedule=kv_exchange,
+            tile_size=POLICY_BLOCK,
             precision=precision,
         )
         total = jnp.sum(out.astype(jnp.float32) * w)
@@ -445,7 +445,7 @@ def test_default_policy_is_highest():
     def loss(q, k, v):
         pos = jnp.arange(t)
         out, _ = blockwise_attention(
-            q, k, v, pos, cp=None, kv_exchange="allgather", block_size=POLICY_BLOCK
+            q, k, v, pos, cp=None, kv_schedule="allgather", tile_size=POLICY_BLOCK
         )
         return jnp.sum(out * w), out
 
@@ -478,8 +478,8 @@ def test_bad_precision(without_runtime_typecheck):
                 v,
                 jnp.arange(64),
                 cp=None,
-                kv_exchange="allgather",
-                block_size=64,
+                kv_schedule="allgather",
+                tile_size=64,
                 precision=bad,  # pyright: ignore[reportArgumentType]
             )
 
@@ -604,7 +604,7 @@ def _temp_bytes(attn, t_local: int, cp: int, layout, kv_exchange: str, grad: boo
     context = None if cp == 1 else dcp.ContextParallel("cp", layout=layout)
 
     def local(params, x):
-        out = eqx.combine(params, static)(x, cp=context, kv_exchange=kv_exchange)
+        out = eqx.combine(params, static)(x, cp=context, kv_schedule=kv_exchange)
         return jnp.sum(out) if grad else out
 
     fn = jax.grad(local, argnums=(0, 1)) if grad else local
@@ -671,16 +671,16 @@ def test_ring_memory_is_per_rank(layout, grad):
 # ---------------------------------------------------------------------------------------
 
 
-def test_block_size_must_divide(getkey):
-    attn = CausalSelfAttention(HIDDEN, HEADS, HEAD_DIM, block_size=8, key=getkey())
-    with pytest.raises(ValueError, match="block_size=6"):
+def test_tile_size_must_divide(getkey):
+    attn = CausalSelfAttention(HIDDEN, HEADS, HEAD_DIM, tile_size=8, key=getkey())
+    with pytest.raises(ValueError, match="tile_size=6"):
         attn(jnp.zeros((12, HIDDEN)))
     with pytest.raises(ValueError, match="positive int"):
-        CausalSelfAttention(HIDDEN, HEADS, HEAD_DIM, block_size=0, key=getkey())
+        CausalSelfAttention(HIDDEN, HEADS, HEAD_DIM, tile_size=0, key=getkey())
 
 
 def test_zigzag_pieces_must_be_whole_tiles(getkey):
-    attn = CausalSelfAttention(HIDDEN, HEADS, HEAD_DIM, block_size=4, key=getkey())
+    attn = CausalSelfAttention(HIDDEN, HEADS, HEAD_DIM, tile_size=4, key=getkey())
     mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
     fn = jax.shard_map(
         lambda x: attn(x, cp=dcp.ContextParallel("cp", layout=dcp.Zigzag())),
@@ -693,10 +693,10 @@ def test_zigzag_pieces_must_be_whole_tiles(getkey):
         jax.jit(fn).lower(x)
 
 
-def test_unknown_kv_exchange(getkey, without_runtime_typecheck):
+def test_unknown_kv_schedule(getkey, without_runtime_typecheck):
     attn = CausalSelfAttention(HIDDEN, HEADS, HEAD_DIM, key=getkey())
-    with pytest.raises(ValueError, match="kv_exchange='allgather'"):
-        attn(jnp.zeros((8, HIDDEN)), kv_exchange="ppermute")  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match="kv_schedule='allgather'"):
+        attn(jnp.zeros((8, HIDDEN)), kv_schedule="ppermute")  # pyright: ignore[reportArgumentType]
 
 
 def test_bad_cp(getkey, without_runtime_typecheck):
@@ -749,7 +749,7 @@ def _qwen_attn(block_size: int = 4) -> CausalSelfAttention:
         rotary_dim=4,
         output_gate=True,
         qk_norm=True,
-        block_size=block_size,
+        tile_size=block_size,
         key=jr.key(7),
     )
     assert attn.q_norm is not None and attn.k_norm is not None
@@ -869,7 +869,7 @@ def test_kv_cache_prefill_context_parallel(cp, layout, kv_exchange):
 
     def local(params, x, cache):
         a = eqx.combine(params, static)
-        return a.prefill(x, cache, 8, cp=context, kv_exchange=kv_exchange)
+        return a.prefill(x, cache, 8, cp=context, kv_schedule=kv_exchange)
 
     f = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("cp"), P()), out_specs=(P("cp"), P()))
     new = layout.to_layout(x[8:], cp, axis=0)

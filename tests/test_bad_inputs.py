@@ -573,9 +573,9 @@ POSITIVE_INTS = {
         lambda n: CausalSelfAttention(16, 2, 4, num_kv_heads=n, key=jr.key(0)),
         1,
     ),
-    "CausalSelfAttention-block_size": (
-        "block_size",
-        lambda n: CausalSelfAttention(16, 2, 4, block_size=n, key=jr.key(0)),
+    "CausalSelfAttention-tile_size": (
+        "tile_size",
+        lambda n: CausalSelfAttention(16, 2, 4, tile_size=n, key=jr.key(0)),
         4,
     ),
     "CausalConv1d": ("kernel_size", lambda n: CausalConv1d(4, n, key=jr.key(0)), 4),

@@ -62,6 +62,70 @@ def test_layer_pattern(getkey):
     ]
 
 
+def _spy_block_sizes(monkeypatch) -> list:
+    """The `block_size` of every `deltanet_cp.run` call a Gated DeltaNet layer makes."""
+    from deltanet_cp.nn import _gated_delta_net
+
+    seen, real = [], _gated_delta_net.run
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["block_size"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_gated_delta_net, "run", spy)
+    return seen
+
+
+def test_block_and_tile_sizes_reach_the_layers(getkey, monkeypatch):
+    """`block_size` is the Gated DeltaNet layers' engine block, handed to `deltanet_cp.run`
+    (None: the backend's default); `tile_size` is the attention layers' score tile."""
+    seen = _spy_block_sizes(monkeypatch)
+    tokens = jnp.arange(24) % 16
+    for block, tile in ((None, 128), (16, 4)):
+        model = HybridLM(
+            16,
+            32,
+            2,
+            attention_every=2,
+            chunk_size=8,
+            block_size=block,
+            tile_size=tile,
+            key=getkey(),
+        )
+        gdn, attn = (b.mixer for b in model.blocks)
+        assert isinstance(gdn, GatedDeltaNet) and isinstance(attn, CausalSelfAttention)
+        assert (gdn.block_size, attn.tile_size) == (block, tile)
+        seen.clear()
+        assert bool(jnp.all(jnp.isfinite(model(tokens))))
+        assert seen == [block]
+
+
+def test_attention_precision_policy(getkey, without_runtime_typecheck):
+    """On float32 parameters the attention layer's default policy (`None`) is `"highest"`,
+    bit for bit: in `__call__`, `prefill` (and its cache) and `step`; HybridLM hands its
+    `precision` to every token mixer."""
+    key, x = getkey(), jr.normal(getkey(), (12, 32))
+    results = {}
+    for precision in (None, "highest"):
+        attn = CausalSelfAttention(
+            32, 4, 8, num_kv_heads=2, tile_size=4, key=key, precision=precision
+        )
+        assert attn.precision == precision
+        cache = attn.init_cache(16)
+        out, cache = eqx.filter_jit(lambda a, x, c: a.prefill(x, c, 0))(attn, x[:8], cache)
+        step = eqx.filter_jit(lambda a, x, c: a.step(x, c, 8))(attn, x[8], cache)
+        results[precision] = (eqx.filter_jit(lambda a, x: a(x))(attn, x), out, cache, step)
+    for a, b in zip(jax.tree.leaves(results[None]), jax.tree.leaves(results["highest"])):
+        np.testing.assert_array_equal(a, b)
+    model = eqx.filter_eval_shape(
+        HybridLM, 16, 32, 4, attention_every=2, precision="bfloat16", key=getkey()
+    )
+    assert model.precision == "bfloat16"
+    assert [b.mixer.precision for b in model.blocks] == ["bfloat16"] * 4
+    with pytest.raises(ValueError, match="`precision` must be one of"):
+        CausalSelfAttention(32, 4, 8, precision="fp32", key=key)  # pyright: ignore[reportArgumentType]
+
+
 B, T, VOCAB = 2, 32, 16
 
 
@@ -93,7 +157,7 @@ def _model() -> HybridLM:
     return eqx.tree_at(lambda m: m.blocks[0].mixer, model, with_slow_decays(gdn, jr.key(3)))
 
 
-def _train_step(cp: int, layout: Any = dcp.Contiguous(), kv_exchange="allgather"):
+def _train_step(cp: int, layout: Any = dcp.Contiguous(), kv_schedule="allgather"):
     """The loss and gradients of one training step from a fixed model and batch; under
     zigzag the batch is put in zigzag order once and every layer runs on those shards."""
     model = _model()
@@ -116,7 +180,7 @@ def _train_step(cp: int, layout: Any = dcp.Contiguous(), kv_exchange="allgather"
         def local(params, inputs, targets, mask):
             m = eqx.combine(params, static)
             context = dcp.ContextParallel("cp", layout=layout)
-            call = ft.partial(m, cp=context, kv_exchange=kv_exchange)
+            call = ft.partial(m, cp=context, kv_schedule=kv_schedule)
             logits = jax.vmap(call)(inputs)
             total, count = _nll(logits, targets, mask)
             return jax.lax.psum(total, "cp") / jax.lax.psum(count, "cp")
@@ -145,7 +209,7 @@ def test_train_step_is_cp_invariant(cp):
 
 
 @pytest.mark.parametrize(
-    "cp, kv_exchange",
+    "cp, kv_schedule",
     [
         pytest.param(2, "ring", marks=pytest.mark.slow),
         (4, "allgather"),
@@ -153,11 +217,11 @@ def test_train_step_is_cp_invariant(cp):
         pytest.param(2, "allgather", marks=pytest.mark.slow),
     ],
 )
-def test_train_step_on_zigzag_shards(cp, kv_exchange):
+def test_train_step_on_zigzag_shards(cp, kv_schedule):
     # Every layer (Gated DeltaNet, its convolution, attention) on the same zigzag shards:
     # the loss and every gradient equal one device's from the same seed.
     loss1, grads1 = _reference_step()
-    loss, grads = _train_step(cp, dcp.Zigzag(), kv_exchange)
+    loss, grads = _train_step(cp, dcp.Zigzag(), kv_schedule)
     assert abs(float(loss) - float(loss1)) <= 1e-5 * abs(float(loss1))
     errs = jax.tree.map(rel_err, grads, grads1)
     assert max(jax.tree.leaves(errs)) <= 1e-5, errs

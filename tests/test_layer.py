@@ -155,6 +155,63 @@ def test_layer_matches_float64_reference(getkey):
     np.testing.assert_array_equal(eqx.filter_jit(lambda m, x, s: m(x, s))(layer, x, state), out)
 
 
+def test_block_size_reaches_the_engine(getkey):
+    """`block_size` is the engine's block (the `block_size` of `deltanet_cp.run`): blocks of
+    one chunk put the factor work in a loop over blocks, which a block holding the 50 tokens
+    whole has not; the results equal the float64 reference at every size (`None`: the
+    backend's default)."""
+    kp, kd, kx = getkey(), getkey(), getkey()
+    x = jr.normal(kx, (50, SIZES[0]))
+    whiles = {}
+    for block in (None, 8, 64):
+        layer = GatedDeltaNet(*SIZES, chunk_size=8, block_size=block, key=kp)
+        layer = with_slow_decays(layer, kd)
+        assert layer.block_size == block
+        params, static = eqx.partition(layer, eqx.is_array)
+        forward = jax.jit(lambda p, x: eqx.combine(p, static)(x))
+        assert rel_err(forward(params, x), layer_reference(layer, x)[0]) <= 1e-5
+        whiles[block] = forward.lower(params, x).as_text().count("stablehlo.while")
+    assert whiles[8] == whiles[64] + 1
+    with pytest.raises(ValueError, match="`block_size` must be a positive int"):
+        GatedDeltaNet(*SIZES, block_size=0, key=getkey())
+
+
+def test_precision_policy(getkey, monkeypatch, without_runtime_typecheck):
+    """`precision` reaches the gated delta rule in the chunked pass and in `step`; on
+    float32 parameters the default (`None`) is `"highest"`, bit for bit."""
+    from deltanet_cp.nn import _gated_delta_net
+    from deltanet_cp.recurrences import _gated_delta
+
+    key, x = getkey(), jr.normal(getkey(), (40, SIZES[0]))
+    outs, steps = {}, {}
+    for precision in (None, "highest"):
+        layer = GatedDeltaNet(*SIZES, chunk_size=8, precision=precision, key=key)
+        assert layer.precision == precision
+        outs[precision] = eqx.filter_jit(lambda m, x: m(x))(layer, x)
+        steps[precision] = eqx.filter_jit(lambda m, x, s: m.step(x, s))(
+            layer, x[0], layer.init_state()
+        )
+    np.testing.assert_array_equal(outs[None], outs["highest"])
+    for a, b in zip(jax.tree.leaves(steps[None]), jax.tree.leaves(steps["highest"])):
+        np.testing.assert_array_equal(a, b)
+
+    seen = []
+    for module in (_gated_delta_net, _gated_delta):
+        real = module.run
+
+        def spy(recurrence, *args, _real=real, **kwargs):
+            seen.append(recurrence.precision)
+            return _real(recurrence, *args, **kwargs)
+
+        monkeypatch.setattr(module, "run", spy)
+    layer = GatedDeltaNet(*SIZES, chunk_size=8, precision="bfloat16", key=key)
+    jax.eval_shape(layer, x)
+    jax.eval_shape(layer.step, x[0], layer.init_state())
+    assert seen == ["bfloat16", "bfloat16"]
+    with pytest.raises(ValueError, match="`precision` must be one of"):
+        GatedDeltaNet(*SIZES, precision="float8", key=key)  # pyright: ignore[reportArgumentType]
+
+
 def test_float64_layer(getkey):
     with jax.enable_x64(True):
         layer = GatedDeltaNet(*SIZES, chunk_size=16, key=getkey(), dtype=jnp.float64)

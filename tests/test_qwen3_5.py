@@ -82,6 +82,62 @@ def test_logits_match_transformers(name):
     assert _max_abs(logits, IO["logits" + MODELS[name]]) <= 1e-4
 
 
+def test_block_and_tile_sizes_reach_the_layers(monkeypatch):
+    """`block_size` (the Gated DeltaNet layers' engine block, handed to `deltanet_cp.run`)
+    and `tile_size` (the attention tile) are the loader's to choose: blocks of two chunks
+    and tiles of 4 tokens give transformers' logits too."""
+    from .test_hybrid import _spy_block_sizes
+
+    seen = _spy_block_sizes(monkeypatch)
+    model = Qwen3_5ForCausalLM.from_pretrained(
+        DATA / "qwen3_5_lm", chunk_size=CHUNK, block_size=2 * CHUNK, tile_size=4
+    )
+    for layer in model.layers:
+        mixer = layer.mixer
+        if isinstance(mixer, GatedDeltaNet):
+            assert mixer.block_size == 2 * CHUNK
+        else:
+            assert isinstance(mixer, CausalSelfAttention) and mixer.tile_size == 4
+    logits = _forward(model, _tokens())
+    assert seen == [2 * CHUNK] * 3
+    assert _max_abs(logits, IO["logits"]) <= 1e-4
+    assert [
+        m.block_size
+        for m in (layer.mixer for layer in _model().layers)
+        if isinstance(m, GatedDeltaNet)
+    ] == [None] * 3
+
+
+def test_float32_default_precision_is_highest():
+    """On float32 parameters the model's default policy (`None`) is `"highest"`, bit for
+    bit, and every token mixer carries the model's `precision`."""
+    model = Qwen3_5ForCausalLM.from_pretrained(
+        DATA / "qwen3_5_lm", chunk_size=CHUNK, precision="highest"
+    )
+    assert model.precision == "highest" and _model().precision is None
+    assert [layer.mixer.precision for layer in model.layers] == ["highest"] * 4
+    np.testing.assert_array_equal(_forward(model, _tokens()), _forward(_model(), _tokens()))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_bfloat16_model_matches_transformers(name):
+    """bfloat16 parameters under the default policy (`"bfloat16"`), against transformers'
+    float32 logits: within 8e-2 of their largest magnitude (twice transformers' own
+    bfloat16 error on these checkpoints, 3.9e-2 and 2.4e-2 from its float32), and the same
+    most likely next token at all but at most one of the 48 positions (transformers' own
+    bfloat16: 48 and 47 of 48). `benchmarks/qwen3_5_bf16.py` measures both, and greedy
+    decoding."""
+    model = Qwen3_5ForCausalLM.from_pretrained(
+        DATA / f"qwen3_5_lm{MODELS[name]}", chunk_size=CHUNK, dtype=jnp.bfloat16
+    )
+    logits = _forward(model, _tokens(name))
+    assert logits.dtype == jnp.bfloat16
+    ref = np.asarray(IO["logits" + MODELS[name]], np.float64)
+    ours = np.asarray(logits.astype(jnp.float32), np.float64)
+    assert np.abs(ours - ref).max() <= 8e-2 * np.abs(ref).max()
+    assert np.sum(ours.argmax(-1) != ref.argmax(-1)) <= 1
+
+
 def test_layer_pattern_and_config():
     kinds = [type(layer.mixer) for layer in _model("tied_sharded").layers]
     assert kinds == [GatedDeltaNet, CausalSelfAttention] * 2
@@ -130,8 +186,8 @@ CP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("cp, layout, kv_exchange, exchange", CP_CASES)
-def test_logits_context_parallel(cp, layout, kv_exchange, exchange):
+@pytest.mark.parametrize("cp, layout, kv_schedule, exchange", CP_CASES)
+def test_logits_context_parallel(cp, layout, kv_schedule, exchange):
     model, tokens = _model(), _tokens()
     mesh = _mesh(cp)
     params, static = eqx.partition(model, eqx.is_array)
@@ -139,7 +195,7 @@ def test_logits_context_parallel(cp, layout, kv_exchange, exchange):
 
     def local(params, tokens):
         m = eqx.combine(params, static)
-        return m(tokens, cp=context, kv_exchange=kv_exchange)
+        return m(tokens, cp=context, kv_schedule=kv_schedule)
 
     f = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("cp")), out_specs=P("cp"))
     logits = jax.jit(f)(params, _shard(tokens, mesh, layout, cp))
@@ -147,7 +203,7 @@ def test_logits_context_parallel(cp, layout, kv_exchange, exchange):
     assert _max_abs(logits, IO["logits"]) <= 1e-4
 
 
-def _train_step(cp: int, layout=dcp.Zigzag(), kv_exchange="allgather"):
+def _train_step(cp: int, layout=dcp.Zigzag(), kv_schedule="allgather"):
     """Loss and gradients of the next-token loss over two sequences (the fixture's tokens
     and their reverse), the sequence sharded over `cp` ranks under `layout`."""
     model = _small()
@@ -175,7 +231,7 @@ def _train_step(cp: int, layout=dcp.Zigzag(), kv_exchange="allgather"):
         def local(params, inputs, targets, mask):
             m = eqx.combine(params, static)
             context = dcp.ContextParallel("cp", layout=layout)
-            total, count = nll(m, inputs, targets, mask, cp=context, kv_exchange=kv_exchange)
+            total, count = nll(m, inputs, targets, mask, cp=context, kv_schedule=kv_schedule)
             return jax.lax.psum(total, "cp") / jax.lax.psum(count, "cp")
 
         loss = jax.shard_map(local, mesh=mesh, in_specs=(P(), seq, seq, seq), out_specs=P())
@@ -192,12 +248,12 @@ def _reference_step():
 
 
 @pytest.mark.parametrize(
-    "cp, kv_exchange",
+    "cp, kv_schedule",
     [(4, "allgather"), pytest.param(2, "ring", marks=pytest.mark.slow)],
 )
-def test_train_step_on_zigzag_shards(cp, kv_exchange):
+def test_train_step_on_zigzag_shards(cp, kv_schedule):
     loss1, grads1 = _reference_step()
-    loss, grads = _train_step(cp, dcp.Zigzag(), kv_exchange)
+    loss, grads = _train_step(cp, dcp.Zigzag(), kv_schedule)
     assert abs(float(loss) - float(loss1)) <= 1e-5 * abs(float(loss1))
     errors = jax.tree.leaves(jax.tree.map(rel_err, grads, grads1))
     assert max(errors) <= 1e-4, errors
@@ -299,7 +355,7 @@ def _cp_prefill(cp, layout, every):
             cache,
             checkpoint_every=every,
             cp=dcp.ContextParallel("cp", layout=layout),
-            kv_exchange="ring",
+            kv_schedule="ring",
         )
 
     out_specs = (P("cp"), P()) if every is None else (P("cp"), P(), P("cp"))

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from .._precision import as_precision, PrecisionName
 from ._ops import einsum
 
 
@@ -161,6 +162,7 @@ def decayed_gram(
     y: Float[Array, "*batch c k"],
     g: Float[Array, "*batch c k"] | Float[Array, "*batch c"] | None,
     strict: bool = False,
+    precision: PrecisionName = "highest",
 ) -> Float[Array, "*batch c c"]:
     r"""The decayed products of two sets of rows, $\sum_c x_{ic} y_{jc} e^{G_{ic} - G_{jc}}$.
 
@@ -173,6 +175,9 @@ def decayed_gram(
     - `g`: log decays $\le 0$: per key channel `(*batch, C, K)`, per head `(*batch, C)`,
         or `None` (no decay).
     - `strict`: zero the diagonal too (for $A$); by default it is kept (for attention).
+    - `precision`: the policy of the products of `x` and `y` (see
+        [`einsum`][deltanet_cp.chunkops.einsum]); the decays are formed in `g`'s dtype at
+        `Precision.HIGHEST` under every policy.
 
     **Returns:**
 
@@ -183,7 +188,7 @@ def decayed_gram(
     """
     c = x.shape[-2]
     if g is None or g.ndim == x.ndim - 1:
-        gram = einsum("...ik,...jk->...ij", x, y)
+        gram = einsum("...ik,...jk->...ij", x, y, precision=precision)
         if g is not None:
             gram = gram * jnp.exp(segment_sums(g))
         return jnp.tril(gram, k=-1 if strict else 0)
@@ -192,7 +197,8 @@ def decayed_gram(
             f"`g` must be per head (*batch, C) or per key channel (*batch, C, K) with "
             f"(C, K) = {x.shape[-2:]}; got shape {g.shape}."
         )
-    return decayed_grams(x[..., None, :], y[..., None, :], g, strict)[..., :, 0, :, 0]
+    grams = decayed_grams(x[..., None, :], y[..., None, :], g, strict, precision)
+    return grams[..., :, 0, :, 0]
 
 
 def decayed_grams(
@@ -200,6 +206,7 @@ def decayed_grams(
     y: Float[Array, "*ybatch c q k"],
     g: Float[Array, "*batch c k"],
     strict: bool = False,
+    precision: PrecisionName = "highest",
 ) -> Float[Array, "*batch c p c q"]:
     r"""Every decayed Gram of `P` left and `Q` right factors under one per-channel decay.
 
@@ -216,6 +223,9 @@ def decayed_grams(
         `y` and `g` broadcast together (one key head's rows for all the value heads that
         read it, each with its own decay).
     - `strict`: zero the diagonal too.
+    - `precision`: the policy of the level products of the decayed rows, forward and VJP
+        (see [`einsum`][deltanet_cp.chunkops.einsum]); the decays and their sums are
+        formed in `g`'s dtype under every policy.
 
     **Returns:**
 
@@ -243,7 +253,9 @@ def decayed_grams(
         a = jnp.broadcast_to(a, (*batch, *a.shape[a.ndim - trailing :]))
         return a.reshape(size, *a.shape[a.ndim - trailing :])
 
-    out = _grams_vjp(flat(x, 3), flat(y, 3), flat(g, 2), strict)
+    out = _grams_vjp(
+        flat(x, 3), flat(y, 3), flat(g, 2), strict, as_precision(precision) or "highest"
+    )
     return out.reshape(*batch, *out.shape[1:])
 
 
@@ -302,7 +314,7 @@ def _level(x, y, g, half, n):
     return x_up, y_low, up, low, x_up * up, y_low * low
 
 
-def _grams(x, y, g, strict):
+def _grams(x, y, g, strict, precision):
     c = x.shape[-3]
     n = 1 << (c - 1).bit_length()
     x, y, g = _pad_rows(x, n, -3), _pad_rows(y, n, -3), _pad_rows(g, n, -2)
@@ -311,13 +323,14 @@ def _grams(x, y, g, strict):
     if strict:
         m = jnp.zeros(shape, x.dtype)
     else:
-        diag = _products(x, y)[..., :, None, :, None, :]
+        diag = _products(x, y, precision)[..., :, None, :, None, :]
         m = jnp.broadcast_to(diag, shape)
     half = 1
     while half < n:
         *_, xs, ys = _level(x, y, g, half, n)
         lead = xs.shape[:-3]
-        cross = _products(xs.reshape(*lead, -1, xs.shape[-1]), ys.reshape(*lead, -1, ys.shape[-1]))
+        rows, cols = xs.reshape(*lead, -1, xs.shape[-1]), ys.reshape(*lead, -1, ys.shape[-1])
+        cross = _products(rows, cols, precision)
         cross = cross.reshape(*lead, half, p, half, q)
         m = m.reshape(*lead, 2, *m.shape[-4:])  # the previous level's blocks, in pairs
         m0, m1 = m[..., 0, :, :, :, :], m[..., 1, :, :, :, :]  # (..., G, h, P, h, Q) each
@@ -328,26 +341,26 @@ def _grams(x, y, g, strict):
     return m[..., 0, :c, :, :c, :]
 
 
-def _products(a: Array, b: Array) -> Array:
+def _products(a: Array, b: Array, precision: PrecisionName) -> Array:
     """`a @ b^T` for rows `(..., A, K)` and `(..., B, K)`; tiny ones (`A B <= 16`, where a
     batched matmul is mostly overhead) as a fused multiply and sum."""
     if a.shape[-2] * b.shape[-2] <= 16:
         return jnp.sum(a[..., :, None, :] * b[..., None, :, :], axis=-1)
-    return einsum("...ak,...bk->...ab", a, b)
+    return einsum("...ak,...bk->...ab", a, b, precision=precision)
 
 
-def _combine(w: Array, b: Array) -> Array:
+def _combine(w: Array, b: Array, precision: PrecisionName) -> Array:
     """`w @ b` for `(..., A, B)` and rows `(..., B, K)`, tiny ones as in `_products`."""
     if w.shape[-2] * w.shape[-1] <= 16:
         return jnp.sum(w[..., :, :, None] * b[..., None, :, :], axis=-2)
-    return einsum("...ab,...bk->...ak", w, b)
+    return einsum("...ab,...bk->...ak", w, b, precision=precision)
 
 
-def _grams_fwd(x, y, g, strict):
-    return _grams(x, y, g, strict), (x, y, g)
+def _grams_fwd(x, y, g, strict, precision):
+    return _grams(x, y, g, strict, precision), (x, y, g)
 
 
-def _grams_bwd(strict, res, ct):
+def _grams_bwd(strict, precision, res, ct):
     x, y, g = res
     c = x.shape[-3]
     n = 1 << (c - 1).bit_length()
@@ -360,8 +373,8 @@ def _grams_bwd(strict, res, ct):
     else:
         eye = jnp.eye(n, dtype=bool)[:, None, :, None]
         diag = jnp.sum(jnp.where(eye, ct, jnp.zeros((), ct.dtype)), axis=-2)  # (..., n, P, Q)
-        dx = _sum_to(_combine(diag, y), x.shape)
-        dy = _sum_to(_combine(jnp.swapaxes(diag, -1, -2), x), y.shape)
+        dx = _sum_to(_combine(diag, y, precision), x.shape)
+        dy = _sum_to(_combine(jnp.swapaxes(diag, -1, -2), x, precision), y.shape)
     dg = jnp.zeros((*full, *g.shape[-2:]), g.dtype)
 
     def level(half, carry):
@@ -374,8 +387,10 @@ def _grams_bwd(strict, res, ct):
         d_cross = jnp.stack([ct[..., r, :, c, :] for r, c in zip(rows, cols)], axis=-5)
         d_cross = d_cross.reshape(*d_cross.shape[:-4], half * p, half * q)
         lead = d_cross.shape[:-2]
-        d_xs = _combine(d_cross, ys.reshape(*lead, -1, ys.shape[-1]))
-        d_ys = _combine(jnp.swapaxes(d_cross, -1, -2), xs.reshape(*lead, -1, xs.shape[-1]))
+        d_xs = _combine(d_cross, ys.reshape(*lead, -1, ys.shape[-1]), precision)
+        d_ys = _combine(
+            jnp.swapaxes(d_cross, -1, -2), xs.reshape(*lead, -1, xs.shape[-1]), precision
+        )
         d_xs, d_ys = d_xs.reshape(xs.shape), d_ys.reshape(ys.shape)
         d_up = jnp.sum(d_xs * x_up, axis=-2) * up[..., 0, :]  # d(sum_{m<t<=i} g_t)
         d_low = jnp.sum(d_ys * y_low, axis=-2) * low[..., 0, :]  # d(sum_{j<t<=m} g_t)
@@ -410,5 +425,5 @@ def _sum_to(x: Array, shape: tuple[int, ...]) -> Array:
     return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
-_grams_vjp = jax.custom_vjp(_grams, nondiff_argnums=(3,))
+_grams_vjp = jax.custom_vjp(_grams, nondiff_argnums=(3, 4))
 _grams_vjp.defvjp(_grams_fwd, _grams_bwd)

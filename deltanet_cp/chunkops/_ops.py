@@ -1,10 +1,12 @@
 """Normalisation, chunk-major reshapes, the WY form's inverse."""
 
+import functools as ft
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
-from .._precision import einsum
+from .._precision import as_precision, einsum, PrecisionName
 
 
 _L2NORM_EPS = 1e-6
@@ -130,15 +132,16 @@ def _unit_lower_inverse_bwd(t, ct):
 unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
 
 
-@jax.custom_vjp
 def unit_lower_solve(
-    a: Float[Array, "*batch c c"], b: Float[Array, "*batch c d"]
+    a: Float[Array, "*batch c c"],
+    b: Float[Array, "*batch c d"],
+    precision: PrecisionName = "highest",
 ) -> Float[Array, "*batch c d"]:
     r"""$(I + a)^{-1} b$ for a strictly lower-triangular `a`: the WY form's $T b$.
 
     The forward is [`unit_lower_inverse`][deltanet_cp.chunkops.unit_lower_inverse] and a
     product. The VJP never differentiates the inverse: with $x = (I + a)^{-1} b$ and its
-    cotangent $ar x$, $ar b = T^	op ar x$ and $ar a = -ar b\, x^	op$ on the
+    cotangent $\bar x$, $\bar b = T^\top \bar x$ and $\bar a = -\bar b\, x^\top$ on the
     strict lower triangle, two products of the forward product's size.
 
     **Arguments:**
@@ -146,28 +149,37 @@ def unit_lower_solve(
     - `a`: strictly lower-triangular matrices `(*batch, C, C)`, as for
         `unit_lower_inverse`.
     - `b`: right-hand sides `(*batch, C, D)` (the batch axes broadcast against `a`'s).
+    - `precision`: the policy of the product with $T$ and of the VJP's two products (see
+        [`einsum`][deltanet_cp.chunkops.einsum]); $T$ itself is formed in `a`'s dtype at
+        `Precision.HIGHEST` under every policy.
 
     **Returns:**
 
-    $x = (I + a)^{-1} b$, `(*batch, C, D)`, in the operands' dtype with float32 products.
+    $x = (I + a)^{-1} b$, `(*batch, C, D)`, in the operands' dtype (float32 for bfloat16
+    products).
     """
-    return einsum("...ij,...jd->...id", unit_lower_inverse(a), b)
+    return _solve(a, b, as_precision(precision) or "highest")
 
 
-def _unit_lower_solve_fwd(a, b):
+@ft.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _solve(a: Array, b: Array, precision: PrecisionName) -> Array:
+    return einsum("...ij,...jd->...id", unit_lower_inverse(a), b, precision=precision)
+
+
+def _solve_fwd(a, b, precision):
     t = unit_lower_inverse(a)
-    x = einsum("...ij,...jd->...id", t, b)
-    return x, (t, x, b.shape)
+    x = einsum("...ij,...jd->...id", t, b, precision=precision)
+    return x, (t, x, b.shape, jnp.zeros((), b.dtype))  # (a dtype is no residual)
 
 
-def _unit_lower_solve_bwd(res, ct):
-    t, x, b_shape = res
-    db = einsum("...ji,...jd->...id", t, ct)
-    da = -einsum("...id,...jd->...ij", db, x)
-    return _reduce_to(jnp.tril(da, k=-1), t.shape), _reduce_to(db, b_shape)
+def _solve_bwd(precision, res, ct):
+    t, x, b_shape, b_like = res
+    db = einsum("...ji,...jd->...id", t, ct, precision=precision)
+    da = -einsum("...id,...jd->...ij", db, x, precision=precision)
+    return _reduce_to(jnp.tril(da, k=-1), t.shape), _reduce_to(db, b_shape).astype(b_like.dtype)
 
 
-unit_lower_solve.defvjp(_unit_lower_solve_fwd, _unit_lower_solve_bwd)
+_solve.defvjp(_solve_fwd, _solve_bwd)
 
 
 def _reduce_to(x: Array, shape: tuple[int, ...]) -> Array:

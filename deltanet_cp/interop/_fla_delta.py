@@ -8,6 +8,7 @@ from jaxtyping import Array, Float
 
 from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, ValueTensor
 from .._parallel import ContextParallel
+from .._precision import PrecisionName
 from .._validate import as_positive_index
 from ..recurrences._delta import DeltaRule
 from ..recurrences._delta_family import DeltaInputs
@@ -40,6 +41,7 @@ def chunk_gated_delta_rule(
     cu_seqlens: CuSeqlens | None = None,
     chunk_size: int = 64,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
     **options: Any,
 ) -> tuple[ValueTensor, FLAStates | None]:
     """FLA's `fla.ops.gated_delta_rule.chunk_gated_delta_rule` (also `chunk_gdn`).
@@ -64,6 +66,7 @@ def chunk_gated_delta_rule(
     - `chunk_size`: tokens per chunk (FLA takes it through `**kwargs`).
     - `cp`: how the call is sharded (what FLA's `cp_context` is for), as in
         [`deltanet_cp.ContextParallel`][]; `None`: one device.
+    - `precision`: the products' policy, as in [`deltanet_cp.chunk_gated_delta_rule`][].
     - `**options`: FLA's other options. `cu_seqlens_cpu` and `chunk_indices` are accepted
         and unused; `use_gate_in_kernel`, `A_log`, `dt_bias`, `use_beta_sigmoid_in_kernel`,
         `allow_neg_eigval`, `cp_context` and `head_first` raise a `ValueError` unless at their
@@ -89,7 +92,10 @@ def chunk_gated_delta_rule(
         ),
     )
     config = GatedDeltaRule(
-        chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel
+        chunk_size=chunk_size,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm_in_kernel,
+        precision=precision,
     )
     inputs = DeltaInputs(q, k, v, g, beta)
     return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state, state_v_first)
@@ -111,6 +117,7 @@ def fused_recurrent_gated_delta_rule(
     state_v_first: bool = False,
     cu_seqlens: CuSeqlens | None = None,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
     **options: Any,
 ) -> tuple[ValueTensor, FLAStates | None]:
     r"""FLA's `fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule` (also
@@ -133,7 +140,7 @@ def fused_recurrent_gated_delta_rule(
     - `gv`: must be `None` (a decay per value channel is not supported).
     - `beta`: step sizes, `(B, T, HV)`; ones if `None`.
     - `scale`, `initial_state`, `output_final_state`, `use_qk_l2norm_in_kernel`,
-        `state_v_first`, `cu_seqlens`, `cp`: as in
+        `state_v_first`, `cu_seqlens`, `cp`, `precision`: as in
         [`deltanet_cp.interop.fla.chunk_gated_delta_rule`][].
     - `**options`: `use_gate_in_kernel`, `A_log`, `dt_bias`, `use_beta_sigmoid_in_kernel` and
         `allow_neg_eigval` raise a `ValueError` unless at their defaults.
@@ -158,7 +165,9 @@ def fused_recurrent_gated_delta_rule(
         kind, g = KimiDeltaAttention, gk if g is None else gk + g[..., None]
     else:
         kind = DeltaRule if g is None else GatedDeltaRule
-    config = kind(chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel)
+    config = kind(
+        chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel, precision=precision
+    )
     inputs = DeltaInputs(q, k, v, g, ones_if_none(beta, v))
     return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state, state_v_first)
 
@@ -176,6 +185,7 @@ def chunk_delta_rule(
     *,
     chunk_size: int = 64,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
     **options: Any,
 ) -> tuple[ValueTensor, FLAStates | None]:
     """FLA's `fla.ops.delta_rule.chunk_delta_rule`.
@@ -188,7 +198,7 @@ def chunk_delta_rule(
 
     - `q`, `k`: `(B, T, H, K)`; `v`: `(B, T, HV, V)`; `beta`: step sizes, `(B, T, HV)`.
     - `scale`, `initial_state` (`(N, HV, K, V)`), `output_final_state`,
-        `use_qk_l2norm_in_kernel`, `cu_seqlens`, `chunk_size`, `cp`: as in
+        `use_qk_l2norm_in_kernel`, `cu_seqlens`, `chunk_size`, `cp`, `precision`: as in
         [`deltanet_cp.interop.fla.chunk_gated_delta_rule`][].
     - `**options`: `cu_seqlens_cpu` is accepted and unused; `head_first` raises a
         `ValueError` unless `False`.
@@ -198,7 +208,12 @@ def chunk_delta_rule(
     `(o, final_state)`: `o` `(B, T, HV, V)`, and the final state or `None`.
     """
     check_options("chunk_delta_rule", options, ("cu_seqlens_cpu", "head_first"))
-    config = DeltaRule(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel)
+    config = DeltaRule(
+        chunk_size=chunk_size,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm_in_kernel,
+        precision=precision,
+    )
     inputs = DeltaInputs(q, k, v, None, beta)
     return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state)
 
@@ -215,6 +230,7 @@ def fused_recurrent_delta_rule(
     cu_seqlens: CuSeqlens | None = None,
     *,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
 ) -> tuple[ValueTensor, FLAStates | None]:
     """FLA's `fla.ops.delta_rule.fused_recurrent_delta_rule`: token by token.
 
@@ -223,7 +239,9 @@ def fused_recurrent_delta_rule(
     recurrence of [`deltanet_cp.recurrent_delta_rule`][]. `beta` defaults to ones; the
     other arguments are as in [`deltanet_cp.interop.fla.chunk_delta_rule`][].
     """
-    config = DeltaRule(chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel)
+    config = DeltaRule(
+        chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel, precision=precision
+    )
     inputs = DeltaInputs(q, k, v, None, ones_if_none(beta, v))
     return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state)
 
@@ -243,6 +261,7 @@ def chunk_gated_delta_product(
     *,
     chunk_size: int = 64,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
     **options: Any,
 ) -> tuple[ValueTensor, FLAStates | None]:
     """FLA's `fla.ops.gated_delta_product.chunk_gated_delta_product`, in FLA's flat layout.
@@ -263,7 +282,7 @@ def chunk_gated_delta_product(
     - `num_householder`: the number of delta steps per token.
     - `scale`, `initial_state` (`(N, HV, K, V)`), `output_final_state`,
         `use_qk_l2norm_in_kernel`, `cu_seqlens` (offsets in tokens of `q`), `chunk_size`,
-        `cp`: as in [`deltanet_cp.interop.fla.chunk_gated_delta_rule`][].
+        `cp`, `precision`: as in [`deltanet_cp.interop.fla.chunk_gated_delta_rule`][].
     - `**options`: `cu_seqlens_cpu` is accepted and unused.
 
     **Returns:**
@@ -285,7 +304,10 @@ def chunk_gated_delta_product(
         return x.reshape(b, t, n, *x.shape[2:])
 
     config = GatedDeltaProduct(
-        chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel
+        chunk_size=chunk_size,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm_in_kernel,
+        precision=precision,
     )
     inputs = DeltaInputs(q, steps(k), steps(v), g, steps(beta))
     return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state)

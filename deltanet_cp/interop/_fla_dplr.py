@@ -6,6 +6,7 @@ from typing import Any
 
 from .._custom_types import CuSeqlens, KeyGateTensor, QKTensor, ValueTensor
 from .._parallel import ContextParallel
+from .._precision import PrecisionName
 from ..recurrences._dplr import DPLRDeltaRule, DPLRInputs
 from ._convert import call, FLAStates
 from ._fla_options import check_options
@@ -35,6 +36,7 @@ def chunk_dplr_delta_rule(
     *,
     chunk_size: int = 64,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
     **options: Any,
 ) -> tuple[ValueTensor, FLAStates | None]:
     """FLA's `fla.ops.generalized_delta_rule.chunk_dplr_delta_rule`.
@@ -56,6 +58,7 @@ def chunk_dplr_delta_rule(
     - `chunk_size`: tokens per chunk (any; FLA's default of 16 is a kernel detail).
     - `cp`: how the call is sharded (what FLA's `cp_context` is for), as in
         [`deltanet_cp.ContextParallel`][]; `None`: one device.
+    - `precision`: the products' policy, as in [`deltanet_cp.chunk_gated_delta_rule`][].
     - `**options`: `cu_seqlens_cpu` and `disable_recompute` are accepted and unused;
         `safe_gate`, `lower_bound`, `cp_context` and `head_first` raise a `ValueError`
         unless at their defaults.
@@ -65,7 +68,7 @@ def chunk_dplr_delta_rule(
     `(o, final_state)`: `o` `(B, T, HV, V)`, and the final state or `None`.
     """
     check_options("chunk_dplr_delta_rule", options, _DPLR_OPTIONS)
-    config = DPLRDeltaRule(chunk_size=chunk_size, scale=scale)
+    config = DPLRDeltaRule(chunk_size=chunk_size, scale=scale, precision=precision)
     inputs = DPLRInputs(q, k, v, a, b, gk)
     return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state)
 
@@ -84,6 +87,7 @@ def fused_recurrent_dplr_delta_rule(
     cu_seqlens: CuSeqlens | None = None,
     *,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
 ) -> tuple[ValueTensor, FLAStates | None]:
     """FLA's `fla.ops.generalized_delta_rule.fused_recurrent_dplr_delta_rule`.
 
@@ -93,7 +97,7 @@ def fused_recurrent_dplr_delta_rule(
     [`deltanet_cp.interop.fla.chunk_dplr_delta_rule`][]. `reverse` must be `False`.
     """
     check_options("fused_recurrent_dplr_delta_rule", {"reverse": reverse}, ("reverse",))
-    config = DPLRDeltaRule(chunk_size=1, scale=scale)
+    config = DPLRDeltaRule(chunk_size=1, scale=scale, precision=precision)
     inputs = DPLRInputs(q, k, v, a, b, gk)
     return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state)
 
@@ -112,6 +116,7 @@ def chunk_rwkv7(
     *,
     chunk_size: int = 64,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
     **options: Any,
 ) -> tuple[ValueTensor, FLAStates | None]:
     """FLA's `fla.ops.rwkv7.chunk_rwkv7`: RWKV-7's time mixing, the generalized delta rule.
@@ -130,14 +135,14 @@ def chunk_rwkv7(
     - `k`, `a`, `b`: `(B, T, H, K)`; `v`: `(B, T, HV, V)`.
     - `scale`: query scale, **1.0** by default as in FLA's `chunk_rwkv7`.
     - `initial_state`, `output_final_state`, `cu_seqlens`, `chunk_size`, `cp`,
-        `**options`: as in [`deltanet_cp.interop.fla.chunk_dplr_delta_rule`][].
+        `precision`, `**options`: as in [`deltanet_cp.interop.fla.chunk_dplr_delta_rule`][].
 
     **Returns:**
 
     `(o, final_state)`: `o` `(B, T, HV, V)`, and the final state or `None`.
     """
     check_options("chunk_rwkv7", options, _DPLR_OPTIONS)
-    config = DPLRDeltaRule(chunk_size=chunk_size, scale=scale)
+    config = DPLRDeltaRule(chunk_size=chunk_size, scale=scale, precision=precision)
     inputs = DPLRInputs(r, k, v, a, b, w)
     return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state)
 
@@ -155,6 +160,7 @@ def fused_recurrent_rwkv7(
     cu_seqlens: CuSeqlens | None = None,
     *,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
     **options: Any,
 ) -> tuple[ValueTensor, FLAStates | None]:
     """FLA's `fla.ops.rwkv7.fused_recurrent_rwkv7`: RWKV-7 token by token.
@@ -167,6 +173,6 @@ def fused_recurrent_rwkv7(
     `ValueError` unless `False`.
     """
     check_options("fused_recurrent_rwkv7", options, ("head_first",))
-    config = DPLRDeltaRule(chunk_size=1, scale=scale)
+    config = DPLRDeltaRule(chunk_size=1, scale=scale, precision=precision)
     inputs = DPLRInputs(r, k, v, a, b, w)
     return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state)

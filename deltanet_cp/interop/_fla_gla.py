@@ -10,6 +10,7 @@ from jaxtyping import Array, Float
 
 from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, ValueTensor
 from .._parallel import ContextParallel
+from .._precision import PrecisionName
 from ..recurrences._gla import GatedLinearAttention, GLAInputs
 from ._convert import call, FLAStates
 from ._fla_options import check_options
@@ -28,6 +29,7 @@ def chunk_gla(
     *,
     chunk_size: int = 64,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
     **options: Any,
 ) -> tuple[ValueTensor, FLAStates | None]:
     """FLA's `fla.ops.gla.chunk_gla`: gated linear attention.
@@ -43,7 +45,8 @@ def chunk_gla(
     - `g`: log decays per key channel, `(B, T, HV, K)` (a decay per head, `(B, T, HV)`,
         is accepted too: FLA's `chunk_simple_gla`).
     - `scale`, `initial_state`, `output_final_state`, `state_v_first`, `cu_seqlens`,
-        `chunk_size`, `cp`: as in [`deltanet_cp.interop.fla.chunk_gated_delta_rule`][].
+        `chunk_size`, `cp`, `precision`: as in
+        [`deltanet_cp.interop.fla.chunk_gated_delta_rule`][].
     - `**options`: `cu_seqlens_cpu` is accepted and unused.
 
     **Returns:**
@@ -51,7 +54,7 @@ def chunk_gla(
     `(o, final_state)`: `o` `(B, T, HV, V)`, and the final state or `None`.
     """
     check_options("chunk_gla", options, ("cu_seqlens_cpu",))
-    config = GatedLinearAttention(chunk_size=chunk_size, scale=scale)
+    config = GatedLinearAttention(chunk_size=chunk_size, scale=scale, precision=precision)
     inputs = GLAInputs(q, k, v, g)
     return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state, state_v_first)
 
@@ -70,6 +73,7 @@ def fused_recurrent_gla(
     cu_seqlens: CuSeqlens | None = None,
     *,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
 ) -> tuple[ValueTensor, FLAStates | None]:
     """FLA's `fla.ops.gla.fused_recurrent_gla`: gated linear attention token by token.
 
@@ -80,7 +84,7 @@ def fused_recurrent_gla(
     arguments are as in [`deltanet_cp.interop.fla.chunk_gla`][].
     """
     check_options("fused_recurrent_gla", dict(gv=gv, reverse=reverse), ("gv", "reverse"))
-    config = GatedLinearAttention(chunk_size=1, scale=scale)
+    config = GatedLinearAttention(chunk_size=1, scale=scale, precision=precision)
     inputs = GLAInputs(q, k, v, _no_decay(v, k) if gk is None else gk)
     return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state, state_v_first)
 
@@ -119,6 +123,7 @@ def chunk_simple_gla(
     *,
     chunk_size: int = 64,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
     **options: Any,
 ) -> tuple[ValueTensor, FLAStates | None]:
     """FLA's `fla.ops.simple_gla.chunk_simple_gla`: a decay per head (Mamba-2, RetNet).
@@ -134,7 +139,8 @@ def chunk_simple_gla(
     - `g_gamma`: a constant log decay per head, `(HV,)` (RetNet); at most one of `g` and
         `g_gamma` (neither: no decay).
     - `scale`, `initial_state`, `output_final_state`, `state_v_first`, `cu_seqlens`,
-        `chunk_size`, `cp`: as in [`deltanet_cp.interop.fla.chunk_gated_delta_rule`][].
+        `chunk_size`, `cp`, `precision`: as in
+        [`deltanet_cp.interop.fla.chunk_gated_delta_rule`][].
     - `**options`: `cu_seqlens_cpu` is accepted and unused; `head_first` raises a
         `ValueError` unless `False`.
 
@@ -143,7 +149,7 @@ def chunk_simple_gla(
     `(o, final_state)`: `o` `(B, T, HV, V)`, and the final state or `None`.
     """
     check_options("chunk_simple_gla", options, ("cu_seqlens_cpu", "head_first"))
-    config = GatedLinearAttention(chunk_size=chunk_size, scale=scale)
+    config = GatedLinearAttention(chunk_size=chunk_size, scale=scale, precision=precision)
     inputs = _simple_gla_inputs("chunk_simple_gla", q, k, v, g, g_gamma)
     return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state, state_v_first)
 
@@ -162,6 +168,7 @@ def fused_recurrent_simple_gla(
     cu_seqlens: CuSeqlens | None = None,
     *,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
 ) -> tuple[ValueTensor, FLAStates | None]:
     """FLA's `fla.ops.simple_gla.fused_recurrent_simple_gla`: token by token.
 
@@ -172,6 +179,6 @@ def fused_recurrent_simple_gla(
     arguments are as in [`deltanet_cp.interop.fla.chunk_simple_gla`][].
     """
     check_options("fused_recurrent_simple_gla", dict(reverse=reverse), ("reverse",))
-    config = GatedLinearAttention(chunk_size=1, scale=scale)
+    config = GatedLinearAttention(chunk_size=1, scale=scale, precision=precision)
     inputs = _simple_gla_inputs("fused_recurrent_simple_gla", q, k, v, g, g_gamma)
     return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state, state_v_first)

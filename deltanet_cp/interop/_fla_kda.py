@@ -9,6 +9,7 @@ from jaxtyping import Array
 
 from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, ValueTensor
 from .._parallel import ContextParallel
+from .._precision import PrecisionName
 from ..recurrences._delta_family import DeltaInputs
 from ..recurrences._gdn2 import GatedDeltaNet2
 from ..recurrences._kda import KimiDeltaAttention
@@ -38,6 +39,7 @@ def chunk_kda(
     cu_seqlens: CuSeqlens | None = None,
     chunk_size: int = 64,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
     **options: Any,
 ) -> tuple[ValueTensor, FLAStates | None]:
     """FLA's `fla.ops.kda.chunk_kda`: Kimi Delta Attention.
@@ -53,7 +55,7 @@ def chunk_kda(
     - `q`, `k`: `(B, T, H, K)`; `v`: `(B, T, HV, V)`.
     - `g`: log decays per key channel, `(B, T, HV, K)`; `beta`: step sizes, `(B, T, HV)`.
     - `scale`, `initial_state`, `output_final_state`, `use_qk_l2norm_in_kernel`,
-        `state_v_first`, `cu_seqlens`, `chunk_size`, `cp`: as in
+        `state_v_first`, `cu_seqlens`, `chunk_size`, `cp`, `precision`: as in
         [`deltanet_cp.interop.fla.chunk_gated_delta_rule`][].
     - `**options`: `cu_seqlens_cpu`, `chunk_indices` and `disable_recompute` are accepted
         and unused; `use_gate_in_kernel`, `A_log`, `dt_bias`, `lower_bound`, `safe_gate`,
@@ -67,7 +69,10 @@ def chunk_kda(
     known = _KDA_OPTIONS + _CHUNK_OPTIONS + ("head_first", "chunk_indices")
     check_options("chunk_kda", options, known)
     config = KimiDeltaAttention(
-        chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel
+        chunk_size=chunk_size,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm_in_kernel,
+        precision=precision,
     )
     inputs = DeltaInputs(q, k, v, g, beta)
     return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state, state_v_first)
@@ -89,6 +94,7 @@ def fused_recurrent_kda(
     state_v_first: bool = False,
     cu_seqlens: CuSeqlens | None = None,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
     **options: Any,
 ) -> tuple[ValueTensor, FLAStates | None]:
     """FLA's `fla.ops.kda.fused_recurrent_kda`: Kimi Delta Attention token by token.
@@ -103,7 +109,9 @@ def fused_recurrent_kda(
     defaults.
     """
     check_options("fused_recurrent_kda", dict(options, A_log=A_log, dt_bias=dt_bias), _KDA_OPTIONS)
-    config = KimiDeltaAttention(chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel)
+    config = KimiDeltaAttention(
+        chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel, precision=precision
+    )
     inputs = DeltaInputs(q, k, v, g, beta)
     return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state, state_v_first)
 
@@ -124,6 +132,7 @@ def chunk_gdn2(
     cu_seqlens: CuSeqlens | None = None,
     chunk_size: int = 64,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
     **options: Any,
 ) -> tuple[ValueTensor, FLAStates | None]:
     """FLA's `fla.ops.gdn2.chunk_gdn2`: Gated DeltaNet-2.
@@ -140,7 +149,7 @@ def chunk_gdn2(
     - `b`: the erase gate per key channel, `(B, T, HV, K)`; `w`: the write gate per value
         channel, `(B, T, HV, V)`.
     - `scale`, `initial_state`, `output_final_state`, `use_qk_l2norm_in_kernel`,
-        `state_v_first`, `cu_seqlens`, `cp`: as in
+        `state_v_first`, `cu_seqlens`, `cp`, `precision`: as in
         [`deltanet_cp.interop.fla.chunk_gated_delta_rule`][].
     - `chunk_size`: tokens per chunk (FLA takes it through `**kwargs` and requires 64).
     - `**options`: `cu_seqlens_cpu` and `disable_recompute` are accepted and unused;
@@ -154,7 +163,10 @@ def chunk_gdn2(
     """
     check_options("chunk_gdn2", options, _GATE_OPTIONS + _CHUNK_OPTIONS)
     config = GatedDeltaNet2(
-        chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel
+        chunk_size=chunk_size,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm_in_kernel,
+        precision=precision,
     )
     inputs = DeltaInputs(q, k, v, g, b, w)
     return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state, state_v_first)
@@ -177,6 +189,7 @@ def fused_recurrent_gdn2(
     state_v_first: bool = False,
     cu_seqlens: CuSeqlens | None = None,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
     **options: Any,
 ) -> tuple[ValueTensor, FLAStates | None]:
     """FLA's `fla.ops.gdn2.fused_recurrent_gdn2`: Gated DeltaNet-2 token by token.
@@ -192,6 +205,8 @@ def fused_recurrent_gdn2(
     check_options(
         "fused_recurrent_gdn2", dict(options, A_log=A_log, dt_bias=dt_bias), _GATE_OPTIONS
     )
-    config = GatedDeltaNet2(chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel)
+    config = GatedDeltaNet2(
+        chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel, precision=precision
+    )
     inputs = DeltaInputs(q, k, v, g, b, w)
     return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state, state_v_first)

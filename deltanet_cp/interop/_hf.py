@@ -219,6 +219,7 @@ def gated_delta_net_from_hf(
     *,
     prefix: str | None = None,
     chunk_size: int = 64,
+    block_size: int | None = None,
     dtype=None,
 ) -> GatedDeltaNet:
     """Build a [`deltanet_cp.nn.GatedDeltaNet`][] from Hugging Face transformers weights.
@@ -245,6 +246,8 @@ def gated_delta_net_from_hf(
         `"model.layers.0.linear_attn."`. If `None`, the one prefix in front of an `A_log`
         tensor (possibly empty); it is an error if there are several.
     - `chunk_size`: the layer's chunk size for the gated delta rule.
+    - `block_size`: the layer's engine block (see [`deltanet_cp.nn.GatedDeltaNet`][]);
+        `None` takes [`deltanet_cp.default_block_size`][].
     - `dtype`: cast every parameter to this floating-point dtype; keep each tensor's
         dtype if `None`.
 
@@ -365,6 +368,7 @@ def gated_delta_net_from_hf(
         conv_kernel_size=width,
         norm_eps=eps,
         chunk_size=chunk_size,
+        block_size=block_size,
         key=jr.key(0),
     )
     leaves = [

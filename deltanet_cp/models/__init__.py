@@ -5,10 +5,7 @@
     checkpoints included) and decoding.
 """
 
+from ._cache import Qwen3_5Cache as Qwen3_5Cache, Qwen3_5Checkpoints as Qwen3_5Checkpoints
 from ._config import Qwen3_5Config as Qwen3_5Config
-from ._qwen3_5 import (
-    Qwen3_5Cache as Qwen3_5Cache,
-    Qwen3_5Checkpoints as Qwen3_5Checkpoints,
-    Qwen3_5DecoderLayer as Qwen3_5DecoderLayer,
-    Qwen3_5ForCausalLM as Qwen3_5ForCausalLM,
-)
+from ._decoder_layer import Qwen3_5DecoderLayer as Qwen3_5DecoderLayer
+from ._qwen3_5 import Qwen3_5ForCausalLM as Qwen3_5ForCausalLM

@@ -7,156 +7,23 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._parallel import axis_size, ContextParallel
+from .._precision import as_precision, PrecisionName
 from .._validate import as_index, as_positive_index
-from ..nn._attention import CausalSelfAttention, KVCache
 from ..nn._context import layer_cp, local_positions
-from ..nn._gated_delta_net import GatedDeltaNet, GatedDeltaNetState
-from ..nn._hybrid import SwiGLU
+from ..nn._gated_delta_net import GatedDeltaNet
 from ..nn._norm import ZeroCenteredRMSNorm
-from ..nn._schedule import KVExchange
+from ..nn._schedule import KVSchedule
 from ..nn._tokens import check_tokens
+from ._cache import check_cache, concrete, Qwen3_5Cache, Qwen3_5Checkpoints, restore
 from ._config import Qwen3_5Config
+from ._decoder_layer import Qwen3_5DecoderLayer
 
 
 # The default room `prefill` leaves after the prompt for the tokens to decode.
 DECODE_ROOM = 256
-
-
-def _concrete(x: Any) -> Any:
-    """`x` as a NumPy value if it is known now (not traced), else `None`."""
-    try:
-        return np.asarray(x)
-    except jax.errors.TracerArrayConversionError:
-        return None
-
-
-def _describe(tree: Any) -> str:
-    return str(jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", tree))
-
-
-class Qwen3_5Cache(eqx.Module):
-    """What [`deltanet_cp.models.Qwen3_5ForCausalLM`][] carries from a prefill to the next
-    token.
-
-    **Fields:**
-
-    - `layers`: per layer, a [`deltanet_cp.nn.GatedDeltaNetState`][] (the Gated DeltaNet
-        layers' conv and recurrent states) or a [`deltanet_cp.nn.KVCache`][] (the
-        attention layers' keys and values, with room for `capacity` tokens).
-    - `length`: how many tokens the model has seen (the position of the next one).
-    """
-
-    layers: tuple[GatedDeltaNetState | KVCache, ...]
-    length: Int[Array, ""]
-
-    @property
-    def capacity(self) -> int:
-        """The most tokens the attention layers' caches hold."""
-        for c in self.layers:
-            if isinstance(c, KVCache):
-                return c.k.shape[-3]
-        return jnp.iinfo(jnp.int32).max
-
-
-class Qwen3_5Checkpoints(eqx.Module):
-    """The Gated DeltaNet layers' states at fixed token boundaries of a prefill.
-
-    **Fields:**
-
-    - `layers`: per layer, a [`deltanet_cp.nn.GatedDeltaNetState`][] with a leading axis
-        over the checkpoints (`None` for the attention layers, whose keys and values for
-        any prefix are the cache's first entries).
-    - `lengths`: `(n,)`, how many tokens the model had seen at each checkpoint.
-
-    [`deltanet_cp.models.Qwen3_5ForCausalLM.restore`][] turns one checkpoint and the
-    prefill's cache into the cache of that prefix.
-    """
-
-    layers: tuple[GatedDeltaNetState | None, ...]
-    lengths: Int[Array, " n"]
-
-
-class Qwen3_5DecoderLayer(eqx.Module):
-    """A pre-norm residual block: `x + mixer(norm(x))`, then `x + mlp(norm(x))`, with
-    zero-centred RMSNorms; the token mixer is a [`deltanet_cp.nn.GatedDeltaNet`][] or a
-    [`deltanet_cp.nn.CausalSelfAttention`][]."""
-
-    input_layernorm: ZeroCenteredRMSNorm
-    mixer: GatedDeltaNet | CausalSelfAttention
-    post_attention_layernorm: ZeroCenteredRMSNorm
-    mlp: SwiGLU
-
-    def __init__(self, config: Qwen3_5Config, kind: str, *, chunk_size, block_size, key, dtype):
-        kmix, kmlp = jr.split(key)
-        c, eps = config, config.rms_norm_eps
-        if kind == "linear_attention":
-            self.mixer = GatedDeltaNet(
-                c.hidden_size,
-                c.linear_num_key_heads,
-                c.linear_num_value_heads,
-                c.linear_key_head_dim,
-                c.linear_value_head_dim,
-                conv_kernel_size=c.linear_conv_kernel_dim,
-                norm_eps=eps,
-                chunk_size=chunk_size,
-                key=kmix,
-                dtype=dtype,
-            )
-        else:
-            self.mixer = CausalSelfAttention(
-                c.hidden_size,
-                c.num_attention_heads,
-                c.head_dim,
-                num_kv_heads=c.num_key_value_heads,
-                rope_theta=c.rope_theta,
-                rotary_dim=c.rotary_dim,
-                output_gate=True,
-                qk_norm=True,
-                norm_eps=eps,
-                block_size=block_size,
-                key=kmix,
-                dtype=dtype,
-            )
-        self.input_layernorm = ZeroCenteredRMSNorm(c.hidden_size, eps=eps, dtype=dtype)
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(c.hidden_size, eps=eps, dtype=dtype)
-        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, key=kmlp, dtype=dtype)
-
-    def _mlp(self, x):
-        return x + jax.vmap(self.mlp)(self.post_attention_layernorm(x))
-
-    def __call__(self, x, cp: ContextParallel | None, kv_exchange: KVExchange):
-        h = self.input_layernorm(x)
-        if isinstance(self.mixer, GatedDeltaNet):
-            h = self.mixer(h, cp=cp)
-        else:
-            h = self.mixer(h, cp=cp, kv_exchange=kv_exchange)
-        return self._mlp(x + h)
-
-    def prefill(self, x, cache, length, checkpoint_every, cp, kv_exchange: KVExchange):
-        h = self.input_layernorm(x)
-        saved = None
-        if isinstance(self.mixer, GatedDeltaNet):
-            assert isinstance(cache, GatedDeltaNetState)
-            h, cache, saved = self.mixer.prefill(h, cache, checkpoint_every=checkpoint_every, cp=cp)
-        else:
-            assert isinstance(cache, KVCache)
-            h, cache = self.mixer.prefill(h, cache, length, cp=cp, kv_exchange=kv_exchange)
-        return self._mlp(x + h), cache, saved
-
-    def step(self, x, cache, position):
-        h = self.input_layernorm(x)
-        if isinstance(self.mixer, GatedDeltaNet):
-            assert isinstance(cache, GatedDeltaNetState)
-            h, cache = self.mixer.step(h, cache)
-        else:
-            assert isinstance(cache, KVCache)
-            h, cache = self.mixer.step(h, cache, position)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
 class Qwen3_5ForCausalLM(eqx.Module):
@@ -171,7 +38,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
 
     Unbatched like the layers: `model(tokens)` maps `(T,)` token ids to `(T, vocab)`
     logits; `jax.vmap` it over a batch. Context parallel: inside `jax.shard_map`, pass a
-    [`deltanet_cp.ContextParallel`][] as `cp` (and the attention layers' `kv_exchange`);
+    [`deltanet_cp.ContextParallel`][] as `cp` (and the attention layers' `kv_schedule`);
     every layer runs on the same shards.
 
     For generation: `prefill` (optionally context parallel, from a cache, with state
@@ -183,13 +50,16 @@ class Qwen3_5ForCausalLM(eqx.Module):
     norm: ZeroCenteredRMSNorm
     lm_head: eqx.nn.Linear | None
     config: Qwen3_5Config = eqx.field(static=True)
+    precision: PrecisionName | None = eqx.field(static=True)
 
     def __init__(
         self,
         config: Qwen3_5Config,
         *,
         chunk_size: int = 64,
-        block_size: int = 128,
+        block_size: int | None = None,
+        tile_size: int = 128,
+        precision: PrecisionName | None = None,
         key: PRNGKeyArray,
         dtype=None,
     ):
@@ -197,15 +67,35 @@ class Qwen3_5ForCausalLM(eqx.Module):
 
         - `config`: the sizes, a [`deltanet_cp.models.Qwen3_5Config`][].
         - `chunk_size`: the Gated DeltaNet layers' chunk size.
-        - `block_size`: the attention layers' tile size.
+        - `block_size`: the Gated DeltaNet layers' engine block, tokens whose chunk factors
+            are formed together (the `block_size` of [`deltanet_cp.run`][]); `None` takes
+            [`deltanet_cp.default_block_size`][].
+        - `tile_size`: the side of the attention layers' score tiles (see
+            [`deltanet_cp.nn.CausalSelfAttention`][]).
+        - `precision`: every token mixer's precision policy: `"highest"` (float32
+            operands at `Precision.HIGHEST`), `"bfloat16"` (bfloat16 operands, float32
+            accumulation), `"default"` (`jax.default_matmul_precision`), or `None`: from
+            the parameters' dtype, `"bfloat16"` for bfloat16 parameters and `"highest"`
+            otherwise. The recurrent states, the softmax statistics and the norms stay
+            float32 under every policy; the dense projections, MLPs, embedding and LM
+            head multiply in the parameters' dtype at JAX's default precision. See
+            [`deltanet_cp.nn.GatedDeltaNet`][] and [`deltanet_cp.nn.CausalSelfAttention`][].
         - `key`: a PRNG key for the (random) initial parameters.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
         """
+        precision = as_precision(precision)
         kemb, khead, *keys = jr.split(key, config.num_hidden_layers + 2)
         self.embed = eqx.nn.Embedding(config.vocab_size, config.hidden_size, key=kemb, dtype=dtype)
         self.layers = tuple(
             Qwen3_5DecoderLayer(
-                config, kind, chunk_size=chunk_size, block_size=block_size, key=k, dtype=dtype
+                config,
+                kind,
+                chunk_size=chunk_size,
+                block_size=block_size,
+                tile_size=tile_size,
+                precision=precision,
+                key=k,
+                dtype=dtype,
             )
             for kind, k in zip(config.layer_types, keys)
         )
@@ -218,6 +108,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
             )
         )
         self.config = config
+        self.precision = precision
 
     @classmethod
     def from_pretrained(
@@ -226,7 +117,9 @@ class Qwen3_5ForCausalLM(eqx.Module):
         *,
         dtype=None,
         chunk_size: int = 64,
-        block_size: int = 128,
+        block_size: int | None = None,
+        tile_size: int = 128,
+        precision: PrecisionName | None = None,
     ) -> "Qwen3_5ForCausalLM":
         """Load a Hugging Face checkpoint: a directory with `config.json` and
         `model.safetensors`, or `model.safetensors.index.json` and its shards.
@@ -242,7 +135,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
         - `path`: the checkpoint directory.
         - `dtype`: cast every parameter to this dtype (e.g. `jnp.bfloat16`; the recurrent
             states stay float32); keep each tensor's stored dtype if `None`.
-        - `chunk_size`, `block_size`: as for `__init__`.
+        - `chunk_size`, `block_size`, `tile_size`, `precision`: as for `__init__`.
 
         **Raises:**
 
@@ -250,7 +143,15 @@ class Qwen3_5ForCausalLM(eqx.Module):
         """
         from ._weights import load
 
-        return load(cls, path, dtype=dtype, chunk_size=chunk_size, block_size=block_size)
+        return load(
+            cls,
+            path,
+            dtype=dtype,
+            chunk_size=chunk_size,
+            block_size=block_size,
+            tile_size=tile_size,
+            precision=precision,
+        )
 
     def _logits(self, x):
         x = self.norm(x)
@@ -263,7 +164,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
         tokens: Int[Array, " seq"],
         *,
         cp: ContextParallel | None = None,
-        kv_exchange: KVExchange = "allgather",
+        kv_schedule: KVSchedule = "allgather",
     ) -> Float[Array, "seq vocab"]:
         """**Arguments:**
 
@@ -271,7 +172,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
             `cp.layout`.
         - `cp`: how the call is sharded, as in [`deltanet_cp.ContextParallel`][] (without
             `mesh`; the logits come out in `cp.layout`'s order); `None` on one device.
-        - `kv_exchange`: how the attention layers get the other ranks' keys and values,
+        - `kv_schedule`: how the attention layers get the other ranks' keys and values,
             `"allgather"` or `"ring"` (see [`deltanet_cp.nn.CausalSelfAttention`][]).
 
         **Returns:**
@@ -292,7 +193,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
             return jnp.zeros((0, self.config.vocab_size), self.embed.weight.dtype)
         x = jax.vmap(self.embed)(tokens)
         for layer in self.layers:
-            x = layer(x, cp, kv_exchange)
+            x = layer(x, cp, kv_schedule)
         return self._logits(x)
 
     def init_cache(self, capacity: int, dtype=None) -> Qwen3_5Cache:
@@ -317,58 +218,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
     def _check_cache(self, cache: Any, name: str = "cache") -> None:
         """A `ValueError` naming `name` and what differs if `cache` is not a cache of this
         model (its layers, their kinds, shapes and dtypes)."""
-        if not isinstance(cache, Qwen3_5Cache):
-            raise ValueError(
-                f"`{name}` must be a Qwen3_5Cache (from `init_cache`, `prefill` or "
-                f"`decode_step`); got {type(cache).__name__}."
-            )
-        length = cache.length
-        if (
-            not (hasattr(length, "dtype") and jnp.issubdtype(length.dtype, jnp.integer))
-            or jnp.ndim(length) != 0
-        ):
-            raise ValueError(
-                f"`{name}.length` must be a 0-d integer array (one sequence: `jax.vmap` over "
-                f"a batch of caches); got {getattr(length, 'shape', length)!r}."
-            )
-        kinds = self.config.layer_types
-        if len(cache.layers) != len(self.layers):
-            raise ValueError(
-                f"`{name}` has {len(cache.layers)} layers; this model has {len(self.layers)} "
-                f"({', '.join(kinds)}). Was it made by another model? Make it with this "
-                "model's `init_cache` or `prefill`."
-            )
-        capacities = {c.k.shape[0] for c in cache.layers if isinstance(c, KVCache)}
-        capacity = capacities.pop() if len(capacities) == 1 else 1
-        if capacities:
-            raise ValueError(
-                f"The attention layers of `{name}` hold different numbers of tokens "
-                f"({sorted(capacities | {capacity})}); make it with this model's `init_cache`."
-            )
-        want = jax.eval_shape(lambda: self.init_cache(capacity))
-        for i, (got, expected, kind) in enumerate(zip(cache.layers, want.layers, kinds)):
-            if type(got) is not type(expected):
-                raise ValueError(
-                    f"Layer {i} of this model is {kind!r} and takes a "
-                    f"{type(expected).__name__}; `{name}.layers[{i}]` is a "
-                    f"{type(got).__name__}. Was the cache made by another model?"
-                )
-            shapes = [tuple(getattr(a, "shape", ())) for a in jax.tree.leaves(got)]
-            if shapes != [a.shape for a in jax.tree.leaves(expected)] or not all(
-                jnp.issubdtype(a.dtype, jnp.floating) for a in jax.tree.leaves(got)
-            ):
-                raise ValueError(
-                    f"`{name}.layers[{i}]` ({kind}) is {_describe(got)}; this model's is "
-                    f"{_describe(expected)} (floating-point, any dtype). Was the cache made "
-                    "by another config, or does it carry a batch axis (`jax.vmap` over it)?"
-                )
-            if isinstance(got, GatedDeltaNetState):
-                rdt = jnp.float64 if got.conv.dtype == jnp.float64 else jnp.float32
-                if got.recurrent.dtype != rdt:
-                    raise ValueError(
-                        f"`{name}.layers[{i}].recurrent` has dtype {got.recurrent.dtype}; the "
-                        f"recurrent states are {jnp.dtype(rdt)} (see `init_cache`)."
-                    )
+        check_cache(self, cache, name)
 
     @overload
     def prefill(
@@ -379,7 +229,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
         checkpoint_every: None = None,
         capacity: int | None = None,
         cp: ContextParallel | None = None,
-        kv_exchange: KVExchange = "allgather",
+        kv_schedule: KVSchedule = "allgather",
     ) -> tuple[Float[Array, "seq vocab"], Qwen3_5Cache]: ...
 
     @overload
@@ -391,7 +241,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
         checkpoint_every: int,
         capacity: int | None = None,
         cp: ContextParallel | None = None,
-        kv_exchange: KVExchange = "allgather",
+        kv_schedule: KVSchedule = "allgather",
     ) -> tuple[Float[Array, "seq vocab"], Qwen3_5Cache, Qwen3_5Checkpoints]: ...
 
     def prefill(
@@ -402,7 +252,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
         checkpoint_every: int | None = None,
         capacity: int | None = None,
         cp: ContextParallel | None = None,
-        kv_exchange: KVExchange = "allgather",
+        kv_schedule: KVSchedule = "allgather",
     ) -> (
         tuple[Float[Array, "seq vocab"], Qwen3_5Cache]
         | tuple[Float[Array, "seq vocab"], Qwen3_5Cache, Qwen3_5Checkpoints]
@@ -421,7 +271,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
             generated); if `None`, the whole prompt's length plus 256, room for 256 tokens
             of `decode_step` (pass `capacity` for longer generations). Only without a
             `cache` (whose own capacity holds).
-        - `cp`, `kv_exchange`: as for `__call__`.
+        - `cp`, `kv_schedule`: as for `__call__`.
 
         **Returns:**
 
@@ -475,7 +325,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
             self._check_cache(cache)
         length = cache.length
         room = f"the cache holds {cache.capacity} tokens"
-        seen = _concrete(length)
+        seen = concrete(length)
         if seen is not None and int(seen) + total > cache.capacity:
             raise ValueError(
                 f"`cache` has no room for `tokens`: {room}, {int(seen)} seen and {total} "
@@ -492,7 +342,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
         x = jax.vmap(self.embed)(tokens)
         states, saved = [], []
         for layer, state in zip(self.layers, cache.layers):
-            x, state, ckpt = layer.prefill(x, state, length, checkpoint_every, cp, kv_exchange)
+            x, state, ckpt = layer.prefill(x, state, length, checkpoint_every, cp, kv_schedule)
             states.append(state)
             saved.append(ckpt)
         new_cache = Qwen3_5Cache(tuple(states), length + total)
@@ -523,74 +373,7 @@ class Qwen3_5ForCausalLM(eqx.Module):
         model; for a traced `index` or cache length, the computation fails through
         `equinox.error_if`.
         """
-        self._check_cache(cache)
-        if not isinstance(checkpoints, Qwen3_5Checkpoints) or len(checkpoints.layers) != len(
-            self.layers
-        ):
-            raise ValueError(
-                "`checkpoints` must be the Qwen3_5Checkpoints of this model's `prefill(..., "
-                f"checkpoint_every=L)`, one entry per layer ({len(self.layers)})."
-            )
-        lengths = checkpoints.lengths
-        n = lengths.shape[0] if jnp.ndim(lengths) == 1 else -1
-        for i, (state, saved) in enumerate(zip(cache.layers, checkpoints.layers)):
-            if isinstance(state, KVCache) != (saved is None) or (
-                saved is not None
-                and [a.shape for a in jax.tree.leaves(saved)]
-                != [(n, *a.shape) for a in jax.tree.leaves(state)]
-            ):
-                raise ValueError(
-                    f"`checkpoints.layers[{i}]` does not fit layer {i} of this model "
-                    f"({self.config.layer_types[i]}): expected "
-                    f"{'None' if saved is None else f'{n} states like the cache'}. Were the "
-                    "checkpoints made by another model?"
-                )
-        if n <= 0:
-            raise ValueError("`checkpoints` holds no checkpoint (`lengths` is empty).")
-        known = _concrete(lengths)
-        available = (
-            f"{n} checkpoint(s), index 0 to {n - 1}"
-            if known is None
-            else f"{n} checkpoint(s): "
-            + ", ".join(f"{j} (after {int(e)} tokens)" for j, e in enumerate(known))
-        )
-        if (
-            isinstance(index, (bool, np.bool_))
-            or not (
-                isinstance(index, (int, np.integer))
-                or (hasattr(index, "dtype") and jnp.issubdtype(index.dtype, jnp.integer))
-            )
-            or jnp.ndim(index) != 0
-        ):
-            raise ValueError(f"`index` must be an int, one of {available}; got {index!r}.")
-        at = _concrete(index)
-        if at is not None:
-            at = int(at)
-            if not 0 <= at < n:
-                raise ValueError(f"`index` {at} is not a checkpoint; there are {available}.")
-            index = at
-        else:
-            index = eqx.error_if(
-                index, (index < 0) | (index >= n), f"`index` must be one of {available}."
-            )
-        end = lengths[index]
-        seen = _concrete(cache.length)
-        if seen is not None and known is not None and int(seen) < int(end):
-            raise ValueError(
-                f"`cache` has seen {int(seen)} tokens, fewer than checkpoint {index}'s "
-                f"{int(end)}: pass a cache of the same sequence at or past the checkpoint."
-            )
-        end = eqx.error_if(
-            end,
-            cache.length < end,
-            "`cache` has seen fewer tokens than the checkpoint: pass a cache of the same "
-            "sequence at or past it.",
-        )
-        layers = tuple(
-            c if saved is None else jax.tree.map(lambda a: a[index], saved)
-            for c, saved in zip(cache.layers, checkpoints.layers)
-        )
-        return Qwen3_5Cache(layers, end)
+        return restore(self, cache, checkpoints, index)
 
     @eqx.filter_jit
     def decode_step(

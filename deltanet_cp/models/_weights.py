@@ -161,7 +161,16 @@ def _at(i: int, get: Callable) -> Callable:
     return lambda m: get(m.layers[i])
 
 
-def load(cls, path: str | os.PathLike, *, dtype, chunk_size: int, block_size: int):
+def load(
+    cls,
+    path: str | os.PathLike,
+    *,
+    dtype,
+    chunk_size: int,
+    block_size: int | None,
+    tile_size: int,
+    precision,
+):
     path = Path(path)
     if not path.is_dir():
         raise ValueError(
@@ -170,7 +179,14 @@ def load(cls, path: str | os.PathLike, *, dtype, chunk_size: int, block_size: in
         )
     config = Qwen3_5Config.from_json(path)
     skeleton = eqx.filter_eval_shape(
-        cls, config, chunk_size=chunk_size, block_size=block_size, key=jr.key(0), dtype=dtype
+        cls,
+        config,
+        chunk_size=chunk_size,
+        block_size=block_size,
+        tile_size=tile_size,
+        precision=precision,
+        key=jr.key(0),
+        dtype=dtype,
     )
     tensors = _tensors(path)
     nested = any(n.startswith("model.language_model.") for n in tensors)

@@ -13,7 +13,13 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._parallel import axis_size, ContextParallel
-from .._precision import accumulation_dtype, einsum, PrecisionName
+from .._precision import (
+    accumulation_dtype,
+    as_precision,
+    einsum,
+    PrecisionName,
+    resolve_precision,
+)
 from .._validate import as_index, as_positive_index
 from ._context import layer_cp, local_positions
 from ._flash import (
@@ -25,7 +31,7 @@ from ._flash import (
     ungroup_queries,
 )
 from ._norm import ZeroCenteredRMSNorm
-from ._schedule import check_kv_exchange, KVExchange, Schedule
+from ._schedule import check_kv_schedule, KVSchedule, Schedule
 
 
 class KVCache(eqx.Module):
@@ -64,7 +70,7 @@ def _cached_attention(
     k: Float[Array, "capacity kv_heads dim"],
     v: Float[Array, "capacity kv_heads dim"],
     length: Int[Array, ""] | int,
-    block_size: int,
+    tile_size: int,
     *,
     precision: PrecisionName = "highest",
 ) -> tuple[Array, Array]:
@@ -75,7 +81,7 @@ def _cached_attention(
     products under `precision` (as in the kernel)."""
     t, h, d = q.shape
     group = h // k.shape[1]
-    b = max(c for c in range(1, min(block_size, t) + 1) if t % c == 0)
+    b = max(c for c in range(1, min(tile_size, t) + 1) if t % c == 0)
     rows = to_blocks(group_queries(q * (d**-0.5), group), b * group)
     length = jnp.asarray(length, jnp.int32)
     index = jnp.arange(k.shape[0], dtype=jnp.int32)
@@ -132,7 +138,7 @@ class CausalSelfAttention(eqx.Module):
     """Causal softmax self-attention with rotary position embeddings: multi-head or
     grouped-query, optionally with an output gate and q/k norms (Qwen3.5's attention).
 
-    The scores are computed in `(block_size, block_size)` tiles with an online softmax
+    The scores are computed in `(tile_size, tile_size)` tiles with an online softmax
     (flash attention): memory grows linearly with the sequence length, forward and
     backward (which recomputes the tiles), and tiles wholly in the future of their queries
     are never computed. With `num_kv_heads < num_heads`, query head `h` reads key/value
@@ -142,7 +148,7 @@ class CausalSelfAttention(eqx.Module):
     Inside `jax.shard_map` with time sharded over `cp.axis_name` (pass a
     [`deltanet_cp.ContextParallel`][] as `cp`), every rank attends from its own queries
     (at their global positions) to the keys and values of the whole sequence, received by
-    one all-gather or around a ring (`kv_exchange`): a payload of
+    one all-gather or around a ring (`kv_schedule`): a payload of
     `(cp - 1) / cp * S * 2 * num_kv_heads * head_dim` elements per rank and layer either
     way, growing with the sequence length `S`.
 
@@ -161,7 +167,7 @@ class CausalSelfAttention(eqx.Module):
     with either exchange (the ring's steps skip the future ranks' keys, so the early ranks
     idle). With `cp.layout = Zigzag()` every rank computes the same tiles' worth of work: the
     causal ideal plus half a tile per query block on the two diagonals, a fraction
-    `block_size / S` more.
+    `tile_size / S` more.
 
     For generation, a [`deltanet_cp.nn.KVCache`][] holds the keys and values seen so far:
     `prefill` attends to it as well and writes the new keys and values into it (context
@@ -180,7 +186,8 @@ class CausalSelfAttention(eqx.Module):
     rotary_dim: int = eqx.field(static=True)
     rope_theta: float = eqx.field(static=True)
     output_gate: bool = eqx.field(static=True)
-    block_size: int = eqx.field(static=True)
+    tile_size: int = eqx.field(static=True)
+    precision: PrecisionName | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -194,7 +201,8 @@ class CausalSelfAttention(eqx.Module):
         output_gate: bool = False,
         qk_norm: bool = False,
         norm_eps: float = 1e-6,
-        block_size: int = 128,
+        tile_size: int = 128,
+        precision: PrecisionName | None = None,
         key: PRNGKeyArray,
         dtype=None,
     ):
@@ -214,10 +222,20 @@ class CausalSelfAttention(eqx.Module):
         - `qk_norm`: a [`deltanet_cp.nn.ZeroCenteredRMSNorm`][] over each query and key
             head before the rotary embedding (Qwen3.5).
         - `norm_eps`: the epsilon of the q/k norms.
-        - `block_size`: the side of the score tiles. A sequence (on one device), local
-            sequence (`Contiguous`) or zigzag piece (`Zigzag`, half the local sequence)
-            shorter than it is one tile; a longer one must be a multiple of it (a
-            `ValueError` at call time says which value to pass otherwise).
+        - `tile_size`: the side of the score tiles, in queries and in keys (the Gated
+            DeltaNet layers' `block_size` is another quantity, the engine's). A sequence
+            (on one device), local sequence (`Contiguous`) or zigzag piece (`Zigzag`, half
+            the local sequence) shorter than it is one tile; a longer one must be a
+            multiple of it (a `ValueError` at call time says which value to pass otherwise).
+        - `precision`: how the score tiles' products (`q k^T`, `p v`, and their backward)
+            and the decoding step's multiply: `"highest"` (float32 operands at
+            `Precision.HIGHEST`), `"bfloat16"` (bfloat16 operands, float32 accumulation),
+            `"default"` (`jax.default_matmul_precision`), or `None`: from the queries,
+            keys and values, which are in the parameters' dtype (`"bfloat16"` for
+            bfloat16 parameters, `"highest"` otherwise). The softmax statistics and the
+            accumulators stay float32 under every policy. The projections are
+            `equinox.nn.Linear`s: they multiply in the parameters' dtype at JAX's default
+            precision whatever the policy.
         - `key`: a PRNG key for the initial parameters.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
         """
@@ -235,7 +253,8 @@ class CausalSelfAttention(eqx.Module):
             raise ValueError(
                 f"`rotary_dim` must be even and in (0, head_dim = {head_dim}]; got {rotary_dim}."
             )
-        block_size = as_positive_index(block_size, "block_size")
+        tile_size = as_positive_index(tile_size, "tile_size")
+        precision = as_precision(precision)
         kq, kk, kv, ko = jr.split(key, 4)
         inner, kv_inner = num_heads * head_dim, num_kv_heads * head_dim
 
@@ -257,7 +276,8 @@ class CausalSelfAttention(eqx.Module):
         self.rotary_dim = rotary_dim
         self.rope_theta = rope_theta
         self.output_gate = output_gate
-        self.block_size = block_size
+        self.tile_size = tile_size
+        self.precision = precision
 
     def init_cache(self, capacity: int, dtype=None) -> KVCache:
         """An empty cache for `capacity` tokens.
@@ -300,7 +320,7 @@ class CausalSelfAttention(eqx.Module):
         x: Float[Array, "seq hidden"],
         *,
         cp: ContextParallel | None = None,
-        kv_exchange: KVExchange = "allgather",
+        kv_schedule: KVSchedule = "allgather",
     ) -> Float[Array, "seq hidden"]:
         """**Arguments:**
 
@@ -308,7 +328,7 @@ class CausalSelfAttention(eqx.Module):
         - `cp`: how the call is sharded, as in [`deltanet_cp.ContextParallel`][] (without
             `mesh`); `None` on one device. With [`deltanet_cp.Zigzag`][] the causal work
             is the same on every rank; `cp.exchange` plays no part here.
-        - `kv_exchange`: how the keys and values reach every rank: `"allgather"` (one
+        - `kv_schedule`: how the keys and values reach every rank: `"allgather"` (one
             all-gather; each rank then computes only the tiles its queries need) or
             `"ring"` (`cp - 1` steps of `jax.lax.ppermute` in a loop, attending to one
             rank's keys per step in one online softmax, with `O(S / cp)` memory per rank;
@@ -319,12 +339,19 @@ class CausalSelfAttention(eqx.Module):
 
         The output, `(seq, hidden)`.
         """
-        check_kv_exchange(kv_exchange)
+        check_kv_schedule(kv_schedule)
         cp = layer_cp(cp, "CausalSelfAttention")
         rel = local_positions(cp, x.shape[0])
         q, k, v, gate = self._project(x, rel)
         out, _ = blockwise_attention(
-            q, k, v, rel, cp=cp, kv_exchange=kv_exchange, block_size=self.block_size
+            q,
+            k,
+            v,
+            rel,
+            cp=cp,
+            kv_schedule=kv_schedule,
+            tile_size=self.tile_size,
+            precision=resolve_precision(self.precision, q, k, v),
         )
         return self._finish(out, gate)
 
@@ -335,7 +362,7 @@ class CausalSelfAttention(eqx.Module):
         length: Int[Array, ""] | int,
         *,
         cp: ContextParallel | None = None,
-        kv_exchange: KVExchange = "allgather",
+        kv_schedule: KVSchedule = "allgather",
     ) -> tuple[Float[Array, "seq hidden"], KVCache]:
         """`__call__` after `length` earlier tokens held in a cache, writing the new keys
         and values into it.
@@ -347,29 +374,31 @@ class CausalSelfAttention(eqx.Module):
             rank with `cp`. The queries attend to those too; it must hold `length + ` the
             whole sequence's tokens.
         - `length`: how many tokens `cache` holds (the position of the first token of `x`).
-        - `cp`, `kv_exchange`: as for `__call__`.
+        - `cp`, `kv_schedule`: as for `__call__`.
 
         **Returns:**
 
         `(output, new_cache)`, the new cache the same on every rank: under context
         parallelism the new keys and values are all-gathered into it, in sequence order.
         """
-        check_kv_exchange(kv_exchange)
+        check_kv_schedule(kv_schedule)
         cp = layer_cp(cp, "CausalSelfAttention")
         rel = local_positions(cp, x.shape[0])
         q, k, v, gate = self._project(x, rel + length)
+        precision = resolve_precision(self.precision, q, k, v)
         out, lse = blockwise_attention(
             q,
             k,
             v,
             rel,
             cp=cp,
-            kv_exchange=kv_exchange,
-            block_size=self.block_size,
+            kv_schedule=kv_schedule,
+            tile_size=self.tile_size,
             return_lse=True,
+            precision=precision,
         )
         assert lse is not None
-        old = _cached_attention(q, cache.k, cache.v, length, self.block_size)
+        old = _cached_attention(q, cache.k, cache.v, length, self.tile_size, precision=precision)
         o = _merge(old, (out, lse)).astype(v.dtype)
         if cp is not None:
             # Every rank's keys and values, the same on every rank (an invariant value),
@@ -411,5 +440,6 @@ class CausalSelfAttention(eqx.Module):
             k=jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), position, 0),
             v=jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), position, 0),
         )
-        o = _decode_attention(q[0], cache.k, cache.v, position)
+        precision = resolve_precision(self.precision, q, k, v)
+        o = _decode_attention(q[0], cache.k, cache.v, position, precision=precision)
         return self._finish(o[None].astype(v.dtype), gate)[0], cache

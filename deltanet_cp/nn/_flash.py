@@ -29,7 +29,7 @@ from jaxtyping import Array, Float, Int
 from .._parallel import ContextParallel, Contiguous
 from .._precision import accumulation_dtype, as_precision, einsum, PrecisionName
 from .._sharding import varying
-from ._schedule import check_kv_exchange, Schedule, tile_loops, tile_side, tiling
+from ._schedule import check_kv_schedule, Schedule, tile_loops, tile_side, tiling
 
 
 _HI = jax.lax.Precision.HIGHEST
@@ -435,8 +435,8 @@ def blockwise_attention(
     pos_q: Int[Array, " seq"],
     *,
     cp: ContextParallel | None,
-    kv_exchange: str,
-    block_size: int,
+    kv_schedule: str,
+    tile_size: int,
     return_lse: bool = False,
     precision: PrecisionName = "highest",
 ) -> tuple[Array, Array | None]:
@@ -459,7 +459,7 @@ def blockwise_attention(
     in the accumulation dtype (for merging with attention to other keys; the ring then runs
     without its memory-saving backward).
     """
-    check_kv_exchange(kv_exchange)
+    check_kv_schedule(kv_schedule)
     precision = check_precision(precision)
     t, h, d = q.shape
     group = h // k.shape[1]
@@ -473,16 +473,16 @@ def blockwise_attention(
         return out, ungroup_queries(lse.reshape(t * group, -1), group)
 
     if cp is None:
-        b = tile_side(block_size, t, "the sequence length")
+        b = tile_side(tile_size, t, "the sequence length")
         ((schedule,),) = tile_loops(Contiguous().held(1), t // b, "allgather")
         att = _attend(q, k, v, pos_q_rows, pos_q, schedule.at(0), b, group, precision=precision)
         return finish(*att)
     n = jax.lax.axis_size(cp.axis_name)
     rank = jax.lax.axis_index(cp.axis_name)
-    b, m = tiling(cp.layout, t, n, block_size)
+    b, m = tiling(cp.layout, t, n, tile_size)
     table = cp.layout.position_table(t, n)
-    loops = tile_loops(cp.layout.held(n), m, kv_exchange)
-    if kv_exchange == "allgather":
+    loops = tile_loops(cp.layout.held(n), m, kv_schedule)
+    if kv_schedule == "allgather":
         pos_k, tiles = jnp.asarray(table.reshape(-1)), loops[0][0].at(rank)
         att = _attend(
             q, k, v, pos_q_rows, pos_k, tiles, b, group, precision=precision, gather=cp.axis_name

@@ -7,6 +7,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._parallel import ContextParallel
+from .._precision import accumulation_dtype, as_precision, PrecisionName
 from .._run import run
 from .._validate import as_positive_index
 from ..recurrences._delta_family import DeltaInputs
@@ -80,6 +81,8 @@ class GatedDeltaNet(eqx.Module):
     key_head_dim: int = eqx.field(static=True)
     value_head_dim: int = eqx.field(static=True)
     chunk_size: int = eqx.field(static=True)
+    block_size: int | None = eqx.field(static=True)
+    precision: PrecisionName | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -92,6 +95,8 @@ class GatedDeltaNet(eqx.Module):
         conv_kernel_size: int = 4,
         norm_eps: float = 1e-6,
         chunk_size: int = 64,
+        block_size: int | None = None,
+        precision: PrecisionName | None = None,
         key: PRNGKeyArray,
         dtype=None,
     ):
@@ -105,6 +110,18 @@ class GatedDeltaNet(eqx.Module):
         - `conv_kernel_size`: the length of the causal convolution.
         - `norm_eps`: the epsilon of the gated RMSNorm.
         - `chunk_size`: tokens per chunk of the gated delta rule.
+        - `block_size`: the engine's block, tokens whose chunk factors are formed together
+            (the `block_size` of [`deltanet_cp.run`][]); `None` takes
+            [`deltanet_cp.default_block_size`][] (the backend's default).
+        - `precision`: how the gated delta rule's large products multiply (the chunk
+            Grams, the WY products, `q h`, `w h`, `k~^T v`): `"highest"` (float32 operands
+            at `Precision.HIGHEST`), `"bfloat16"` (bfloat16 operands, float32
+            accumulation), `"default"` (`jax.default_matmul_precision`), or `None`: from
+            the recurrence's inputs, which are in the parameters' dtype (`"bfloat16"` for
+            bfloat16 parameters, `"highest"` otherwise). The recurrent state, the gates,
+            the chunk maps and the norm stay float32 under every policy. The dense
+            projections are `equinox.nn.Linear`s: they multiply in the parameters' dtype
+            at JAX's default precision whatever the policy.
         - `key`: a PRNG key for the initial parameters. Linear layers and the convolution
             use the Equinox/torch defaults, $A_{\log} = \log U(1, 16)$ and $\Delta_b = 1$
             (Qwen3-Next's recipe), and the norm weight is ones.
@@ -113,7 +130,8 @@ class GatedDeltaNet(eqx.Module):
         **Raises:**
 
         `TypeError` if a size is not an int (NumPy integers are accepted), `ValueError` if it
-        is not positive or if `num_value_heads` is not a multiple of `num_key_heads`.
+        is not positive (`block_size` may also be `None`) or if `num_value_heads` is not a
+        multiple of `num_key_heads`.
         """
         hidden_size = as_positive_index(hidden_size, "hidden_size")
         num_key_heads = as_positive_index(num_key_heads, "num_key_heads")
@@ -122,6 +140,9 @@ class GatedDeltaNet(eqx.Module):
         value_head_dim = as_positive_index(value_head_dim, "value_head_dim")
         conv_kernel_size = as_positive_index(conv_kernel_size, "conv_kernel_size")
         chunk_size = as_positive_index(chunk_size, "chunk_size")
+        if block_size is not None:
+            block_size = as_positive_index(block_size, "block_size")
+        precision = as_precision(precision)
         if num_value_heads % num_key_heads != 0:
             raise ValueError(
                 f"`num_value_heads` ({num_value_heads}) must be a multiple of "
@@ -152,6 +173,8 @@ class GatedDeltaNet(eqx.Module):
         self.key_head_dim = key_head_dim
         self.value_head_dim = value_head_dim
         self.chunk_size = chunk_size
+        self.block_size = block_size
+        self.precision = precision
 
     @property
     def conv_dim(self) -> int:
@@ -174,7 +197,7 @@ class GatedDeltaNet(eqx.Module):
             The recurrent state is float32 (float64 for float64 parameters).
         """
         dtype = self.out_proj.weight.dtype if dtype is None else dtype
-        rdt = jnp.dtype(jnp.float64 if dtype == jnp.float64 else jnp.float32)
+        rdt = accumulation_dtype(dtype)
         return GatedDeltaNetState(
             conv=jnp.zeros((self.conv1d.history, self.conv_dim), dtype),
             recurrent=jnp.zeros(
@@ -221,7 +244,7 @@ class GatedDeltaNet(eqx.Module):
         v = mixed[:, 2 * h * dk :].reshape(t, hv, dv)
         z = z.reshape(t, hv, dv)
         beta = jax.nn.sigmoid(b)
-        gate_dt = jnp.dtype(jnp.float64 if a.dtype == jnp.float64 else jnp.float32)
+        gate_dt = accumulation_dtype(a)
         a_log = self.A_log.astype(gate_dt)[None]
         dt_bias = self.dt_bias.astype(gate_dt)[None]
         g = -jnp.exp(a_log) * jax.nn.softplus(a.astype(gate_dt) + dt_bias)
@@ -355,7 +378,9 @@ class GatedDeltaNet(eqx.Module):
         conv_state, h0 = (None, None) if state is None else (state.conv, state.recurrent)
         conv_out, new_conv = self.conv1d(mixed, conv_state, cp=cp)
         q, k, v, z, g, beta = self._split(jax.nn.silu(conv_out), z, b, a)
-        recurrence = GatedDeltaRule(chunk_size=self.chunk_size, use_qk_l2norm=True)
+        recurrence = GatedDeltaRule(
+            chunk_size=self.chunk_size, use_qk_l2norm=True, precision=self.precision
+        )
         if checkpoint_every is not None:
             recurrence = Checkpointed(inner=recurrence, chunk_size=checkpoint_every)
         o, h = run(
@@ -363,6 +388,7 @@ class GatedDeltaNet(eqx.Module):
             DeltaInputs(q[None], k[None], v[None], g[None], beta[None]),
             initial_state=None if h0 is None else h0[None],
             cp=cp,
+            block_size=self.block_size,
         )
         saved = None
         if checkpoint_every is not None:
@@ -407,6 +433,7 @@ class GatedDeltaNet(eqx.Module):
             beta[None],
             initial_state=state.recurrent[None],
             use_qk_l2norm=True,
+            precision=self.precision,
         )
         y = self._finish(o[0], z)[0].astype(x.dtype)
         new_state = GatedDeltaNetState(

@@ -7,11 +7,12 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._parallel import ContextParallel
+from .._precision import as_precision, PrecisionName
 from .._validate import as_positive_index
 from ._attention import CausalSelfAttention
 from ._context import layer_cp
 from ._gated_delta_net import GatedDeltaNet
-from ._schedule import KVExchange
+from ._schedule import KVSchedule
 from ._tokens import check_tokens
 
 
@@ -84,14 +85,14 @@ class HybridBlock(eqx.Module):
         x: Float[Array, "seq hidden"],
         *,
         cp: ContextParallel | None = None,
-        kv_exchange: KVExchange = "allgather",
+        kv_schedule: KVSchedule = "allgather",
     ) -> Float[Array, "seq hidden"]:
         """**Arguments:** as for [`deltanet_cp.nn.HybridLM`][], on hidden states."""
         h = jax.vmap(self.mixer_norm)(x)
         if isinstance(self.mixer, GatedDeltaNet):
             h = self.mixer(h, cp=cp)
         else:
-            h = self.mixer(h, cp=cp, kv_exchange=kv_exchange)
+            h = self.mixer(h, cp=cp, kv_schedule=kv_schedule)
         x = x + h
         return x + jax.vmap(lambda y: self.mlp(self.mlp_norm(y)))(x)
 
@@ -112,6 +113,7 @@ class HybridLM(eqx.Module):
     blocks: tuple[HybridBlock, ...]
     norm: eqx.nn.RMSNorm
     lm_head: eqx.nn.Linear
+    precision: PrecisionName | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -129,6 +131,9 @@ class HybridLM(eqx.Module):
         attention_head_dim: int = 16,
         intermediate_size: int | None = None,
         chunk_size: int = 64,
+        block_size: int | None = None,
+        tile_size: int = 128,
+        precision: PrecisionName | None = None,
         key: PRNGKeyArray,
         dtype=None,
     ):
@@ -141,7 +146,17 @@ class HybridLM(eqx.Module):
             `(i + 1) % attention_every == 0` (Qwen3-Next: 4, so 3 GDN : 1 attention).
         - `num_key_heads`, `num_value_heads`, `key_head_dim`, `value_head_dim`,
             `conv_kernel_size`, `chunk_size`: the Gated DeltaNet sizes.
+        - `block_size`: the Gated DeltaNet layers' engine block, tokens whose chunk factors
+            are formed together (the `block_size` of [`deltanet_cp.run`][]); `None` takes
+            [`deltanet_cp.default_block_size`][].
         - `num_attention_heads`, `attention_head_dim`: the attention sizes.
+        - `tile_size`: the side of the attention layers' score tiles (see
+            [`deltanet_cp.nn.CausalSelfAttention`][]).
+        - `precision`: every token mixer's precision policy (`"highest"`, `"bfloat16"`,
+            `"default"`, or `None`: from the parameters' dtype); see
+            [`deltanet_cp.nn.GatedDeltaNet`][] and [`deltanet_cp.nn.CausalSelfAttention`][].
+            The MLPs, the embedding and the LM head multiply in the parameters' dtype at
+            JAX's default precision.
         - `intermediate_size`: the MLP width; `4 * hidden_size` if `None`.
         - `key`: a PRNG key for the initial parameters.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
@@ -155,6 +170,7 @@ class HybridLM(eqx.Module):
         hidden_size = as_positive_index(hidden_size, "hidden_size")
         num_layers = as_positive_index(num_layers, "num_layers")
         attention_every = as_positive_index(attention_every, "attention_every")
+        precision = as_precision(precision)
         intermediate_size = 4 * hidden_size if intermediate_size is None else intermediate_size
         kemb, khead, *kblocks = jr.split(key, num_layers + 2)
         blocks = []
@@ -162,7 +178,13 @@ class HybridLM(eqx.Module):
             kmix, kmlp = jr.split(kb)
             if (i + 1) % attention_every == 0:
                 mixer = CausalSelfAttention(
-                    hidden_size, num_attention_heads, attention_head_dim, key=kmix, dtype=dtype
+                    hidden_size,
+                    num_attention_heads,
+                    attention_head_dim,
+                    tile_size=tile_size,
+                    precision=precision,
+                    key=kmix,
+                    dtype=dtype,
                 )
             else:
                 mixer = GatedDeltaNet(
@@ -173,6 +195,8 @@ class HybridLM(eqx.Module):
                     value_head_dim,
                     conv_kernel_size=conv_kernel_size,
                     chunk_size=chunk_size,
+                    block_size=block_size,
+                    precision=precision,
                     key=kmix,
                     dtype=dtype,
                 )
@@ -184,13 +208,14 @@ class HybridLM(eqx.Module):
         self.lm_head = eqx.nn.Linear(
             hidden_size, vocab_size, use_bias=False, key=khead, dtype=dtype
         )
+        self.precision = precision
 
     def __call__(
         self,
         tokens: Int[Array, " seq"],
         *,
         cp: ContextParallel | None = None,
-        kv_exchange: KVExchange = "allgather",
+        kv_schedule: KVSchedule = "allgather",
     ) -> Float[Array, "seq vocab"]:
         """**Arguments:**
 
@@ -199,7 +224,8 @@ class HybridLM(eqx.Module):
         - `cp`: how the call is sharded, as in [`deltanet_cp.ContextParallel`][] (without
             `mesh`; the logits come out in `cp.layout`'s order); `None` on one device.
             [`deltanet_cp.Zigzag`][] balances the attention layers' causal work.
-        - `kv_exchange`: how the attention layers get the other ranks' keys and values:
+        - `kv_schedule`: how the attention layers get the other ranks' keys and values:
+        - `kv_schedule`: how the attention layers get the other ranks' keys and values:
             `"allgather"` or `"ring"` (see [`deltanet_cp.nn.CausalSelfAttention`][]).
 
         **Returns:**
@@ -219,5 +245,5 @@ class HybridLM(eqx.Module):
             return jnp.zeros((0, self.embed.num_embeddings), self.lm_head.weight.dtype)
         x = jax.vmap(self.embed)(tokens)
         for block in self.blocks:
-            x = block(x, cp=cp, kv_exchange=kv_exchange)
+            x = block(x, cp=cp, kv_schedule=kv_schedule)
         return jax.vmap(lambda y: self.lm_head(self.norm(y)))(x)

@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from .._precision import accumulation_dtype
+
 
 class GatedRMSNorm(eqx.Module):
     r"""RMSNorm over the last axis, then a SiLU gate: $w \, \mathrm{rms}(x) \, \mathrm{silu}(z)$.
@@ -41,7 +43,7 @@ class GatedRMSNorm(eqx.Module):
         An array of `x`'s shape and dtype.
         """
         dtype = x.dtype
-        ct = jnp.dtype(jnp.float64 if dtype == jnp.float64 else jnp.float32)
+        ct = accumulation_dtype(dtype)
         h = x.astype(ct)
         h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
         w = self.weight.reshape((1,) * (h.ndim - 1) + self.weight.shape)
@@ -84,7 +86,7 @@ class ZeroCenteredRMSNorm(eqx.Module):
 
         An array of `x`'s shape and dtype.
         """
-        ct = jnp.dtype(jnp.float64 if x.dtype == jnp.float64 else jnp.float32)
+        ct = accumulation_dtype(x)
         h = x.astype(ct)
         h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
         w = (1 + self.weight.astype(ct)).reshape((1,) * (h.ndim - 1) + self.weight.shape)

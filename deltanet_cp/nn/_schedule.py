@@ -11,8 +11,8 @@ from jaxtyping import Array
 from .._parallel import AbstractLayout
 
 
-_KV_EXCHANGES = ("allgather", "ring")
-KVExchange = Literal["allgather", "ring"]
+_KV_SCHEDULES = ("allgather", "ring")
+KVSchedule = Literal["allgather", "ring"]
 
 
 def _triangle(m: int, q0: int = 0, k0: int = 0) -> list[tuple[int, int]]:
@@ -123,40 +123,40 @@ def _ring_schedule(held: Held, m: int, step: int) -> Schedule:
     return Schedule.of(per_rank)
 
 
-def tile_side(block_size: int, piece: int, what: str) -> int:
-    """The tile size: `block_size`, or the piece length if shorter; it must divide it."""
-    b = min(block_size, piece)
+def tile_side(tile_size: int, piece: int, what: str) -> int:
+    """The tile size: `tile_size`, or the piece length if shorter; it must divide it."""
+    b = min(tile_size, piece)
     if piece % b:
         fit = max(c for c in range(1, b + 1) if piece % c == 0)
         raise ValueError(
-            f"CausalSelfAttention(block_size={block_size}) must divide {what} ({piece}), or be "
-            f"at least as long: pass block_size={fit} (the largest divisor below it), or pad "
-            f"the sequence so that {what} is a multiple of {block_size}."
+            f"CausalSelfAttention(tile_size={tile_size}) must divide {what} ({piece}), or be "
+            f"at least as long: pass tile_size={fit} (the largest divisor below it), or pad "
+            f"the sequence so that {what} is a multiple of {tile_size}."
         )
     return b
 
 
-def check_kv_exchange(kv_exchange: object) -> None:
-    """Raise a `ValueError` unless `kv_exchange` is `"allgather"` or `"ring"`."""
-    if kv_exchange not in _KV_EXCHANGES:
+def check_kv_schedule(kv_schedule: object) -> None:
+    """Raise a `ValueError` unless `kv_schedule` is `"allgather"` or `"ring"`."""
+    if kv_schedule not in _KV_SCHEDULES:
         raise ValueError(
-            f"CausalSelfAttention takes kv_exchange='allgather' (one all-gather of the keys "
-            f"and values) or kv_exchange='ring' (cp - 1 ppermute steps); got {kv_exchange!r}."
+            f"CausalSelfAttention takes kv_schedule='allgather' (one all-gather of the keys "
+            f"and values) or kv_schedule='ring' (cp - 1 ppermute steps); got {kv_schedule!r}."
         )
 
 
-def tile_loops(held: Held, m: int, kv_exchange: str) -> list[list[Schedule]]:
+def tile_loops(held: Held, m: int, kv_schedule: str) -> list[list[Schedule]]:
     """The tile loops of one attention's forward, in program order, each as the schedules
     of its successive runs: the all-gather's one loop, run once; the ring's loop over the
     local diagonal, run once, and its loop over one step's tiles, run once per step
     `1 .. cp - 1` inside the loop over steps. (The backward has a loop for each.)"""
-    if kv_exchange == "allgather":
+    if kv_schedule == "allgather":
         return [[_allgather_schedule(held, m)]]
     ring = [_ring_schedule(held, m, step) for step in range(len(held))]
     return [ring[:1], ring[1:]]
 
 
-def tiling(layout: AbstractLayout, length: int, cp: int, block_size: int) -> tuple[int, int]:
+def tiling(layout: AbstractLayout, length: int, cp: int, tile_size: int) -> tuple[int, int]:
     """`(tile side, tiles per piece)` for `length` local tokens under `layout`."""
     piece = layout.piece_length(length, cp)
     per_rank = length // piece
@@ -165,5 +165,5 @@ def tiling(layout: AbstractLayout, length: int, cp: int, block_size: int) -> tup
         if per_rank == 1
         else f"each of a rank's {per_rank} pieces (the local length / {per_rank})"
     )
-    b = tile_side(block_size, piece, what)
+    b = tile_side(tile_size, piece, what)
     return b, piece // b

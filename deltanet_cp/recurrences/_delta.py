@@ -14,6 +14,7 @@ import equinox as eqx
 
 from .._custom_types import CuSeqlens, GateTensor, QKTensor, States, ValueTensor
 from .._parallel import ContextParallel
+from .._precision import as_precision, PrecisionName
 from .._run import run
 from .._validate import as_chunk_size, as_l2norm_flag, as_scale
 from ._delta_family import AbstractDeltaRule, DeltaInputs, GateKind
@@ -31,11 +32,17 @@ class DeltaRule(AbstractDeltaRule):
     - `scale`: query scale, a Python float (a traced one is refused); `K ** -0.5` if
         `None`.
     - `use_qk_l2norm`: L2-normalise `q` and `k` over `K` (eps `1e-6`) first.
+    - `precision`: how the large products multiply: `"highest"` (float32 operands at
+        `Precision.HIGHEST`), `"bfloat16"` (bfloat16 operands, float32 accumulation),
+        `"default"` (`jax.default_matmul_precision`), or `None`: `"bfloat16"` for
+        bfloat16 inputs, `"highest"` otherwise. The state, the decays and the chunk maps
+        stay float32 under every policy.
     """
 
     chunk_size: int = eqx.field(default=64, static=True, converter=as_chunk_size)
     scale: float | None = eqx.field(default=None, static=True, converter=as_scale)
     use_qk_l2norm: bool = eqx.field(default=False, static=True, converter=as_l2norm_flag)
+    precision: PrecisionName | None = eqx.field(default=None, static=True, converter=as_precision)
     gate: ClassVar[GateKind] = "none"
     householder: ClassVar[bool] = False
 
@@ -52,6 +59,7 @@ def chunk_delta_rule(
     cu_seqlens: CuSeqlens | None = None,
     chunk_size: int = 64,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
 ) -> tuple[ValueTensor, States]:
     r"""The delta rule in chunked (WY) form: the training path.
 
@@ -65,7 +73,8 @@ def chunk_delta_rule(
         reads key head `j // (HV // H)`.
     - `beta`: step sizes in $[0, 1]$ ($[0, 2]$ for negative eigenvalues), shape
         `(B, T, HV)`.
-    - `scale`, `initial_state`, `use_qk_l2norm`, `cu_seqlens`, `chunk_size`, `cp`: as in
+    - `scale`, `initial_state`, `use_qk_l2norm`, `cu_seqlens`, `chunk_size`, `cp`,
+        `precision`: as in
         [`deltanet_cp.chunk_gated_delta_rule`][].
 
     **Returns:**
@@ -73,7 +82,12 @@ def chunk_delta_rule(
     `(o, final_state)`, as in [`deltanet_cp.chunk_gated_delta_rule`][].
     """
     return run(
-        DeltaRule(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        DeltaRule(
+            chunk_size=chunk_size,
+            scale=scale,
+            use_qk_l2norm=use_qk_l2norm,
+            precision=precision,
+        ),
         DeltaInputs(q, k, v, None, beta),
         initial_state=initial_state,
         cu_seqlens=cu_seqlens,
@@ -92,6 +106,7 @@ def recurrent_delta_rule(
     use_qk_l2norm: bool = False,
     cu_seqlens: CuSeqlens | None = None,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
 ) -> tuple[ValueTensor, States]:
     r"""The delta rule token by token: the decoding path.
 
@@ -100,7 +115,12 @@ def recurrent_delta_rule(
     (without `chunk_size`) and results.
     """
     return run(
-        DeltaRule(chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        DeltaRule(
+            chunk_size=1,
+            scale=scale,
+            use_qk_l2norm=use_qk_l2norm,
+            precision=precision,
+        ),
         DeltaInputs(q, k, v, None, beta),
         initial_state=initial_state,
         cu_seqlens=cu_seqlens,

@@ -34,17 +34,17 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._affine import AffineMap
+from .._precision import accumulation_dtype, PrecisionName
 from .._recurrence import AbstractRecurrence
 from ..chunkops import (
     chunk_major,
     cumulative_decays,
     decayed_grams,
     einsum,
-    l2norm,
     segment_sums,
     unit_lower_solve,
 )
-from ._helpers import check_arrays, compute_dtype, lift
+from ._helpers import check_arrays, lift, policy, prologue
 
 
 # How a delta-rule recurrence decays its state: per head, per key channel, optionally per
@@ -89,6 +89,8 @@ class DeltaFactors(eqx.Module):
         $o = q_g h + \mathrm{attn}\, v_\text{new}$.
     - `k_decayed_t`: $\tilde k^\top = (k e^{G_C - G})^\top$, shape `(..., K, s)`.
     - `gamma`: $e^{G_C}$, the decay over the whole chunk per key channel.
+    - `precision`: the policy the chunk's products with the state run under (resolved from
+        the inputs by `prepare`); every field is in the accumulation dtype whatever it is.
     """
 
     wq: Float[Array, "n b h sc k"]
@@ -96,6 +98,7 @@ class DeltaFactors(eqx.Module):
     attn: Float[Array, "n b h c s"]
     k_decayed_t: Float[Array, "n b h k s"]
     gamma: Float[Array, "n b h k"]
+    precision: PrecisionName = eqx.field(default="highest", static=True)
 
     @property
     def w(self) -> Float[Array, "*chunks b h s k"]:
@@ -106,7 +109,7 @@ class DeltaFactors(eqx.Module):
 class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]):
     """The delta-rule family: a delta update per step, with or without decay.
 
-    Final subclasses hold the fields `chunk_size`, `scale` and `use_qk_l2norm`, and say
+    Final subclasses hold the fields `chunk_size`, `scale`, `use_qk_l2norm` and `precision`, and say
     with `gate` whether decays are per head (`"head"`), per key channel (`"key"`), optional
     per head (`"optional"`) or absent (`"none"`), with `householder` whether a token makes
     several updates (the `n_h` axis of Gated DeltaProduct), and with `channel_gates`
@@ -116,6 +119,7 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
 
     scale: eqx.AbstractVar[float | None]
     use_qk_l2norm: eqx.AbstractVar[bool]
+    precision: eqx.AbstractVar[PrecisionName | None]
     gate: ClassVar[GateKind]
     householder: ClassVar[bool]
     channel_gates: ClassVar[bool] = False
@@ -149,20 +153,18 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
 
     def state(self, inputs: DeltaInputs) -> jax.ShapeDtypeStruct:
         b, hv, dv = inputs.v.shape[0], inputs.v.shape[-2], inputs.v.shape[-1]
-        return jax.ShapeDtypeStruct((b, hv, inputs.q.shape[-1], dv), _dtype(inputs))
+        dtype = accumulation_dtype(*jax.tree.leaves(inputs))
+        return jax.ShapeDtypeStruct((b, hv, inputs.q.shape[-1], dv), dtype)
 
     def prepare(self, chunks: DeltaInputs) -> DeltaFactors:
         # Batched over whatever chunks it is given (the engine gives one at a time), chunk
         # axis first; products of keys are formed once per key head.
-        dt = _dtype(chunks)
+        dt, precision = policy(self.precision, chunks)
         b, n, c, h, dk = chunks.q.shape
         nh = chunks.k.shape[3] if self.householder else 1
         hv, dv = chunks.v.shape[-2], chunks.v.shape[-1]
         r = hv // h
-        q, k = chunks.q.astype(dt), chunks.k.astype(dt)
-        if self.use_qk_l2norm:
-            q, k = l2norm(q), l2norm(k)
-        q = q * jnp.asarray(dk**-0.5 if self.scale is None else self.scale, dt)
+        q, k = prologue(chunks.q, chunks.k, dt, self.scale, self.use_qk_l2norm)
         # A token's n_h updates are n_h pseudo-tokens in a row: the decay on the first, the
         # output after the last.
         s = c * nh
@@ -183,19 +185,23 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
             per_key = self.gate == "key"
             g = g.reshape(b, n, s, h, r, *((dk,) if per_key else ()))
             g = chunk_major(g, features=int(per_key))
-        return _factors(chunk_major(q), k, v, g, beta, write, rows=slice(nh - 1, None, nh))
+        rows = slice(nh - 1, None, nh)
+        return _factors(chunk_major(q), k, v, g, beta, write, rows=rows, precision=precision)
 
     def step(self, factors: DeltaFactors, h: Float[Array, "b h k v"]) -> tuple[Array, Array]:
         f = factors
+        p = f.precision
         s = f.u.shape[-2]
-        y = einsum("bhck,bhkv->bhcv", f.wq, h)  # [w h; q_g h]
+        y = einsum("bhck,bhkv->bhcv", f.wq, h, precision=p)  # [w h; q_g h]
         v_new = f.u - y[..., :s, :]
-        o = y[..., s:, :] + einsum("bhcs,bhsv->bhcv", f.attn, v_new)
+        o = y[..., s:, :] + einsum("bhcs,bhsv->bhcv", f.attn, v_new, precision=p)
         o = jnp.swapaxes(o, 1, 2)  # (B, C, HV, V)
-        h_next = f.gamma[..., None] * h + einsum("bhks,bhsv->bhkv", f.k_decayed_t, v_new)
-        return h_next, o
+        write = einsum("bhks,bhsv->bhkv", f.k_decayed_t, v_new, precision=p)
+        return f.gamma[..., None] * h + write, o  # the state accumulates in its own dtype
 
     def chunk_map(self, factors: DeltaFactors) -> AffineMap:
+        # The maps and their composition at Precision.HIGHEST under every policy: under
+        # context parallelism they carry the state across ranks.
         f = factors
         dk = f.wq.shape[-1]
         eye = lift(jnp.eye(dk, dtype=f.wq.dtype), f.gamma.ndim + 1)
@@ -224,34 +230,32 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
         # u - w h again, then d v_new = k~ d_next + attn^T d o, d[w; q_g] = [-d v_new; d o] h^T,
         # d attn = d o v_new^T, d k~^T = d_next v_new^T.
         f = factors
-        v_new = f.u - einsum("nbhsk,nbhkv->nbhsv", f.w, states)
+        p = f.precision
+        v_new = f.u - einsum("nbhsk,nbhkv->nbhsv", f.w, states, precision=p)
         d_o = jnp.swapaxes(d_outputs, 2, 3)  # (N, B, HV, C, V)
-        d_v_new = einsum("nbhks,nbhkv->nbhsv", f.k_decayed_t, d_next)
-        d_v_new = d_v_new + einsum("nbhcs,nbhcv->nbhsv", f.attn, d_o)
+        d_v_new = einsum("nbhks,nbhkv->nbhsv", f.k_decayed_t, d_next, precision=p)
+        d_v_new = d_v_new + einsum("nbhcs,nbhcv->nbhsv", f.attn, d_o, precision=p)
         d_y = jnp.concatenate([-d_v_new, d_o], axis=-2)
         return DeltaFactors(
-            wq=einsum("nbhcv,nbhkv->nbhck", d_y, states),
+            wq=einsum("nbhcv,nbhkv->nbhck", d_y, states, precision=p),
             u=d_v_new,
-            attn=einsum("nbhcv,nbhsv->nbhcs", d_o, v_new),
-            k_decayed_t=einsum("nbhkv,nbhsv->nbhks", d_next, v_new),
+            attn=einsum("nbhcv,nbhsv->nbhcs", d_o, v_new, precision=p),
+            k_decayed_t=einsum("nbhkv,nbhsv->nbhks", d_next, v_new, precision=p),
             gamma=jnp.sum(d_next * states, axis=-1),
+            precision=p,
         )
 
     def finalize(self, outputs: Float[Array, "b t h v"], inputs: DeltaInputs) -> Array:
         return outputs.astype(inputs.v.dtype)
 
 
-def _dtype(inputs: DeltaInputs) -> jnp.dtype:
-    return compute_dtype(*jax.tree.leaves(inputs))
-
-
-def _factors(q, k, v, g, beta, write, *, rows: slice) -> DeltaFactors:
+def _factors(q, k, v, g, beta, write, *, rows: slice, precision: PrecisionName) -> DeltaFactors:
     """The factors from chunk-major inputs: `q: (N, B, H, C, K)`, `k: (N, B, H, S, K)`,
     `v: (N, B, H, r, S, V)`, `g: None`, `(N, B, H, r, S)` or `(N, B, H, r, S, K)`; the
     erase gate `beta: (N, B, H, r, S)` or, per key channel, `(N, B, H, r, S, K)` (per
     channel decays only) and the write gate `write: (N, B, H, r, S)` or, per value
     channel, `(N, B, H, r, S, V)`; `rows` picks the `C` output positions among the `S`
-    updates.
+    updates; `precision` is the policy of the Grams and the WY products.
 
     Products of keys with keys or queries are formed once per key head and broadcast over
     its `r` value heads, unless the decay is per channel (it then differs per value head).
@@ -277,7 +281,8 @@ def _factors(q, k, v, g, beta, write, *, rows: slice) -> DeltaFactors:
     kr, qr = k[:, None], q[:, None]  # (N B H, 1, ., K)
     if g is not None and g.ndim == k.ndim + 1:  # one decay per key channel: exact blocked Gram
         kb, qb = jnp.broadcast_to(kr, (*lead, s, dk)), jnp.broadcast_to(qr, (*lead, s, dk))
-        grams = decayed_grams(jnp.stack([_gated(kb, beta), qb], -2), kb[..., None, :], g, False)
+        x = jnp.stack([_gated(kb, beta), qb], -2)
+        grams = decayed_grams(x, kb[..., None, :], g, False, precision)
         a = jnp.where(strict, grams[..., :, 0, :, 0], zero)
         attn = grams[..., rows, 1, :, 0]
         decay_in, decay_out = cumulative_decays(g, per_channel=True)
@@ -287,8 +292,8 @@ def _factors(q, k, v, g, beta, write, *, rows: slice) -> DeltaFactors:
     else:
         if beta.ndim != v.ndim - 1:
             raise ValueError("An erase gate per key channel needs a decay per key channel.")
-        qk = einsum("...ik,...jk->...ij", qr, kr)  # (N B H, 1, C, S)
-        kk = einsum("...ik,...jk->...ij", kr, kr)
+        qk = einsum("...ik,...jk->...ij", qr, kr, precision=precision)  # (N B H, 1, C, S)
+        kk = einsum("...ik,...jk->...ij", kr, kr, precision=precision)
         if g is None:
             attn = jnp.where(incl[..., rows, :], qk, zero)
             a = jnp.where(strict, kk, zero) * beta[..., :, None]
@@ -306,7 +311,7 @@ def _factors(q, k, v, g, beta, write, *, rows: slice) -> DeltaFactors:
             bk = (beta * decay_in)[..., None] * kr
             gamma = jnp.broadcast_to(decay_in[..., -1:], (*lead, dk))
     rhs = jnp.concatenate([bk, _gated(v, write)], axis=-1)  # (N B H, r, S, K + V)
-    wu = unit_lower_solve(a, rhs)
+    wu = unit_lower_solve(a, rhs, precision)
     q_decayed = jnp.broadcast_to(q_decayed, (*lead, *q_decayed.shape[-2:]))
     attn = jnp.broadcast_to(attn, (*lead, *attn.shape[-2:]))
     k_decayed = jnp.broadcast_to(k_decayed, (*lead, s, dk))
@@ -320,6 +325,7 @@ def _factors(q, k, v, g, beta, write, *, rows: slice) -> DeltaFactors:
         attn=heads(attn),
         k_decayed_t=heads(jnp.swapaxes(k_decayed, -1, -2)),
         gamma=heads(gamma),
+        precision=precision,
     )
 
 

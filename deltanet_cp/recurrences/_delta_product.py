@@ -18,6 +18,7 @@ from jaxtyping import Array, Float
 
 from .._custom_types import CuSeqlens, GateTensor, QKTensor, States, ValueTensor
 from .._parallel import ContextParallel
+from .._precision import as_precision, PrecisionName
 from .._run import run
 from .._validate import as_chunk_size, as_l2norm_flag, as_scale
 from ._delta_family import AbstractDeltaRule, DeltaInputs, GateKind
@@ -43,11 +44,17 @@ class GatedDeltaProduct(AbstractDeltaRule):
     - `scale`: query scale, a Python float (a traced one is refused); `K ** -0.5` if
         `None`.
     - `use_qk_l2norm`: L2-normalise `q` and every `k` over `K` (eps `1e-6`) first.
+    - `precision`: how the large products multiply: `"highest"` (float32 operands at
+        `Precision.HIGHEST`), `"bfloat16"` (bfloat16 operands, float32 accumulation),
+        `"default"` (`jax.default_matmul_precision`), or `None`: `"bfloat16"` for
+        bfloat16 inputs, `"highest"` otherwise. The state, the decays and the chunk maps
+        stay float32 under every policy.
     """
 
     chunk_size: int = eqx.field(default=64, static=True, converter=as_chunk_size)
     scale: float | None = eqx.field(default=None, static=True, converter=as_scale)
     use_qk_l2norm: bool = eqx.field(default=False, static=True, converter=as_l2norm_flag)
+    precision: PrecisionName | None = eqx.field(default=None, static=True, converter=as_precision)
     gate: ClassVar[GateKind] = "optional"
     householder: ClassVar[bool] = True
 
@@ -65,6 +72,7 @@ def chunk_gated_delta_product(
     cu_seqlens: CuSeqlens | None = None,
     chunk_size: int = 64,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
 ) -> tuple[ValueTensor, States]:
     r"""Gated DeltaProduct in chunked (WY) form: the training path.
 
@@ -84,7 +92,8 @@ def chunk_gated_delta_product(
         once before the token's steps; `None` for the ungated DeltaProduct.
     - `beta`: step sizes, shape `(B, T, n_h, HV)`; in $[0, 2]$ for householder
         reflections with negative eigenvalues, $[0, 1]$ otherwise.
-    - `scale`, `initial_state`, `use_qk_l2norm`, `cu_seqlens`, `chunk_size`, `cp`: as in
+    - `scale`, `initial_state`, `use_qk_l2norm`, `cu_seqlens`, `chunk_size`, `cp`,
+        `precision`: as in
         [`deltanet_cp.chunk_gated_delta_rule`][].
 
     **Returns:**
@@ -92,7 +101,12 @@ def chunk_gated_delta_product(
     `(o, final_state)`, as in [`deltanet_cp.chunk_gated_delta_rule`][].
     """
     return run(
-        GatedDeltaProduct(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        GatedDeltaProduct(
+            chunk_size=chunk_size,
+            scale=scale,
+            use_qk_l2norm=use_qk_l2norm,
+            precision=precision,
+        ),
         DeltaInputs(q, k, v, g, beta),
         initial_state=initial_state,
         cu_seqlens=cu_seqlens,
@@ -112,6 +126,7 @@ def recurrent_gated_delta_product(
     use_qk_l2norm: bool = False,
     cu_seqlens: CuSeqlens | None = None,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
 ) -> tuple[ValueTensor, States]:
     r"""Gated DeltaProduct token by token: the decoding path.
 
@@ -120,7 +135,12 @@ def recurrent_gated_delta_product(
     (without `chunk_size`) and results.
     """
     return run(
-        GatedDeltaProduct(chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        GatedDeltaProduct(
+            chunk_size=1,
+            scale=scale,
+            use_qk_l2norm=use_qk_l2norm,
+            precision=precision,
+        ),
         DeltaInputs(q, k, v, g, beta),
         initial_state=initial_state,
         cu_seqlens=cu_seqlens,

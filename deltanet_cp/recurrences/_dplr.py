@@ -33,10 +33,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._affine import AffineMap
+from .._precision import accumulation_dtype, as_precision, PrecisionName
 from .._recurrence import AbstractRecurrence
 from .._validate import as_chunk_size, as_scale
 from ..chunkops import chunk_major, cumulative_decays, decayed_grams, einsum, unit_lower_inverse
-from ._helpers import check_arrays, compute_dtype, lift
+from ._helpers import check_arrays, lift, policy, prologue
 
 
 class DPLRInputs(eqx.Module):
@@ -73,6 +74,8 @@ class DPLRFactors(eqx.Module):
     - `U`: $(\tilde k + (T A_{ak})^\top \tilde b)^\top v$, the chunk's writes to the
         state when it enters at zero, `(..., K, V)`.
     - `gamma`: $e^{G_C}$, the decay over the whole chunk per key channel.
+    - `precision`: the policy the chunk's products with the state run under (resolved from
+        the inputs by `prepare`).
     """
 
     wq: Float[Array, "n b h cc k"]
@@ -80,6 +83,7 @@ class DPLRFactors(eqx.Module):
     b_decayed_t: Float[Array, "n b h k c"]
     U: Float[Array, "n b h k v"]
     gamma: Float[Array, "n b h k"]
+    precision: PrecisionName = eqx.field(default="highest", static=True)
 
     @property
     def w(self) -> Float[Array, "*chunks b h c k"]:
@@ -98,10 +102,16 @@ class DPLRDeltaRule(AbstractRecurrence[DPLRInputs, DPLRFactors, AffineMap]):
 
     - `chunk_size`: tokens per chunk.
     - `scale`: query scale; `K ** -0.5` if `None`.
+    - `precision`: how the large products multiply: `"highest"` (float32 operands at
+        `Precision.HIGHEST`), `"bfloat16"` (bfloat16 operands, float32 accumulation),
+        `"default"` (`jax.default_matmul_precision`), or `None`: `"bfloat16"` for
+        bfloat16 inputs, `"highest"` otherwise. The state, the decays and the chunk maps
+        stay float32 under every policy.
     """
 
     chunk_size: int = eqx.field(default=64, static=True, converter=as_chunk_size)
     scale: float | None = eqx.field(default=None, static=True, converter=as_scale)
+    precision: PrecisionName | None = eqx.field(default=None, static=True, converter=as_precision)
 
     def check(self, inputs: DPLRInputs) -> None:
         check_arrays(
@@ -117,61 +127,63 @@ class DPLRDeltaRule(AbstractRecurrence[DPLRInputs, DPLRFactors, AffineMap]):
 
     def state(self, inputs: DPLRInputs) -> jax.ShapeDtypeStruct:
         b, _, hv, dv = inputs.v.shape
-        dtype = compute_dtype(*jax.tree.leaves(inputs))
+        dtype = accumulation_dtype(*jax.tree.leaves(inputs))
         return jax.ShapeDtypeStruct((b, hv, inputs.q.shape[-1], dv), dtype)
 
     def prepare(self, chunks: DPLRInputs) -> DPLRFactors:
-        dt = compute_dtype(*jax.tree.leaves(chunks))
+        dt, p = policy(self.precision, chunks)
         b, n, c, h, dk = chunks.q.shape
         hv, dv = chunks.v.shape[-2:]
         r = hv // h
-        scale = jnp.asarray(dk**-0.5 if self.scale is None else self.scale, dt)
 
         def keys(x):  # (B, N, C, H, K) -> (N, B, H, 1, C, K): broadcasts over the r value heads
             return chunk_major(x.astype(dt))[:, :, :, None]
 
-        q, k, a, bb = keys(chunks.q), keys(chunks.k), keys(chunks.a), keys(chunks.b)
-        q = q * scale
+        q, k = (keys(x) for x in prologue(chunks.q, chunks.k, dt, self.scale, False))
+        a, bb = keys(chunks.a), keys(chunks.b)
         v = chunk_major(chunks.v.astype(dt).reshape(b, n, c, h, r, dv))  # (N, B, H, r, C, V)
         g = chunk_major(chunks.gk.astype(dt).reshape(b, n, c, h, r, dk))  # (N, B, H, r, C, K)
         decay_in, decay_out = cumulative_decays(g, per_channel=True)  # e^{G_i}, e^{G_C - G_i}
         # A_a.[i, j] pairs a_i with the decays up to token i - 1: the inclusive product of
         # the next row's a, shifted down a row (exact for any gates, nothing overflows).
         a_next = jnp.concatenate([a[..., 1:, :], jnp.zeros_like(a[..., :1, :])], -2)
-        grams = decayed_grams(jnp.stack([q, a_next], -2), jnp.stack([k, bb], -2), g, False)
+        grams = decayed_grams(jnp.stack([q, a_next], -2), jnp.stack([k, bb], -2), g, False, p)
         a_qk, a_qb = grams[..., :, 0, :, 0], grams[..., :, 0, :, 1]
         a_ak, a_ab = _down(grams[..., :, 1, :, 0]), _down(grams[..., :, 1, :, 1])
-        t = unit_lower_inverse(-a_ab)
-        w = einsum("...ij,...jk->...ik", t, a * _down(decay_in, fill=1.0))  # T (a e^{G_{i-1}})
-        t_ak = einsum("...ij,...jl->...il", t, a_ak)  # the reads are T A_ak v + w h
-        a_qb_w = einsum("...ij,...jk->...ik", a_qb, w)
+        t = unit_lower_inverse(-a_ab)  # at Precision.HIGHEST under every policy
+        a_in = a * _down(decay_in, fill=1.0)
+        w = einsum("...ij,...jk->...ik", t, a_in, precision=p)  # T (a e^{G_{i-1}})
+        t_ak = einsum("...ij,...jl->...il", t, a_ak, precision=p)  # the reads: T A_ak v + w h
+        a_qb_w = einsum("...ij,...jk->...ik", a_qb, w, precision=p)
         # o_intra = A_qk v + A_qb T A_ak v, and the writes k~^T v + b~^T T A_ak v: C x C
         # products first (C < K, V), then one product with v each.
-        a_out = a_qk + einsum("...ij,...jl->...il", a_qb, t_ak)
+        a_out = a_qk + einsum("...ij,...jl->...il", a_qb, t_ak, precision=p)
         b_decayed = bb * decay_out
-        k_out = k * decay_out + einsum("...ji,...jk->...ik", t_ak, b_decayed)
+        k_out = k * decay_out + einsum("...ji,...jk->...ik", t_ak, b_decayed, precision=p)
 
         def heads(x):  # (N, B, H, r, ...) -> (N, B, HV, ...); value head j reads key head j // r
             return x.reshape(x.shape[:2] + (h * r,) + x.shape[4:])
 
         return DPLRFactors(
             wq=heads(jnp.concatenate([w, q * decay_in + a_qb_w], -2)),
-            o_intra=jnp.swapaxes(heads(einsum("...ij,...jv->...iv", a_out, v)), 2, 3),
+            o_intra=jnp.swapaxes(heads(einsum("...ij,...jv->...iv", a_out, v, precision=p)), 2, 3),
             b_decayed_t=heads(jnp.swapaxes(b_decayed, -1, -2)),
-            U=heads(einsum("...ck,...cv->...kv", k_out, v)),
+            U=heads(einsum("...ck,...cv->...kv", k_out, v, precision=p)),
             gamma=heads(decay_in[..., -1, :]),
+            precision=p,
         )
 
     def step(self, factors: DPLRFactors, h: Float[Array, "b h k v"]) -> tuple[Array, Array]:
         f = factors
         c = f.b_decayed_t.shape[-1]
-        y = einsum("bhck,bhkv->bhcv", f.wq, h)  # [w h; (q_g + A_qb w) h]
+        y = einsum("bhck,bhkv->bhcv", f.wq, h, precision=f.precision)  # [w h; (q_g + A_qb w) h]
         o = jnp.swapaxes(y[..., c:, :], 1, 2) + f.o_intra  # (B, C, HV, V)
-        h_next = f.gamma[..., None] * h + einsum("bhkc,bhcv->bhkv", f.b_decayed_t, y[..., :c, :])
+        reads = einsum("bhkc,bhcv->bhkv", f.b_decayed_t, y[..., :c, :], precision=f.precision)
+        h_next = f.gamma[..., None] * h + reads
         return h_next + f.U, o
 
     def chunk_map(self, factors: DPLRFactors) -> AffineMap:
-        f = factors
+        f = factors  # the maps and their composition at Precision.HIGHEST under every policy
         dk = f.wq.shape[-1]
         eye = lift(jnp.eye(dk, dtype=f.wq.dtype), f.gamma.ndim + 1)
         m = f.gamma[..., None] * eye + einsum("bhkc,bhcj->bhkj", f.b_decayed_t, f.w)

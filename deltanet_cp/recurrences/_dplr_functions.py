@@ -5,6 +5,7 @@ The recurrence and its chunk algebra are in `_dplr.py`.
 
 from .._custom_types import CuSeqlens, KeyGateTensor, QKTensor, States, ValueTensor
 from .._parallel import ContextParallel
+from .._precision import PrecisionName
 from .._run import run
 from ._dplr import DPLRDeltaRule, DPLRInputs
 
@@ -22,6 +23,7 @@ def chunk_dplr_delta_rule(
     cu_seqlens: CuSeqlens | None = None,
     chunk_size: int = 64,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
 ) -> tuple[ValueTensor, States]:
     r"""The generalized delta rule in chunked (WY) form: the training path.
 
@@ -41,7 +43,7 @@ def chunk_dplr_delta_rule(
     - `b`: the direction that read is written back along, shape `(B, T, H, K)` (RWKV-7:
         `kk * iclr`).
     - `gk`: natural-log decays per key channel, $\le 0$, shape `(B, T, HV, K)`.
-    - `scale`, `initial_state`, `cu_seqlens`, `chunk_size`, `cp`: as in
+    - `scale`, `initial_state`, `cu_seqlens`, `chunk_size`, `cp`, `precision`: as in
         [`deltanet_cp.chunk_gated_delta_rule`][].
 
     **Returns:**
@@ -49,7 +51,11 @@ def chunk_dplr_delta_rule(
     `(o, final_state)`, as in [`deltanet_cp.chunk_gated_delta_rule`][].
     """
     return run(
-        DPLRDeltaRule(chunk_size=chunk_size, scale=scale),
+        DPLRDeltaRule(
+            chunk_size=chunk_size,
+            scale=scale,
+            precision=precision,
+        ),
         DPLRInputs(q, k, v, a, b, gk),
         initial_state=initial_state,
         cu_seqlens=cu_seqlens,
@@ -69,6 +75,7 @@ def recurrent_dplr_delta_rule(
     initial_state: States | None = None,
     cu_seqlens: CuSeqlens | None = None,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
 ) -> tuple[ValueTensor, States]:
     r"""The generalized delta rule token by token: the decoding path.
 
@@ -77,7 +84,11 @@ def recurrent_dplr_delta_rule(
     (without `chunk_size`) and results.
     """
     return run(
-        DPLRDeltaRule(chunk_size=1, scale=scale),
+        DPLRDeltaRule(
+            chunk_size=1,
+            scale=scale,
+            precision=precision,
+        ),
         DPLRInputs(q, k, v, a, b, gk),
         initial_state=initial_state,
         cu_seqlens=cu_seqlens,

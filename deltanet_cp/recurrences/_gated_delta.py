@@ -15,6 +15,7 @@ import equinox as eqx
 
 from .._custom_types import CuSeqlens, GateTensor, QKTensor, States, ValueTensor
 from .._parallel import ContextParallel
+from .._precision import as_precision, PrecisionName
 from .._run import run
 from .._validate import as_chunk_size, as_l2norm_flag, as_scale
 from ._delta_family import AbstractDeltaRule, DeltaInputs, GateKind
@@ -32,11 +33,17 @@ class GatedDeltaRule(AbstractDeltaRule):
     - `scale`: query scale, a Python float (a traced one is refused); `K ** -0.5` if
         `None`.
     - `use_qk_l2norm`: L2-normalise `q` and `k` over `K` (eps `1e-6`) first.
+    - `precision`: how the large products multiply: `"highest"` (float32 operands at
+        `Precision.HIGHEST`), `"bfloat16"` (bfloat16 operands, float32 accumulation),
+        `"default"` (`jax.default_matmul_precision`), or `None`: `"bfloat16"` for
+        bfloat16 inputs, `"highest"` otherwise. The state, the decays and the chunk maps
+        stay float32 under every policy.
     """
 
     chunk_size: int = eqx.field(default=64, static=True, converter=as_chunk_size)
     scale: float | None = eqx.field(default=None, static=True, converter=as_scale)
     use_qk_l2norm: bool = eqx.field(default=False, static=True, converter=as_l2norm_flag)
+    precision: PrecisionName | None = eqx.field(default=None, static=True, converter=as_precision)
     gate: ClassVar[GateKind] = "head"
     householder: ClassVar[bool] = False
 
@@ -54,6 +61,7 @@ def chunk_gated_delta_rule(
     cu_seqlens: CuSeqlens | None = None,
     chunk_size: int = 64,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
 ) -> tuple[ValueTensor, States]:
     r"""The gated delta rule in chunked (WY) form: the training path.
 
@@ -83,6 +91,10 @@ def chunk_gated_delta_rule(
     - `chunk_size`: tokens per chunk.
     - `cp`: how the call is sharded, as in [`deltanet_cp.ContextParallel`][]; `None`: one
         device.
+    - `precision`: the products' policy: `"highest"`, `"bfloat16"` (bfloat16 operands,
+        float32 accumulation), `"default"` (`jax.default_matmul_precision`), or `None`:
+        `"bfloat16"` for bfloat16 inputs, `"highest"` otherwise (see
+        [`deltanet_cp.GatedDeltaRule`][]). The state stays float32 under every policy.
 
     **Returns:**
 
@@ -91,7 +103,12 @@ def chunk_gated_delta_rule(
     per document).
     """
     return run(
-        GatedDeltaRule(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        GatedDeltaRule(
+            chunk_size=chunk_size,
+            scale=scale,
+            use_qk_l2norm=use_qk_l2norm,
+            precision=precision,
+        ),
         DeltaInputs(q, k, v, g, beta),
         initial_state=initial_state,
         cu_seqlens=cu_seqlens,
@@ -111,6 +128,7 @@ def recurrent_gated_delta_rule(
     use_qk_l2norm: bool = False,
     cu_seqlens: CuSeqlens | None = None,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
 ) -> tuple[ValueTensor, States]:
     r"""The gated delta rule token by token: the decoding path.
 
@@ -119,7 +137,12 @@ def recurrent_gated_delta_rule(
     (without `chunk_size`) and results.
     """
     return run(
-        GatedDeltaRule(chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        GatedDeltaRule(
+            chunk_size=1,
+            scale=scale,
+            use_qk_l2norm=use_qk_l2norm,
+            precision=precision,
+        ),
         DeltaInputs(q, k, v, g, beta),
         initial_state=initial_state,
         cu_seqlens=cu_seqlens,

@@ -20,6 +20,7 @@ import equinox as eqx
 
 from .._custom_types import CuSeqlens, KeyGateTensor, QKTensor, States, ValueTensor
 from .._parallel import ContextParallel
+from .._precision import as_precision, PrecisionName
 from .._run import run
 from .._validate import as_chunk_size, as_l2norm_flag, as_scale
 from ._delta_family import AbstractDeltaRule, DeltaInputs, GateKind
@@ -39,11 +40,17 @@ class GatedDeltaNet2(AbstractDeltaRule):
     - `chunk_size`: tokens per chunk.
     - `scale`: query scale; `K ** -0.5` if `None`.
     - `use_qk_l2norm`: L2-normalise `q` and `k` over `K` (eps `1e-6`) first.
+    - `precision`: how the large products multiply: `"highest"` (float32 operands at
+        `Precision.HIGHEST`), `"bfloat16"` (bfloat16 operands, float32 accumulation),
+        `"default"` (`jax.default_matmul_precision`), or `None`: `"bfloat16"` for
+        bfloat16 inputs, `"highest"` otherwise. The state, the decays and the chunk maps
+        stay float32 under every policy.
     """
 
     chunk_size: int = eqx.field(default=64, static=True, converter=as_chunk_size)
     scale: float | None = eqx.field(default=None, static=True, converter=as_scale)
     use_qk_l2norm: bool = eqx.field(default=False, static=True, converter=as_l2norm_flag)
+    precision: PrecisionName | None = eqx.field(default=None, static=True, converter=as_precision)
     gate: ClassVar[GateKind] = "key"
     householder: ClassVar[bool] = False
     channel_gates: ClassVar[bool] = True
@@ -63,6 +70,7 @@ def chunk_gdn2(
     cu_seqlens: CuSeqlens | None = None,
     chunk_size: int = 64,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
 ) -> tuple[ValueTensor, States]:
     r"""Gated DeltaNet-2 in chunked (WY) form: the training path.
 
@@ -81,7 +89,8 @@ def chunk_gdn2(
     - `g`: natural-log decays per key channel, $\le 0$, shape `(B, T, HV, K)`.
     - `b`: the erase gate, one per key channel (typically in $[0, 2]$), `(B, T, HV, K)`.
     - `w`: the write gate, one per value channel (typically in $[0, 1]$), `(B, T, HV, V)`.
-    - `scale`, `initial_state`, `use_qk_l2norm`, `cu_seqlens`, `chunk_size`, `cp`: as in
+    - `scale`, `initial_state`, `use_qk_l2norm`, `cu_seqlens`, `chunk_size`, `cp`,
+        `precision`: as in
         [`deltanet_cp.chunk_gated_delta_rule`][].
 
     **Returns:**
@@ -89,7 +98,12 @@ def chunk_gdn2(
     `(o, final_state)`, as in [`deltanet_cp.chunk_gated_delta_rule`][].
     """
     return run(
-        GatedDeltaNet2(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        GatedDeltaNet2(
+            chunk_size=chunk_size,
+            scale=scale,
+            use_qk_l2norm=use_qk_l2norm,
+            precision=precision,
+        ),
         DeltaInputs(q, k, v, g, b, w),
         initial_state=initial_state,
         cu_seqlens=cu_seqlens,
@@ -110,6 +124,7 @@ def recurrent_gdn2(
     use_qk_l2norm: bool = False,
     cu_seqlens: CuSeqlens | None = None,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
 ) -> tuple[ValueTensor, States]:
     r"""Gated DeltaNet-2 token by token: the decoding path.
 
@@ -118,7 +133,12 @@ def recurrent_gdn2(
     (without `chunk_size`) and results.
     """
     return run(
-        GatedDeltaNet2(chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        GatedDeltaNet2(
+            chunk_size=1,
+            scale=scale,
+            use_qk_l2norm=use_qk_l2norm,
+            precision=precision,
+        ),
         DeltaInputs(q, k, v, g, b, w),
         initial_state=initial_state,
         cu_seqlens=cu_seqlens,

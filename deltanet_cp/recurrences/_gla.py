@@ -19,11 +19,12 @@ from jaxtyping import Array, Float
 from .._affine import DiagonalAffineMap
 from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, States, ValueTensor
 from .._parallel import ContextParallel
+from .._precision import accumulation_dtype, as_precision, PrecisionName
 from .._recurrence import AbstractRecurrence
 from .._run import run
 from .._validate import as_chunk_size, as_l2norm_flag, as_scale
-from ..chunkops import chunk_major, cumulative_decays, decayed_gram, einsum, l2norm
-from ._helpers import check_arrays, compute_dtype
+from ..chunkops import chunk_major, cumulative_decays, decayed_gram, einsum
+from ._helpers import check_arrays, policy, prologue
 
 
 class GLAInputs(eqx.Module):
@@ -47,7 +48,8 @@ class GatedLinearAttentionFactors(eqx.Module):
 
     Every field has leading axes `(n_chunks, batch, value_heads)`, then the chunk axis `c`,
     but `o_intra` (the outputs' share that does not depend on the state), which is in the
-    outputs' layout `(n_chunks, batch, c, value_heads, v)`.
+    outputs' layout `(n_chunks, batch, c, value_heads, v)`. `precision` is the policy the
+    chunk's products with the state run under (resolved from the inputs by `prepare`).
     """
 
     v: Float[Array, "n b h c v"]
@@ -55,6 +57,7 @@ class GatedLinearAttentionFactors(eqx.Module):
     q_decayed: Float[Array, "n b h c k"]
     k_decayed_t: Float[Array, "n b h k c"]
     gamma: Float[Array, "n b h k"]
+    precision: PrecisionName = eqx.field(default="highest", static=True)
 
 
 class GatedLinearAttention(
@@ -70,11 +73,17 @@ class GatedLinearAttention(
     - `chunk_size`: tokens per chunk.
     - `scale`: query scale; `K ** -0.5` if `None`.
     - `use_qk_l2norm`: L2-normalise `q` and `k` over `K` (eps `1e-6`) first.
+    - `precision`: how the large products multiply: `"highest"` (float32 operands at
+        `Precision.HIGHEST`), `"bfloat16"` (bfloat16 operands, float32 accumulation),
+        `"default"` (`jax.default_matmul_precision`), or `None`: `"bfloat16"` for
+        bfloat16 inputs, `"highest"` otherwise. The state, the decays and the chunk maps
+        stay float32 under every policy.
     """
 
     chunk_size: int = eqx.field(default=64, static=True, converter=as_chunk_size)
     scale: float | None = eqx.field(default=None, static=True, converter=as_scale)
     use_qk_l2norm: bool = eqx.field(default=False, static=True, converter=as_l2norm_flag)
+    precision: PrecisionName | None = eqx.field(default=None, static=True, converter=as_precision)
 
     def check(self, inputs: GLAInputs) -> None:
         g = inputs.g
@@ -95,39 +104,39 @@ class GatedLinearAttention(
 
     def state(self, inputs: GLAInputs) -> jax.ShapeDtypeStruct:
         b, _, hv, dv = inputs.v.shape
-        dtype = compute_dtype(*jax.tree.leaves(inputs))
+        dtype = accumulation_dtype(*jax.tree.leaves(inputs))
         return jax.ShapeDtypeStruct((b, hv, inputs.q.shape[-1], dv), dtype)
 
     def prepare(self, chunks: GLAInputs) -> GatedLinearAttentionFactors:
-        dt = compute_dtype(*jax.tree.leaves(chunks))
-        dk = chunks.q.shape[-1]
+        dt, precision = policy(self.precision, chunks)
         r = chunks.v.shape[3] // chunks.q.shape[3]
-        q, k = chunks.q.astype(dt), chunks.k.astype(dt)
-        if self.use_qk_l2norm:
-            q, k = l2norm(q), l2norm(k)
-        q = q * jnp.asarray(dk**-0.5 if self.scale is None else self.scale, dt)
+        q, k = prologue(chunks.q, chunks.k, dt, self.scale, self.use_qk_l2norm)
         # Value head j reads key head j // r: (N, B, HV, C, K).
         q, k = (chunk_major(jnp.repeat(x, r, axis=3)) for x in (q, k))
         v = chunk_major(chunks.v.astype(dt))
         per_channel = chunks.g.ndim == 5
         g = chunk_major(chunks.g.astype(dt), features=int(per_channel))
         decay_in, decay_out = cumulative_decays(g, per_channel)
-        attn = decayed_gram(q, k, g, strict=False)
+        attn = decayed_gram(q, k, g, strict=False, precision=precision)
+        o_intra = einsum("...ij,...jv->...iv", attn, v, precision=precision)
         return GatedLinearAttentionFactors(
             v=v,
-            o_intra=jnp.swapaxes(einsum("...ij,...jv->...iv", attn, v), 2, 3),
+            o_intra=jnp.swapaxes(o_intra, 2, 3),
             q_decayed=q * decay_in,
             k_decayed_t=jnp.swapaxes(k * decay_out, -1, -2),
             gamma=jnp.broadcast_to(decay_in[..., -1, :], k.shape[:-2] + k.shape[-1:]),
+            precision=precision,
         )
 
     def step(self, factors: GatedLinearAttentionFactors, h: Array) -> tuple[Array, Array]:
         f = factors
-        o = jnp.swapaxes(einsum("bhck,bhkv->bhcv", f.q_decayed, h), 1, 2) + f.o_intra
-        return f.gamma[..., :, None] * h + einsum("bhkc,bhcv->bhkv", f.k_decayed_t, f.v), o
+        p = f.precision
+        o = jnp.swapaxes(einsum("bhck,bhkv->bhcv", f.q_decayed, h, precision=p), 1, 2)
+        write = einsum("bhkc,bhcv->bhkv", f.k_decayed_t, f.v, precision=p)
+        return f.gamma[..., :, None] * h + write, o + f.o_intra
 
     def chunk_map(self, factors: GatedLinearAttentionFactors) -> DiagonalAffineMap:
-        f = factors
+        f = factors  # at Precision.HIGHEST under every policy, as the maps' composition
         return DiagonalAffineMap(f.gamma, einsum("bhkc,bhcv->bhkv", f.k_decayed_t, f.v))
 
     def finalize(self, outputs: Float[Array, "b t h v"], inputs: GLAInputs) -> Array:
@@ -146,6 +155,7 @@ def chunk_gla(
     cu_seqlens: CuSeqlens | None = None,
     chunk_size: int = 64,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
 ) -> tuple[ValueTensor, States]:
     r"""Gated linear attention / Mamba-2 in chunked (WY) form: the training path.
 
@@ -160,7 +170,8 @@ def chunk_gla(
         reads key head `j // (HV // H)`.
     - `g`: natural-log decays $\le 0$: shape `(B, T, HV)` for one per head, or
         `(B, T, HV, K)` for one per key channel.
-    - `scale`, `initial_state`, `use_qk_l2norm`, `cu_seqlens`, `chunk_size`, `cp`: as in
+    - `scale`, `initial_state`, `use_qk_l2norm`, `cu_seqlens`, `chunk_size`, `cp`,
+        `precision`: as in
         [`deltanet_cp.chunk_gated_delta_rule`][].
 
     **Returns:**
@@ -168,7 +179,12 @@ def chunk_gla(
     `(o, final_state)`, as in [`deltanet_cp.chunk_gated_delta_rule`][].
     """
     return run(
-        GatedLinearAttention(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        GatedLinearAttention(
+            chunk_size=chunk_size,
+            scale=scale,
+            use_qk_l2norm=use_qk_l2norm,
+            precision=precision,
+        ),
         GLAInputs(q, k, v, g),
         initial_state=initial_state,
         cu_seqlens=cu_seqlens,
@@ -187,6 +203,7 @@ def recurrent_gla(
     use_qk_l2norm: bool = False,
     cu_seqlens: CuSeqlens | None = None,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
 ) -> tuple[ValueTensor, States]:
     r"""Gated linear attention / Mamba-2 token by token: the decoding path.
 
@@ -195,7 +212,12 @@ def recurrent_gla(
     (without `chunk_size`) and results.
     """
     return run(
-        GatedLinearAttention(chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        GatedLinearAttention(
+            chunk_size=1,
+            scale=scale,
+            use_qk_l2norm=use_qk_l2norm,
+            precision=precision,
+        ),
         GLAInputs(q, k, v, g),
         initial_state=initial_state,
         cu_seqlens=cu_seqlens,

@@ -1,11 +1,16 @@
-"""What the recurrences share, below all of them and private: input checks, the compute dtype and
-explicit rank promotion. The public chunk algebra they are built from is `deltanet_cp.chunkops`.
+"""What the recurrences share, below all of them and private: input checks, the accumulation
+dtype and policy of a recurrence's products, the prologue of `prepare` and explicit rank
+promotion. The public chunk algebra they are built from is `deltanet_cp.chunkops`.
 """
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array
+
+from .._precision import accumulation_dtype, PrecisionName, resolve_precision
+from ..chunkops import l2norm
 
 
 def lift(x: Array, ndim: int) -> Array:
@@ -13,10 +18,24 @@ def lift(x: Array, ndim: int) -> Array:
     return x.reshape((1,) * (ndim - x.ndim) + x.shape)
 
 
-def compute_dtype(*xs: Any) -> jnp.dtype:
-    """float32 for float32/16-bit inputs, float64 for float64 inputs; never promotes further."""
-    wide = any(jnp.dtype(x.dtype) == jnp.float64 for x in xs if x is not None)
-    return jnp.dtype(jnp.float64 if wide else jnp.float32)
+def policy(precision: PrecisionName | None, inputs: Any) -> tuple[jnp.dtype, PrecisionName]:
+    """The accumulation dtype of `inputs` (float64 for float64, else float32) and the
+    products' policy: `precision`, or from the inputs' dtype if `None`."""
+    leaves = jax.tree.leaves(inputs)
+    return accumulation_dtype(*leaves), resolve_precision(precision, *leaves)
+
+
+def prologue(
+    q: Array, k: Array, dtype: Any, scale: float | None, normalize: bool
+) -> tuple[Array, Array]:
+    """The queries and keys as every `prepare` starts from: cast to `dtype` (the
+    accumulation dtype: norms and scales run there whatever the policy), L2-normalised over
+    the last axis if `normalize`, the queries times `scale` (`K ** -0.5` if `None`)."""
+    q, k = q.astype(dtype), k.astype(dtype)
+    if normalize:
+        q, k = l2norm(q), l2norm(k)
+    dk = q.shape[-1]
+    return q * jnp.asarray(dk**-0.5 if scale is None else scale, dtype), k
 
 
 def check_arrays(arrays: dict[str, tuple[Any, tuple[str, ...]]]) -> dict[str, int]:

@@ -17,6 +17,7 @@ import equinox as eqx
 
 from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, States, ValueTensor
 from .._parallel import ContextParallel
+from .._precision import as_precision, PrecisionName
 from .._run import run
 from .._validate import as_chunk_size, as_l2norm_flag, as_scale
 from ._delta_family import AbstractDeltaRule, DeltaInputs, GateKind
@@ -37,11 +38,17 @@ class KimiDeltaAttention(AbstractDeltaRule):
     - `scale`: query scale, a Python float (a traced one is refused); `K ** -0.5` if
         `None`.
     - `use_qk_l2norm`: L2-normalise `q` and `k` over `K` (eps `1e-6`) first.
+    - `precision`: how the large products multiply: `"highest"` (float32 operands at
+        `Precision.HIGHEST`), `"bfloat16"` (bfloat16 operands, float32 accumulation),
+        `"default"` (`jax.default_matmul_precision`), or `None`: `"bfloat16"` for
+        bfloat16 inputs, `"highest"` otherwise. The state, the decays and the chunk maps
+        stay float32 under every policy.
     """
 
     chunk_size: int = eqx.field(default=64, static=True, converter=as_chunk_size)
     scale: float | None = eqx.field(default=None, static=True, converter=as_scale)
     use_qk_l2norm: bool = eqx.field(default=False, static=True, converter=as_l2norm_flag)
+    precision: PrecisionName | None = eqx.field(default=None, static=True, converter=as_precision)
     gate: ClassVar[GateKind] = "key"
     householder: ClassVar[bool] = False
 
@@ -59,6 +66,7 @@ def chunk_kimi_delta_attention(
     cu_seqlens: CuSeqlens | None = None,
     chunk_size: int = 64,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
 ) -> tuple[ValueTensor, States]:
     r"""Kimi Delta Attention in chunked (WY) form: the training path.
 
@@ -72,7 +80,8 @@ def chunk_kimi_delta_attention(
         reads key head `j // (HV // H)`.
     - `g`: natural-log decays per key channel, $\le 0$, shape `(B, T, HV, K)`.
     - `beta`: step sizes in $[0, 1]$, shape `(B, T, HV)`.
-    - `scale`, `initial_state`, `use_qk_l2norm`, `cu_seqlens`, `chunk_size`, `cp`: as in
+    - `scale`, `initial_state`, `use_qk_l2norm`, `cu_seqlens`, `chunk_size`, `cp`,
+        `precision`: as in
         [`deltanet_cp.chunk_gated_delta_rule`][].
 
     **Returns:**
@@ -80,7 +89,12 @@ def chunk_kimi_delta_attention(
     `(o, final_state)`, as in [`deltanet_cp.chunk_gated_delta_rule`][].
     """
     return run(
-        KimiDeltaAttention(chunk_size=chunk_size, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        KimiDeltaAttention(
+            chunk_size=chunk_size,
+            scale=scale,
+            use_qk_l2norm=use_qk_l2norm,
+            precision=precision,
+        ),
         DeltaInputs(q, k, v, g, beta),
         initial_state=initial_state,
         cu_seqlens=cu_seqlens,
@@ -100,6 +114,7 @@ def recurrent_kimi_delta_attention(
     use_qk_l2norm: bool = False,
     cu_seqlens: CuSeqlens | None = None,
     cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
 ) -> tuple[ValueTensor, States]:
     r"""Kimi Delta Attention token by token: the decoding path.
 
@@ -108,7 +123,12 @@ def recurrent_kimi_delta_attention(
     (without `chunk_size`) and results.
     """
     return run(
-        KimiDeltaAttention(chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        KimiDeltaAttention(
+            chunk_size=1,
+            scale=scale,
+            use_qk_l2norm=use_qk_l2norm,
+            precision=precision,
+        ),
         DeltaInputs(q, k, v, g, beta),
         initial_state=initial_state,
         cu_seqlens=cu_seqlens,
