@@ -453,45 +453,68 @@ def pairwise(
     *,
     ids: Sequence[Callable[[Any], str]] | None = None,
     cover: Sequence[tuple[int, int]] | None = None,
+    slow_cover: Sequence[tuple[int, int]] | None = None,
+    fast: Callable[..., bool] | None = None,
 ) -> list[Any]:
-    """The full grid over `axes` as `pytest.param`s, all but a covering subset marked `slow`.
+    """The grid over `axes` as `pytest.param`s: a covering subset in the default run, the
+    rest marked `slow`.
 
     The default run (`-m "not slow"`) keeps a greedy cover: every value of every axis, and
     every pair of values of the axes paired in `cover` (by default all pairs of axes),
-    appears in some fast case.
+    appears in some fast case. Without `slow_cover` every other case of the full product is
+    `slow`; with it (axis pairs, as `cover`) the slow cases are a greedy cover extending the
+    fast one, so that every pair of values of the axes paired in `slow_cover` meets in one
+    of the two runs, and the cases in neither are left out. With `fast`, the default run's
+    cases are those whose values `fast(*values)` accepts, not a greedy cover (for grids whose
+    default cases are chosen by hand; `cover` is then unused). Deterministic: the same cases
+    for the same arguments.
     """
     cases = list(itertools.product(*[range(len(a)) for a in axes]))
-    axis_pairs = list(itertools.combinations(range(len(axes)), 2)) if cover is None else cover
+    every_pair = list(itertools.combinations(range(len(axes)), 2))
 
-    def covered(case):
+    def covered(case, axis_pairs):
         singles = {((i, case[i]),) for i in range(len(case))}
         return singles | {((i, case[i]), (j, case[j])) for i, j in axis_pairs}
 
     def values(case):
         return tuple(axes[i][c] for i, c in enumerate(case))
 
-    uncovered = set().union(*(covered(c) for c in cases))
-    fast: set[tuple[int, ...]] = set()
-    used: dict[tuple[int, int], int] = {}  # how often each value is in a fast case so far
-    while uncovered:
-        # The most new coverage; among those, the least used values (spread the cases).
-        best = max(
-            cases,
-            key=lambda c: (
-                len(covered(c) & uncovered),
-                -sum(used.get((i, v), 0) for i, v in enumerate(c)),
-            ),
-        )
-        fast.add(best)
-        uncovered -= covered(best)
-        for i, v in enumerate(best):
-            used[(i, v)] = used.get((i, v), 0) + 1
+    used: dict[tuple[int, int], int] = {}  # how often each value is in a chosen case so far
+
+    def greedy(axis_pairs, chosen: set[tuple[int, ...]]) -> set[tuple[int, ...]]:
+        uncovered = set().union(*(covered(c, axis_pairs) for c in cases))
+        uncovered -= set().union(set(), *(covered(c, axis_pairs) for c in chosen))
+        picked: set[tuple[int, ...]] = set()
+        while uncovered:
+            # The most new pairs, then new values; among those, the least used values (spread
+            # the cases).
+            def gain(c):
+                new = covered(c, axis_pairs) & uncovered
+                pairs = sum(len(x) == 2 for x in new)
+                return pairs, len(new) - pairs, -sum(used.get((i, v), 0) for i, v in enumerate(c))
+
+            best = max(cases, key=gain)
+            picked.add(best)
+            uncovered -= covered(best, axis_pairs)
+            for i, v in enumerate(best):
+                used[(i, v)] = used.get((i, v), 0) + 1
+        return picked
+
+    if fast is None:
+        fast_cases = greedy(every_pair if cover is None else cover, set())
+    else:
+        fast_cases = {c for c in cases if fast(*values(c))}
+        for c in fast_cases:
+            for i, v in enumerate(c):
+                used[(i, v)] = used.get((i, v), 0) + 1
+    slow = set(cases) - fast_cases if slow_cover is None else greedy(slow_cover, fast_cases)
     name = ids or [str] * len(axes)
     return [
         pytest.param(
             *values(c),
             id="-".join(f(v) for f, v in zip(name, values(c))),
-            marks=() if c in fast else (pytest.mark.slow,),
+            marks=() if c in fast_cases else (pytest.mark.slow,),
         )
         for c in cases
+        if c in fast_cases or c in slow
     ]

@@ -29,7 +29,7 @@ from deltanet_cp._validate import as_index, as_scale, check_inputs, inputs_type
 from deltanet_cp.interop import fla
 from deltanet_cp.nn import CausalConv1d, CausalSelfAttention, GatedDeltaNet, HybridLM
 
-from .helpers import make_delta_product_inputs
+from .helpers import make_delta_product_inputs, pairwise
 from .registry import FAMILIES, Family, GLA, GLA_PER_HEAD
 
 
@@ -105,9 +105,11 @@ def test_missing_array(family, entry, without_runtime_typecheck):
         _call(family, entry, (*args[:-1], None), **_options(entry))
 
 
-@pytest.mark.parametrize("family", FAMILIES, ids=_name)
-@pytest.mark.parametrize("entry", CHUNKED)
-@pytest.mark.parametrize("chunk_size", [4.0, "4", True, None])
+@pytest.mark.parametrize(
+    "family, entry, chunk_size",
+    # Every pair of a family, an entry point and a bad value (not the whole product).
+    pairwise([FAMILIES, CHUNKED, [4.0, "4", True, None]], ids=[_name, str, str], slow_cover=[]),
+)
 def test_chunk_size_not_an_int(family, entry, chunk_size, without_runtime_typecheck):
     args, _ = family.make(0, **SHAPE)
     with pytest.raises((TypeError, ValueError), match="`chunk_size`"):

@@ -11,7 +11,7 @@ import pytest
 
 from deltanet_cp import chunkops
 
-from .helpers import rel_err
+from .helpers import pairwise, rel_err
 
 
 _EPS = float(np.finfo(np.float32).eps)
@@ -234,10 +234,10 @@ def _assert_exact(actual, reference, rtol=16 * _EPS):
     assert np.all(np.abs(actual - p) <= rtol * s + 1e-35), np.max(np.abs(actual - p) - rtol * s)
 
 
-@pytest.mark.parametrize("gate", ["head", "channel", "none"])
-@pytest.mark.parametrize("strict", [False, True])
-@pytest.mark.parametrize("extreme", [False, True])
-@pytest.mark.parametrize("c", [6, 16])
+@pytest.mark.parametrize(
+    "gate, strict, extreme, c",
+    pairwise([["head", "channel", "none"], [False, True], [False, True], [6, 16]]),
+)
 def test_decayed_gram(gate, strict, extreme, c):
     rng = np.random.default_rng(6)
     k = 4
@@ -262,9 +262,10 @@ def test_decayed_gram_rejects_a_wrong_gate_shape():
         chunkops.decayed_gram(x, x, jnp.zeros((2, 8, 3)))
 
 
-@pytest.mark.parametrize("strict", [False, True])
-@pytest.mark.parametrize("extreme", [False, True])
-@pytest.mark.parametrize("c", [5, 16])
+@pytest.mark.parametrize(
+    "strict, extreme, c",
+    pairwise([[False, True], [False, True], [5, 16]], cover=[(0, 2), (1, 2)]),
+)
 def test_decayed_grams(strict, extreme, c):
     # Two left and three right factors; batch axes that broadcast: x (2, 1), y (1, 3), g (2, 3).
     rng = np.random.default_rng(7)
@@ -290,8 +291,7 @@ def _grams_direct(x, y, g, strict):
     return jnp.einsum("...ipk,...jqk,...ijk->...ipjq", x, y, decay)
 
 
-@pytest.mark.parametrize("strict", [False, True])
-@pytest.mark.parametrize("c", [5, 16])
+@pytest.mark.parametrize("strict, c", pairwise([[False, True], [5, 16]], cover=[]))
 def test_decayed_grams_vjp(strict, c):
     rng = np.random.default_rng(8)
     k = 4
@@ -365,8 +365,10 @@ def test_unit_lower_inverse_vjp(c):
     assert rel_err(grad, expected) <= 1e-5
 
 
-@pytest.mark.parametrize("c", [5, 16, 64])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize(
+    "c, dtype",
+    pairwise([[5, 16, 64], [jnp.float32, jnp.float64]], ids=[str, lambda d: d.__name__], cover=[]),
+)
 def test_unit_lower_solve_and_vjp(c, dtype):
     # The hand-written VJP against float64 autodiff of a dense solve: the same function by
     # another road (jnp.linalg.solve), differentiated by JAX.

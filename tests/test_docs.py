@@ -260,14 +260,18 @@ for page, blocks in json.load(sys.stdin).items():
     else:
         print(json.dumps({"ok": page, "seconds": time.perf_counter() - start}), flush=True)
 """
-# Eight simulated CPU devices, as in conftest.py; the second flag makes XLA compile several
-# times faster (the examples are tiny: compiling is nearly all their time).
+# Eight simulated CPU devices, as in conftest.py; XLA's most optimisations off (jax's
+# `jax_disable_most_optimizations`: its backend optimisation level 0, as the second flag,
+# and LLVM's expensive passes off) make XLA compile several times faster (the examples are
+# tiny: compiling is nearly all their time).
 _XLA_FLAGS = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 _RUNNABLE_PAGES = [_rel(p) for p in _pages() if _runnable_blocks(p)]
 
 
 def _run_pages(pages: list[str]) -> subprocess.Popen:
-    env = dict(os.environ, XLA_FLAGS=_XLA_FLAGS, JAX_PLATFORMS="cpu")
+    env = dict(
+        os.environ, XLA_FLAGS=_XLA_FLAGS, JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="1"
+    )
     proc = subprocess.Popen(
         [sys.executable, "-c", _RUNNER],
         stdin=subprocess.PIPE,

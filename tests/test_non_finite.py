@@ -15,7 +15,7 @@ import pytest
 
 import deltanet_cp as dcp
 
-from .helpers import rel_err
+from .helpers import pairwise, rel_err
 from .registry import exchange_id, EXCHANGES, FAMILIES, Family, GATED_DELTA_RULE, GLA
 
 
@@ -186,21 +186,17 @@ def _packed_cases():
         )
         for f in FAMILIES
     ]
-    for family in FAMILIES:
-        for exchange in EXCHANGES:
-            for layout in LAYOUTS:
-                name = type(exchange).__name__.lower()
-                quick = (family, name, layout) in _QUICK
-                params.append(
-                    pytest.param(
-                        family,
-                        4,
-                        layout,
-                        exchange,
-                        id=f"{family.name}-{exchange_id(exchange)}-{layout!r}",
-                        marks=() if quick else (pytest.mark.slow,),
-                    )
-                )
+    # On 4 ranks: the quick cases in the default run; the slow run adds a cover of every
+    # pair (family and exchange, family and layout, exchange and layout).
+    grid = pairwise(
+        [FAMILIES, EXCHANGES, LAYOUTS],
+        ids=[lambda f: f.name, exchange_id, repr],
+        fast=lambda f, ex, layout: (f, type(ex).__name__.lower(), layout) in _QUICK,
+        slow_cover=[(0, 1), (0, 2), (1, 2)],
+    )
+    for p in grid:
+        family, exchange, layout = p.values
+        params.append(pytest.param(family, 4, layout, exchange, id=p.id, marks=p.marks))
     return params
 
 

@@ -175,18 +175,12 @@ CHUNKED_CASES = [
 
 
 def _chunked_params():
-    # The first three cases in the default run, two of them for each family (every case
-    # for four families); the rest `slow`.
-    return [
-        pytest.param(
-            f,
-            c,
-            id=f.name + "-t{}-c{}-b{}-h{}-hv{}-k{}-v{}-h0{}-l2{}-s{}".format(*c),
-            marks=() if j < 3 and (i + j) % 3 != 2 else (pytest.mark.slow,),
-        )
-        for i, f in enumerate(FAMILIES)
-        for j, c in enumerate(CHUNKED_CASES)
-    ]
+    # Every family and every case in the default run (each family once); the rest `slow`.
+    return pairwise(
+        [FAMILIES, CHUNKED_CASES],
+        ids=[_name, lambda c: "t{}-c{}-b{}-h{}-hv{}-k{}-v{}-h0{}-l2{}-s{}".format(*c)],
+        cover=[],
+    )
 
 
 @pytest.mark.parametrize("family, case", _chunked_params())
@@ -246,13 +240,7 @@ def test_engine_run_matches_loop(family):
 
 
 @pytest.mark.parametrize(
-    "family, mix",
-    [
-        pytest.param(f, mix, marks=() if mix == "all_bf16" or i % 3 == 0 else (pytest.mark.slow,))
-        for i, f in enumerate(FAMILIES)
-        for mix in ["all_bf16", "qk_bf16"]
-    ],
-    ids=lambda x: x.name if isinstance(x, Family) else x,
+    "family, mix", pairwise([FAMILIES, ["all_bf16", "qk_bf16"]], ids=[_name, str], cover=[])
 )
 def test_output_dtype_is_v_dtype(family, mix):
     args, h0 = family.make(13, **SHAPE)
@@ -343,12 +331,27 @@ def test_extreme_gates(family):
 # ---------------------------------------------------------------------------------------
 
 
+_CP_FAST = {
+    ("gated_delta_rule", "AllGather()", 8),
+    ("delta_rule", "PPermute()", 4),
+    ("kimi_delta_attention", "Ring()", 2),
+    ("gla", "Auto()", 8),
+    ("gla_per_head", "AllGather()", 4),
+    ("gated_delta_product", "PPermute()", 2),
+    ("gdn2", "Ring()", 8),
+    ("dplr", "Auto()", 2),
+}
+
+
 @pytest.mark.parametrize(
     "family, exchange, cp",
     pairwise(
         [FAMILIES, EXCHANGES, [2, 4, 8]],
         ids=[_name, exchange_id, lambda cp: f"cp{cp}"],
-        cover=[(1, 2)],  # every family, every exchange at every cp
+        # Each family once, every exchange and cp; with test_cp_gradients_match_loop's
+        # cases, every exchange at every cp. The slow run adds a cover of every pair.
+        fast=lambda f, ex, cp: (f.name, exchange_id(ex), cp) in _CP_FAST,
+        slow_cover=[(0, 1), (0, 2), (1, 2)],
     ),
 )
 def test_cp_matches_one_device(family, exchange, cp):
@@ -379,6 +382,8 @@ def test_exchange_shorthands(name):
 
 
 def _cp_grad_params():
+    # One cp per family and exchange. In the default run four families, every exchange and
+    # cp once: with test_cp_matches_one_device's cases, every exchange at every cp.
     cps = (2, 4, 8)
     return [
         pytest.param(
@@ -386,7 +391,7 @@ def _cp_grad_params():
             ex,
             cps[(i + j) % 3],
             id=f"{f.name}-{exchange_id(ex)}-cp{cps[(i + j) % 3]}",
-            marks=() if j == i % len(EXCHANGES) else (pytest.mark.slow,),
+            marks=() if j == i % len(EXCHANGES) and i in (0, 1, 2, 7) else (pytest.mark.slow,),
         )
         for i, f in enumerate(FAMILIES)
         for j, ex in enumerate(EXCHANGES)
@@ -427,8 +432,8 @@ def _zigzag_grad_fn(family: Family, cp: int, exchange, chunk_size: int = CHUNK):
     return value_and_grad_fn(fn, len(family.arg_names) + 1, cp=cp, zigzag=True)
 
 
-# Every exchange and every cp in the default run, with six of the families; the whole grid
-# (every family x exchange x cp) is `slow`.
+# Every exchange and every cp in the default run, with six of the families; the slow run
+# adds a cover of every pair (family and exchange, family and cp, exchange and cp).
 _ZIGZAG_FAST = {
     ("gated_delta_rule", "AllGather()", 2),
     ("kimi_delta_attention", "Ring()", 8),
@@ -441,18 +446,12 @@ _ZIGZAG_FAST = {
 
 @pytest.mark.parametrize(
     "family, exchange, cp",
-    [
-        pytest.param(
-            f,
-            ex,
-            cp,
-            id=f"{f.name}-{exchange_id(ex)}-cp{cp}",
-            marks=() if (f.name, exchange_id(ex), cp) in _ZIGZAG_FAST else (pytest.mark.slow,),
-        )
-        for f in FAMILIES
-        for ex in EXCHANGES
-        for cp in [2, 4, 8]
-    ],
+    pairwise(
+        [FAMILIES, EXCHANGES, [2, 4, 8]],
+        ids=[_name, exchange_id, lambda cp: f"cp{cp}"],
+        fast=lambda f, ex, cp: (f.name, exchange_id(ex), cp) in _ZIGZAG_FAST,
+        slow_cover=[(0, 1), (0, 2), (1, 2)],
+    ),
 )
 def test_zigzag_matches_loop(family, exchange, cp):
     # Forward, final state and gradients w.r.t. every input and the initial state.
@@ -472,20 +471,28 @@ ZIGZAG_DOCS = [[0, 5, 5, 40, 41, 64], [0, 16, 16, 32, 61, 64, 64]]
 
 
 def _zigzag_packed_params():
+    # Two fast cases (8 ranks: pieces of one chunk); the slow run adds a cover of every pair
+    # (family and cp, family and documents, cp and documents). The exchange rotates with
+    # the family.
+    fast = {(0, 8, 0), (3, 8, 1)}
+    params = pairwise(
+        [FAMILIES, [2, 4, 8], list(range(len(ZIGZAG_DOCS)))],
+        ids=[_name, lambda cp: f"cp{cp}", lambda k: f"docs{k}"],
+        fast=lambda f, cp, k: (FAMILIES.index(f), cp, k) in fast,
+        slow_cover=[(0, 1), (0, 2), (1, 2)],
+    )
     return [
         pytest.param(
             f,
             cp,
             ex,
-            cu,
+            ZIGZAG_DOCS[k],
             id=f"{f.name}-cp{cp}-{exchange_id(ex)}-docs{k}",
-            # Two fast cases (8 ranks: pieces of one chunk), the rest `slow`.
-            marks=() if (i in (0, 3) and cp == 8 and k == i % 2) else (pytest.mark.slow,),
+            marks=p.marks,
         )
-        for i, f in enumerate(FAMILIES)
-        for cp in [2, 4, 8]
-        for ex in [EXCHANGES[i % 3]]
-        for k, cu in enumerate(ZIGZAG_DOCS)
+        for p in params
+        for f, cp, k in [p.values]
+        for ex in [EXCHANGES[FAMILIES.index(f) % 3]]
     ]
 
 
@@ -642,18 +649,19 @@ def _doc_states(seed, cu):
 
 
 def _packed_params():
-    return [
-        pytest.param(
-            f,
-            form,
-            cu,
-            id=f"{f.name}-{form}-docs{k}",
-            marks=() if (j == i % 2 and k == (i // 2) % 2) else (pytest.mark.slow,),
-        )
-        for i, f in enumerate(FAMILIES)
-        for j, form in enumerate(["list", "array"])
-        for k, cu in enumerate(DOCS)
-    ]
+    # Four families in the default run, every form of cu_seqlens with every documents; the
+    # slow run adds a cover of every pair (family and form, family and documents, form and
+    # documents).
+    return pairwise(
+        [FAMILIES, ["list", "array"], DOCS],
+        ids=[_name, str, lambda cu: f"docs{DOCS.index(cu)}"],
+        fast=lambda f, form, cu: (
+            FAMILIES.index(f) in (0, 3, 5, 6)
+            and ["list", "array"].index(form) == FAMILIES.index(f) % 2
+            and DOCS.index(cu) == (FAMILIES.index(f) // 2) % 2
+        ),
+        slow_cover=[(0, 1), (0, 2), (1, 2)],
+    )
 
 
 @pytest.mark.parametrize("family, form, cu", _packed_params())
@@ -679,18 +687,20 @@ def test_packed_one_device(family, form, cu):
 
 
 def _packed_cp_params():
-    return [
-        pytest.param(
-            f,
-            cp,
-            cu,
-            id=f"{f.name}-cp{cp}-docs{k}",
-            marks=() if (cp == 4 and k == i % 2) else (pytest.mark.slow,),
-        )
-        for i, f in enumerate(FAMILIES)
-        for cp in [4, 8]
-        for k, cu in enumerate(CP_DOCS)
-    ]
+    # The slow run adds a cover of every pair (family and cp, family and documents, cp and
+    # documents).
+    return pairwise(
+        [FAMILIES, [4, 8], CP_DOCS],
+        ids=[_name, lambda cp: f"cp{cp}", lambda cu: f"docs{CP_DOCS.index(cu)}"],
+        # Five families in the default run: every exchange, both forms of cu_seqlens.
+        fast=lambda f, cp, cu: (
+            cp == 4
+            and CP_DOCS.index(cu) == FAMILIES.index(f) % 2
+            and f.name
+            in ("gated_delta_rule", "kimi_delta_attention", "gla", "gated_delta_product", "dplr")
+        ),
+        slow_cover=[(0, 1), (0, 2), (1, 2)],
+    )
 
 
 @pytest.mark.parametrize("family, cp, cu", _packed_cp_params())
@@ -977,13 +987,15 @@ BLOCKS = [4096, CHUNK, 3 * CHUNK]
 
 @pytest.mark.parametrize(
     "family, block_size",
-    [
-        pytest.param(
-            f, bs, id=f"{f.name}-{bs}", marks=() if j == i % len(BLOCKS) else (pytest.mark.slow,)
-        )
-        for i, f in enumerate(FAMILIES)
-        for j, bs in enumerate(BLOCKS)
-    ],
+    pairwise(
+        [FAMILIES, BLOCKS],
+        ids=[_name, str],
+        # Every block size in the default run, each with another kind of map (dense,
+        # diagonal, diagonal plus low rank); the rest `slow`.
+        fast=lambda f, bs: (
+            (f.name, bs) in {("gated_delta_rule", 3 * CHUNK), ("gla", CHUNK), ("dplr", 4096)}
+        ),
+    ),
 )
 def test_blocks_match_loop(family, block_size):
     # One device: outputs, final state and every gradient; packed documents with their
@@ -1086,15 +1098,24 @@ def test_infinite_decays_match_loop(family):
             assert rel_err(a, b) <= 1e-6
 
 
+_NON_FINITE_FAST = {
+    ("gated_delta_rule", "one_device"),
+    ("kimi_delta_attention", "cp"),
+    ("gla_per_head", "packed"),
+    ("gdn2", "packed"),
+    ("dplr", "cp"),
+}
+
+
 @pytest.mark.parametrize(
     "family, where",
-    [
-        pytest.param(
-            f, where, id=f"{f.name}-{where}", marks=() if j == i % 3 else (pytest.mark.slow,)
-        )
-        for i, f in enumerate(FAMILIES)
-        for j, where in enumerate(["one_device", "cp", "packed"])
-    ],
+    pairwise(
+        [FAMILIES, ["one_device", "cp", "packed"]],
+        ids=[_name, str],
+        # Every place in the default run, and five families (every kind of map, gates per
+        # head and per channel, erase and write gates); the rest `slow`.
+        fast=lambda f, where: (f.name, where) in _NON_FINITE_FAST,
+    ),
 )
 def test_non_finite_input_does_not_reach_earlier_tokens(family, where):
     # NaN, +inf or -inf in one input at token t: the outputs before t are the float64 loop's
