@@ -37,7 +37,7 @@ sys.path.insert(0, ROOT)
 
 def structure() -> None:
     from tests.registry import FAMILIES
-    from tests.test_precision import census, FLOAT32_PLACES
+    from tests.test_precision import census, float32_place
 
     print("bfloat16 policy, dot_generals in the module lowered for a GPU (each once):")
     for family in FAMILIES:
@@ -45,13 +45,7 @@ def structure() -> None:
             found = census(family, grad=grad)
             bf16 = [p for p in found if p.operands == ("bf16", "bf16") and p.result == "f32"]
             rest = [p for p in found if p not in bf16]
-            where = collections.Counter(
-                next(
-                    (place for f in p.frames for place in FLOAT32_PLACES if place in f),
-                    p.where(),
-                )
-                for p in rest
-            )
+            where = collections.Counter(float32_place(p) or p.where() for p in rest)
             names = ", ".join(f"{n} x{c}" for n, c in sorted(where.items())) or "none"
             pass_ = "fwd+bwd" if grad else "fwd    "
             print(
@@ -77,7 +71,7 @@ def accuracy(t: int, cp: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--accuracy", action="store_true", help="also the accuracy table")
     parser.add_argument("--no-structure", action="store_true", help="skip the structure table")
     parser.add_argument("--t", type=int, default=4096, help="sequence length (accuracy)")

@@ -26,9 +26,13 @@ absolute error $\epsilon |G_j|$ in every later exponent, a relative error in eve
 decay): every exponent is a sum of gates of one sign over its own segment, accurate to a
 relative $\epsilon$ times the segment's length, and every decay is at most 1. So they are
 exact, to float32 rounding, for any gates, including $-\infty$ (a decay of exactly zero);
-products run at `Precision.HIGHEST` (float32 products and sums stay float32 on GPUs and
-TPUs too). Cast inputs to float32 (or float64) first: in bfloat16 they are no more exact
-than bfloat16.
+products run at `Precision.HIGHEST` by default (float32 products and sums stay float32 on
+GPUs and TPUs too). Cast inputs to float32 (or float64) first: in bfloat16 they are no more
+exact than bfloat16. The products of rows (`decayed_gram`, `decayed_grams`,
+`unit_lower_solve`, [`einsum`][deltanet_cp.chunkops.einsum]) take a `precision`:
+`"bfloat16"` rounds their operands to bfloat16 and accumulates in float32, forward and VJP
+(the recurrences' policy for bfloat16 inputs); the decays and their sums, and the inverse
+of `unit_lower_inverse`, stay in the inputs' dtype at `Precision.HIGHEST` whatever it is.
 """
 
 from .._precision import einsum as einsum

@@ -133,8 +133,8 @@ unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
 
 
 def unit_lower_solve(
-    a: Float[Array, "*batch c c"],
-    b: Float[Array, "*batch c d"],
+    a: Float[Array, "*abatch c c"],
+    b: Float[Array, "*bbatch c d"],
     precision: PrecisionName = "highest",
 ) -> Float[Array, "*batch c d"]:
     r"""$(I + a)^{-1} b$ for a strictly lower-triangular `a`: the WY form's $T b$.
