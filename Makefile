@@ -17,16 +17,19 @@ $(VENV)/.installed-%: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.installed-demo
 	$(BIN)/python examples/demo.py
 
-# The default suite (under 10 minutes on 2 cores); `make test-slow` runs the rest of the
-# parameter grids (tests marked `slow`), `make test-all` both. CI runs both.
+# The default suite (under 15 minutes on 2 cores); `make test-slow` runs the rest of the
+# parameter grids (tests marked `slow`), `make test-all` both. CI runs both. JOBS test
+# processes run side by side (pytest-xdist); JOBS=0 runs them in this process.
+JOBS ?= 2
+
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(JOBS) -m "not slow"
 
 test-slow: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -n $(JOBS) -m slow
 
 test-all: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(JOBS)
 
 # The oldest versions of the dependencies pyproject.toml allows (its lower bounds, pinned in
 # .ci/floor-constraints.txt), in their own environment, and a smoke subset of the suite

@@ -246,9 +246,11 @@ def test_output_dtype_is_v_dtype(family, mix):
     args, h0 = family.make(13, **SHAPE)
     if mix == "all_bf16":
         args = tuple(x.astype(jnp.bfloat16) for x in args)
-    else:  # low-precision queries and keys, float32 values: the output follows v
+    else:  # low-precision queries and keys, float32 values: the output follows v (the
+        # policy from the inputs would be "bfloat16"; exact products are asked for here)
         args = (args[0].astype(jnp.bfloat16), args[1].astype(jnp.bfloat16), *args[2:])
-    o, final = _jit(family.chunk, **_options(family))(args, h0)
+    precision = None if mix == "all_bf16" else "highest"
+    o, final = _jit(family.chunk, precision=precision, **_options(family))(args, h0)
     assert o.dtype == args[2].dtype and final.dtype == jnp.float32
     expected_o, expected_h = _reference(family, args, h0)  # on the rounded inputs
     assert np.all(np.isfinite(np.asarray(o, np.float32)))
