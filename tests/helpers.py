@@ -518,3 +518,31 @@ def pairwise(
         for c in cases
         if c in fast_cases or c in slow
     ]
+
+
+def assert_cp_matches_loop(family, parallel, args, h0, **kw) -> None:
+    """`family.chunk` under `parallel` (a `ContextParallel` with a mesh, global arrays):
+    outputs and final state against the float64 token loop (<= 1e-5), and its gradients
+    against central differences of the loop (<= 1e-4)."""
+
+    def reference(args, h0):
+        return family.reference(*args, initial_state=h0, l2norm=family.l2norm)
+
+    @jax.jit
+    def value_and_grad(arrays):
+        def loss(arrays):
+            o, h = family.chunk(*arrays[:-1], initial_state=arrays[-1], cp=parallel, **kw)
+            wo = jnp.cos(jnp.arange(o.size, dtype=o.dtype)).reshape(o.shape)
+            wh = jnp.sin(jnp.arange(h.size, dtype=h.dtype)).reshape(h.shape)
+            return jnp.sum(o * wo) + jnp.sum(h * wh), (o, h)
+
+        return jax.value_and_grad(loss, has_aux=True)(arrays)
+
+    (_, (o, h)), grads = value_and_grad([*args, h0])
+    expected_o, expected_h = reference(args, h0)
+    assert rel_err(o, expected_o) <= 1e-5
+    assert rel_err(h, expected_h) <= 1e-5
+    errors = directional_check(
+        grads, lambda a: weighted_loss(*reference(a[:-1], a[-1])), [*args, h0]
+    )
+    assert max(errors) <= 1e-4, errors

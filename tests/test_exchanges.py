@@ -8,7 +8,7 @@ import pytest
 
 import deltanet_cp as dcp
 
-from .helpers import directional_check, rel_err, weighted_loss
+from .helpers import assert_cp_matches_loop, rel_err
 from .registry import FAMILIES, Family
 
 
@@ -72,24 +72,7 @@ def test_own_exchange_matches_loop(family, layout, cp, fast_compile):
     if family.l2norm:
         kw["use_qk_l2norm"] = True
 
-    @jax.jit
-    def value_and_grad(arrays):
-        def loss(arrays):
-            o, h = family.chunk(*arrays[:-1], initial_state=arrays[-1], cp=parallel, **kw)
-            wo = jnp.cos(jnp.arange(o.size, dtype=o.dtype)).reshape(o.shape)
-            wh = jnp.sin(jnp.arange(h.size, dtype=h.dtype)).reshape(h.shape)
-            return jnp.sum(o * wo) + jnp.sum(h * wh), (o, h)
-
-        return jax.value_and_grad(loss, has_aux=True)(arrays)
-
-    (_, (o, h)), grads = value_and_grad([*args, h0])
-    expected_o, expected_h = _reference(family, args, h0)
-    assert rel_err(o, expected_o) <= 1e-5
-    assert rel_err(h, expected_h) <= 1e-5
-    errors = directional_check(
-        grads, lambda a: weighted_loss(*_reference(family, a[:-1], a[-1])), [*args, h0]
-    )
-    assert max(errors) <= 1e-4, errors
+    assert_cp_matches_loop(family, parallel, args, h0, **kw)
 
 
 def test_own_exchange_with_packed_documents(fast_compile):

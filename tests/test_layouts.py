@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import deltanet_cp as dcp
 import deltanet_cp._run as engine_module
 
-from .helpers import directional_check, rel_err, weighted_loss
+from .helpers import assert_cp_matches_loop, rel_err
 from .registry import FAMILIES, Family, GATED_DELTA_RULE
 
 
@@ -122,24 +122,7 @@ def test_user_layout_matches_loop(family, layout, exchange, fast_compile):
     parallel = dcp.ContextParallel("cp", layout=layout, exchange=exchange, mesh=_mesh(cp))
     kw = _options(family)
 
-    @jax.jit
-    def value_and_grad(arrays):
-        def loss(arrays):
-            o, h = family.chunk(*arrays[:-1], initial_state=arrays[-1], cp=parallel, **kw)
-            wo = jnp.cos(jnp.arange(o.size, dtype=o.dtype)).reshape(o.shape)
-            wh = jnp.sin(jnp.arange(h.size, dtype=h.dtype)).reshape(h.shape)
-            return jnp.sum(o * wo) + jnp.sum(h * wh), (o, h)
-
-        return jax.value_and_grad(loss, has_aux=True)(arrays)
-
-    (_, (o, h)), grads = value_and_grad([*args, h0])
-    expected_o, expected_h = _reference(family, args, h0)
-    assert rel_err(o, expected_o) <= 1e-5
-    assert rel_err(h, expected_h) <= 1e-5
-    errors = directional_check(
-        grads, lambda a: weighted_loss(*_reference(family, a[:-1], a[-1])), [*args, h0]
-    )
-    assert max(errors) <= 1e-4, errors
+    assert_cp_matches_loop(family, parallel, args, h0, **kw)
 
 
 def test_user_layout_inside_shard_map(fast_compile):
