@@ -175,6 +175,9 @@ def _float64_gradients(family: Family, args64, h0):
 def _errors(family: Family, t: int, *, cp=None, layout=None, cu_seqlens=None, seed=3, **shape):
     """Relative RMS errors of the bfloat16 policy's outputs, final state and gradients."""
     args, args64, h0 = _bf16_case(family, seed, t=t, **shape)
+    if cu_seqlens is not None:  # one initial state per document
+        docs = len(cu_seqlens) - 1
+        h0 = jnp.concatenate([h0 * (1.0 - 0.1 * n) for n in range(docs)])
     mesh = None if cp is None else jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
     ctx = (
         None
@@ -187,7 +190,9 @@ def _errors(family: Family, t: int, *, cp=None, layout=None, cu_seqlens=None, se
         o, h = family.chunk(*args, initial_state=h0, chunk_size=64, cp=ctx, **extra, **_kw(family))
         return _loss(o, h), (o, h)
 
-    if mesh is not None:
+    if mesh is not None and cu_seqlens is None:
+        # (Packed: the engine places the arrays itself; arrays placed beforehand on the
+        # `Explicit` mesh meet its `Auto` copy of the mesh there and JAX refuses the mix.)
         args = [jax.device_put(a, NamedSharding(mesh, P(None, "cp"))) for a in args]
     (_, (o, h)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(args, h0)
     assert o.dtype == jnp.bfloat16 and h.dtype == jnp.float32
@@ -210,29 +215,33 @@ def _assert_within(errors: dict):
         assert errors["grad"] <= GRAD_TOL, errors
 
 
+# The ungated delta rule's bfloat16 outputs miss the 5e-3 target (measured 5.3e-3 to 5.9e-3
+# at T = 256 to 4096: with no decay its state keeps every token's bfloat16-rounded update):
+# a strict expected failure, so that a fix shows up.
+_DELTA_MISS = pytest.mark.xfail(strict=True, reason="delta_rule bf16 outputs above 5e-3")
+
+
+def _marked(family: Family, *marks):
+    return pytest.param(
+        family, marks=[*marks, _DELTA_MISS] if family.name == "delta_rule" else marks
+    )
+
+
 WIDE = dict(b=1, h=2, hv=4, dk=32, dv=32)
 
 
-@pytest.mark.parametrize("family", _fast_first(FAMILIES, [GATED_DELTA_RULE]), ids=repr)
+@pytest.mark.parametrize(
+    "family",
+    [f if f is GATED_DELTA_RULE else _marked(f, pytest.mark.slow) for f in FAMILIES],
+    ids=repr,
+)
 def test_bfloat16_accuracy(family):
     _assert_within(_errors(family, 256, **FAST))
 
 
 def _long_cases():
-    """Every kind at T = 4096. The ungated delta rule's outputs miss the 5e-3 target
-    (measured 5.4e-3: with no decay its state sums every token's bfloat16-rounded update),
-    recorded as a strict expected failure so that a fix shows up."""
-    return [
-        pytest.param(
-            f,
-            marks=pytest.mark.xfail(
-                strict=True, reason="delta_rule bf16 outputs 5.4e-3 > 5e-3 at T=4096"
-            ),
-        )
-        if f.name == "delta_rule"
-        else f
-        for f in FAMILIES
-    ]
+    """Every kind at T = 4096."""
+    return [_marked(f) for f in FAMILIES]
 
 
 @pytest.mark.slow
@@ -249,18 +258,22 @@ _CP_CASES = [(f, _LAYOUTS[i % 2], (2, 4, 8)[i % 3]) for i, f in enumerate(FAMILI
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "family, layout, cp",
-    _CP_CASES,
+    [
+        pytest.param(f, lay, cp, marks=[_DELTA_MISS] if f.name == "delta_rule" else [])
+        for f, lay, cp in _CP_CASES
+    ],
     ids=[f"{f!r}-{type(lay).__name__}-cp{cp}" for f, lay, cp in _CP_CASES],
 )
 def test_bfloat16_accuracy_cp(family, layout, cp):
     """The error does not grow with the ranks: the chunk maps and their exchange are
-    float32. Packed documents too (contiguous layout)."""
+    float32. Packed documents too (contiguous layout). The growth is checked before the
+    bounds."""
     one = _errors(family, 1024, **WIDE)
-    _assert_within(one)
     many = _errors(family, 1024, cp=cp, layout=layout, **WIDE)
-    _assert_within(many)
     for name in one:
         assert many[name] <= 1.1 * one[name] + 1e-4, (cp, name, one, many)
+    _assert_within(one)
+    _assert_within(many)
     if isinstance(layout, dcp.Contiguous):
         docs = [0, 100, 612, 700, 1024]
         one = _errors(family, 1024, cu_seqlens=docs, **{**WIDE, "b": 1})
