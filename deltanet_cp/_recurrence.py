@@ -1,7 +1,9 @@
 """The interface a recurrence implements for the engine: `AbstractRecurrence`."""
 
 import abc
-from typing import Generic, TypeVar
+import dataclasses
+import typing
+from typing import Any, Generic, TypeVar
 
 import equinox as eqx
 import jax
@@ -288,3 +290,84 @@ def check_shapes(
             "(for example (B, H, C, V) -> (B, C, H, V) with jnp.swapaxes).",
         )
     return state
+
+
+def inputs_type(recurrence_type: type) -> type | None:
+    """The inputs class a recurrence class declares, `None` if it leaves it generic.
+
+    A recurrence derives from `AbstractRecurrence[Inputs, Factors, Map]`; this reads
+    `Inputs` off that base.
+    """
+    for klass in recurrence_type.__mro__:
+        for base in klass.__dict__.get("__orig_bases__", ()):
+            if typing.get_origin(base) is AbstractRecurrence:
+                inputs = typing.get_args(base)[0]
+                return inputs if isinstance(inputs, type) else None
+    return None
+
+
+def _allows_none(annotation: Any) -> bool:
+    if isinstance(annotation, str):
+        return "None" in annotation
+    return annotation is None or type(None) in typing.get_args(annotation)
+
+
+def _field_name(path: tuple[Any, ...]) -> str:
+    if path and isinstance(path[0], jax.tree_util.GetAttrKey):
+        return path[0].name
+    return jax.tree_util.keystr(path) or "inputs"
+
+
+def check_inputs(recurrence: Any, inputs: Any) -> None:
+    """Check that `recurrence` is a recurrence and `inputs` the inputs it takes, then ask
+    the recurrence to check the inputs' shapes (`recurrence.check`, which assumes the right
+    inputs class with its arrays present). The entry points call it once, first.
+
+    **Arguments:**
+
+    - `recurrence`: should be an [`deltanet_cp.AbstractRecurrence`][].
+    - `inputs`: should be an instance of the inputs class the recurrence declares
+        ([`deltanet_cp.DeltaInputs`][] for the delta rules, [`deltanet_cp.GLAInputs`][] for
+        gated linear attention), with an array in every field that does not allow `None`
+        and no empty axis after (batch, seq).
+
+    **Raises:**
+
+    `TypeError` for a wrong type of `recurrence` or `inputs`, `ValueError` naming the field
+    for a missing array or an empty head or feature axis.
+    """
+    if not isinstance(recurrence, AbstractRecurrence):
+        raise TypeError(
+            "`recurrence` must be a deltanet_cp.AbstractRecurrence, such as "
+            f"`deltanet_cp.GatedDeltaRule(chunk_size=64)`; got {type(recurrence).__name__}."
+        )
+    name = type(recurrence).__name__
+    expected = inputs_type(type(recurrence))
+    if expected is not None and not isinstance(inputs, expected):
+        fields = (
+            ", ".join(f.name for f in dataclasses.fields(expected))
+            if dataclasses.is_dataclass(expected)
+            else "..."
+        )
+        raise TypeError(
+            f"{name} takes `inputs` of type {expected.__name__}; got {type(inputs).__name__}. "
+            f"Build them as `deltanet_cp.{expected.__name__}({fields})`."
+        )
+    if dataclasses.is_dataclass(inputs) and not isinstance(inputs, type):
+        try:
+            hints = typing.get_type_hints(type(inputs))
+        except (NameError, TypeError):  # unresolvable annotations: read them as written
+            hints = {}
+        for field in dataclasses.fields(inputs):
+            annotation = hints.get(field.name, field.type)
+            if getattr(inputs, field.name) is None and not _allows_none(annotation):
+                raise ValueError(f"{name} needs `{field.name}`, an array; got None.")
+    for path, leaf in jax.tree_util.tree_leaves_with_path(inputs):
+        shape = getattr(leaf, "shape", None)
+        if shape is not None and 0 in tuple(shape)[2:]:
+            raise ValueError(
+                f"`{_field_name(path)}` has shape {tuple(shape)}, with an empty axis: every "
+                "axis after (batch, seq) (heads, key or value size, Householder steps) must "
+                "have at least one element."
+            )
+    recurrence.check(inputs)

@@ -36,8 +36,8 @@ from ._parallel import (
     ContiguousParallel,
 )
 from ._passes import Blocks, context_parallel, Engine, local, non_finite
-from ._recurrence import AbstractRecurrence, check_shapes
-from ._validate import as_index, as_positive_index, check_inputs
+from ._recurrence import AbstractRecurrence, check_inputs, check_shapes
+from ._validate import as_index, as_positive_index
 
 
 def run(

@@ -25,9 +25,8 @@ from jaxtyping import Array, PyTree
 
 from ._exchange import AbstractExchange, ExchangeName
 from ._parallel import AbstractLayout, ContextParallel, Contiguous, Zigzag
-from ._recurrence import AbstractRecurrence, check_shapes, ContractError
+from ._recurrence import AbstractRecurrence, check_inputs, check_shapes, ContractError
 from ._run import run
-from ._validate import check_inputs
 
 
 __all__ = ["check_recurrence", "RecurrenceCheckError"]

@@ -25,7 +25,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import deltanet_cp as dcp
-from deltanet_cp._validate import as_index, as_scale, check_inputs, inputs_type
+from deltanet_cp._recurrence import check_inputs, inputs_type
+from deltanet_cp._validate import as_index, as_scale
 from deltanet_cp.interop import fla
 from deltanet_cp.nn import CausalConv1d, CausalSelfAttention, GatedDeltaNet, HybridLM
 

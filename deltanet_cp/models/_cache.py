@@ -1,7 +1,8 @@
 """The decode cache of the Qwen3.5 model and its state checkpoints: their types, the check
 that a cache fits a model, and the cache of a checkpointed prefix."""
 
-from typing import Any, TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import equinox as eqx
 import jax
@@ -12,10 +13,19 @@ from jaxtyping import Array, Int
 from .._precision import accumulation_dtype
 from ..nn._attention import KVCache
 from ..nn._gated_delta_net import GatedDeltaNetState
+from ._config import Qwen3_5Config
 
 
-if TYPE_CHECKING:
-    from ._qwen3_5 import Qwen3_5ForCausalLM
+class CachedModel(Protocol):
+    """What the cache checks read of a model (a `Qwen3_5ForCausalLM`)."""
+
+    @property
+    def config(self) -> Qwen3_5Config: ...
+
+    @property
+    def layers(self) -> Sequence[Any]: ...
+
+    def init_cache(self, capacity: int, dtype: Any = None) -> "Qwen3_5Cache": ...
 
 
 def concrete(x: Any) -> Any:
@@ -72,7 +82,7 @@ class Qwen3_5Checkpoints(eqx.Module):
     lengths: Int[Array, " n"]
 
 
-def check_cache(model: "Qwen3_5ForCausalLM", cache: Any, name: str = "cache") -> None:
+def check_cache(model: CachedModel, cache: Any, name: str = "cache") -> None:
     """A `ValueError` naming `name` and what differs if `cache` is not a cache of this
     model (its layers, their kinds, shapes and dtypes)."""
     if not isinstance(cache, Qwen3_5Cache):
@@ -130,7 +140,7 @@ def check_cache(model: "Qwen3_5ForCausalLM", cache: Any, name: str = "cache") ->
 
 
 def restore(
-    model: "Qwen3_5ForCausalLM",
+    model: CachedModel,
     cache: Qwen3_5Cache,
     checkpoints: Qwen3_5Checkpoints,
     index: Int[Array, ""] | int,
