@@ -2,7 +2,7 @@
 that a cache fits a model, and the cache of a checkpointed prefix."""
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import equinox as eqx
 import jax
@@ -16,7 +16,8 @@ from ..nn._gated_delta_net import GatedDeltaNetState
 from ._config import Qwen3_5Config
 
 
-class CachedModel(Protocol):
+@runtime_checkable
+class _CachedModel(Protocol):
     """What the cache checks read of a model (a `Qwen3_5ForCausalLM`)."""
 
     @property
@@ -82,7 +83,7 @@ class Qwen3_5Checkpoints(eqx.Module):
     lengths: Int[Array, " n"]
 
 
-def check_cache(model: CachedModel, cache: Any, name: str = "cache") -> None:
+def check_cache(model: _CachedModel, cache: Any, name: str = "cache") -> None:
     """A `ValueError` naming `name` and what differs if `cache` is not a cache of this
     model (its layers, their kinds, shapes and dtypes)."""
     if not isinstance(cache, Qwen3_5Cache):
@@ -140,7 +141,7 @@ def check_cache(model: CachedModel, cache: Any, name: str = "cache") -> None:
 
 
 def restore(
-    model: CachedModel,
+    model: _CachedModel,
     cache: Qwen3_5Cache,
     checkpoints: Qwen3_5Checkpoints,
     index: Int[Array, ""] | int,
