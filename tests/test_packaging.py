@@ -1,6 +1,8 @@
 """The declared dependency floors are the ones `make test-floor` checks."""
 
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -25,3 +27,16 @@ def test_floor_constraints_pin_the_lower_bounds():
         ".ci/floor-constraints.txt must pin exactly pyproject.toml's lower bounds: "
         f"{pins} != {bounds}"
     )
+
+
+def test_floor_tests_exist():
+    # `make test-floor` runs these ids; one renamed by a grid change would fail CI there.
+    listed = (ROOT / ".ci" / "floor-tests.txt").read_text().split()
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *listed],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"{len(listed)} tests collected" in done.stdout, done.stdout[-2000:]
