@@ -90,6 +90,16 @@ from .recurrences._kda import (
     KimiDeltaAttention as KimiDeltaAttention,
     recurrent_kimi_delta_attention as recurrent_kimi_delta_attention,
 )
+from .recurrences._precond import (
+    PrecondGatedDeltaRule as PrecondGatedDeltaRule,
+    PrecondKimiDeltaAttention as PrecondKimiDeltaAttention,
+)
+from .recurrences._precond_functions import (
+    chunk_precond_gated_delta_rule as chunk_precond_gated_delta_rule,
+    chunk_precond_kda as chunk_precond_kda,
+    recurrent_precond_gated_delta_rule as recurrent_precond_gated_delta_rule,
+    recurrent_precond_kda as recurrent_precond_kda,
+)
 
 
 __version__ = _metadata.version("deltanet_cp")

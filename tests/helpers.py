@@ -250,6 +250,108 @@ def dplr_reference(q, k, v, a, b, gk, *, scale=None, initial_state=None, l2norm=
     return o, state
 
 
+# -- The preconditioned delta rules (flash-linear-attention's precond_gated_delta_rule and
+# precond_kda): a diagonal preconditioner per key head, then a delta rule writing along the
+# preconditioned key.
+
+
+def _precond_loop(
+    q,
+    k,
+    v,
+    g_atk,
+    g,
+    beta_atk,
+    beta,
+    *,
+    scale,
+    initial_state,
+    initial_A_state,
+    l2norm,
+    x,
+    eps,
+    log_atk_scale,
+):
+    q, k, v, g_atk, g, beta_atk, beta = _f64(q, k, v, g_atk, g, beta_atk, beta)
+    b, t, h, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    r = hv // h
+    scale = dk**-0.5 if scale is None else scale
+    if l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    center = np.asarray(log_atk_scale, np.float64)
+    center = center[None, :, None] if center.ndim == 1 else center  # one per key head
+    state = _start(initial_state, (b, hv, dk, dv))
+    precond = _start(initial_A_state, (b, h, dk))  # one diagonal state per key head
+    o = np.zeros((b, t, hv, dv))
+    for ti in range(t):
+        kt = k[:, ti]  # (b, h, dk)
+        precond = np.exp(g_atk[:, ti])[..., None] * precond + beta_atk[:, ti][..., None] * kt**2
+        c = np.log(precond + eps) - center
+        write = kt * x ** (-c / (1.0 + np.abs(c)))  # a scale in (1/x, x) per channel
+        erase_h, write_h = np.repeat(kt, r, axis=1), np.repeat(write, r, axis=1)
+        decay = np.exp(g[:, ti])  # (b, hv) or (b, hv, dk)
+        state = (decay[..., None, None] if decay.ndim == 2 else decay[..., None]) * state
+        delta = beta[:, ti][..., None] * (v[:, ti] - np.einsum("bhkv,bhk->bhv", state, erase_h))
+        state = state + np.einsum("bhk,bhv->bhkv", write_h, delta)
+        o[:, ti] = np.einsum("bhkv,bhk->bhv", state, np.repeat(q[:, ti], r, axis=1) * scale)
+    return o, state, precond
+
+
+def precond_reference(
+    q,
+    k,
+    v,
+    g_atk,
+    g,
+    beta_atk,
+    beta,
+    *,
+    scale=None,
+    initial_state=None,
+    initial_A_state=None,
+    l2norm=False,
+    cu_seqlens=None,
+    x=1.5,
+    eps=1e-6,
+    log_atk_scale=-0.2,
+):
+    """The preconditioned delta rule, per token: per key head the diagonal state
+    `A = exp(g_atk) A + beta_atk k^2`, `c = log(A + eps) - log_atk_scale`, the write key
+    `k^ = k x^(-c / (1 + |c|))`; then per value head `S = exp(g) S` (g `(B, T, HV)`, or per
+    key channel `(B, T, HV, K)`: KDA), `S += k^ (beta (v - k^T S))^T`, `o = (scale q)^T S`.
+    `log_atk_scale` a float or one per key head `(H,)`. Returns `(o, S, A)`: A `(B, H, K)`
+    (with `cu_seqlens`, both final states per document)."""
+    kw = dict(scale=scale, l2norm=l2norm, x=x, eps=eps, log_atk_scale=log_atk_scale)
+    args = (q, k, v, g_atk, g, beta_atk, beta)
+    if cu_seqlens is None:
+        return _precond_loop(
+            *args, initial_state=initial_state, initial_A_state=initial_A_state, **kw
+        )
+    cu = [int(c) for c in np.asarray(cu_seqlens)]
+    outs, finals, a_finals = [], [], []
+    for n, (a, b) in enumerate(itertools.pairwise(cu)):
+        h0 = None if initial_state is None else np.asarray(initial_state)[n : n + 1]
+        a0 = None if initial_A_state is None else np.asarray(initial_A_state)[n : n + 1]
+        doc = [np.asarray(x)[:, a:b] for x in args]
+        o, s, p = _precond_loop(*doc, initial_state=h0, initial_A_state=a0, **kw)
+        outs.append(o)
+        finals.append(s[0])
+        a_finals.append(p[0])
+    return np.concatenate(outs, axis=1), np.stack(finals), np.stack(a_finals)
+
+
+def precond_gated_delta_reference(q, k, v, g_atk, g, beta_atk, beta, **kwargs):
+    """`precond_reference` in the argument order of `chunk_precond_gated_delta_rule`, `(o, S)`."""
+    return precond_reference(q, k, v, g_atk, g, beta_atk, beta, **kwargs)[:2]
+
+
+def precond_kda_reference(q, k, v, g, g_atk, beta_atk, beta, **kwargs):
+    """`precond_reference` in the argument order of `chunk_precond_kda` (g per key channel),
+    `(o, S)`."""
+    return precond_reference(q, k, v, g_atk, g, beta_atk, beta, **kwargs)[:2]
+
+
 # ---------------------------------------------------------------------------------------
 # Input generators: numpy-generated (no compilation), returned as jax arrays of `dtype`;
 # `(args in the public argument order, initial state (B, HV, K, V) float32)`.
@@ -339,6 +441,32 @@ def make_dplr_inputs(seed, *, b=1, t=40, h=1, hv=2, dk=8, dv=6, dtype=jnp.float3
     bb = kk * rng.uniform(size=kk.shape)
     gk = -np.exp(rng.uniform(-5.0, 1.0, size=(b, t, hv, dk)))
     return _cast(dtype, q, k, v, a, bb, gk), _state(rng, b, hv, dk, dv)
+
+
+def make_precond_gdn_inputs(seed, *, b=1, t=40, h=1, hv=2, dk=8, dv=6, dtype=jnp.float32):
+    """`(q, k, v, g_atk, g, beta_atk, beta)`, the order of `chunk_precond_gated_delta_rule`."""
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(b, t, h, dk))
+    k = 0.7 * rng.normal(size=(b, t, h, dk)) / np.sqrt(dk)
+    v = rng.normal(size=(b, t, hv, dv))
+    g_atk = -np.exp(rng.uniform(-5.0, 0.0, size=(b, t, h)))
+    g = -np.exp(rng.uniform(-5.0, 0.0, size=(b, t, hv)))
+    beta_atk = rng.uniform(size=(b, t, h))
+    beta = rng.uniform(size=(b, t, hv))
+    return _cast(dtype, q, k, v, g_atk, g, beta_atk, beta), _state(rng, b, hv, dk, dv)
+
+
+def make_precond_kda_inputs(seed, *, b=1, t=40, h=1, hv=2, dk=8, dv=6, dtype=jnp.float32):
+    """`(q, k, v, g, g_atk, beta_atk, beta)`, the order of `chunk_precond_kda`."""
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(b, t, h, dk))
+    k = 0.7 * rng.normal(size=(b, t, h, dk)) / np.sqrt(dk)
+    v = rng.normal(size=(b, t, hv, dv))
+    g = -np.exp(rng.uniform(-5.0, 1.0, size=(b, t, hv, dk)))
+    g_atk = -np.exp(rng.uniform(-5.0, 0.0, size=(b, t, h)))
+    beta_atk = rng.uniform(size=(b, t, h))
+    beta = rng.uniform(size=(b, t, hv))
+    return _cast(dtype, q, k, v, g, g_atk, beta_atk, beta), _state(rng, b, hv, dk, dv)
 
 
 def make_gdn_inputs(key, b=2, t=37, h=2, hv=4, dk=16, dv=8, dtype=jnp.float32, state=True):

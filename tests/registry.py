@@ -14,6 +14,8 @@ from typing import Any
 import jax
 
 import deltanet_cp as dcp
+from deltanet_cp._precision import accumulation_dtype
+from deltanet_cp.recurrences._precond_functions import write_keys
 
 from .helpers import (
     delta_product_reference,
@@ -30,6 +32,10 @@ from .helpers import (
     make_gdn2_inputs,
     make_gla_inputs,
     make_kda_inputs,
+    make_precond_gdn_inputs,
+    make_precond_kda_inputs,
+    precond_gated_delta_reference,
+    precond_kda_reference,
     Reference,
 )
 
@@ -208,6 +214,73 @@ DPLR = Family(
     l2norm=False,
 )
 
+# -- The preconditioned delta rules: the public functions return `(o, final_state,
+# final_A_state)` and run two stages; the registry sees the main stage. Its `recurrence` is
+# the main stage's configuration and `inputs` its inputs with the write keys from the
+# preconditioner (default centre, range and eps, zero initial state, no l2norm: `l2norm`
+# is False here, tests/test_precond.py covers it and the preconditioner's states).
+
+
+def _main_state_only(fn):
+    @ft.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)[:2]
+
+    return wrapper
+
+
+def _precond_inputs(q, k, v, g_atk, g, beta_atk, beta):
+    write_key, _ = write_keys(
+        k,
+        g_atk,
+        beta_atk,
+        dtype=accumulation_dtype(q, k, v, g_atk, g, beta_atk, beta),
+        use_qk_l2norm=False,
+        initial_A_state=None,
+        cu_seqlens=None,
+        cp=None,
+        chunk_size=16,
+        precision="highest",
+        x=1.5,
+        eps=1e-6,
+        log_atk_scale=None,
+    )
+    return dcp.DeltaInputs(q, k, v, g, beta, write_key=write_key)
+
+
+def _precond_kda_inputs(q, k, v, g, g_atk, beta_atk, beta):
+    return _precond_inputs(q, k, v, g_atk, g, beta_atk, beta)
+
+
+PRECOND_GATED_DELTA_RULE = Family(
+    name="precond_gated_delta_rule",
+    chunk=_main_state_only(dcp.chunk_precond_gated_delta_rule),
+    recurrent=_main_state_only(dcp.recurrent_precond_gated_delta_rule),
+    recurrence=dcp.PrecondGatedDeltaRule,
+    inputs=_precond_inputs,
+    make=make_precond_gdn_inputs,
+    reference=precond_gated_delta_reference,
+    arg_names=("q", "k", "v", "g_atk", "g", "beta_atk", "beta"),
+    gate="g",
+    l2norm=False,
+    unit_gates=("beta_atk", "beta"),
+)
+
+PRECOND_KDA = Family(
+    name="precond_kda",
+    chunk=_main_state_only(dcp.chunk_precond_kda),
+    recurrent=_main_state_only(dcp.recurrent_precond_kda),
+    recurrence=dcp.PrecondKimiDeltaAttention,
+    inputs=_precond_kda_inputs,
+    make=make_precond_kda_inputs,
+    reference=precond_kda_reference,
+    arg_names=("q", "k", "v", "g", "g_atk", "beta_atk", "beta"),
+    gate="g",
+    gate_per_channel=True,
+    l2norm=False,
+    unit_gates=("beta_atk", "beta"),
+)
+
 FAMILIES = [
     GATED_DELTA_RULE,
     DELTA_RULE,
@@ -217,8 +290,18 @@ FAMILIES = [
     GATED_DELTA_PRODUCT,
     GDN2,
     DPLR,
+    PRECOND_GATED_DELTA_RULE,
+    PRECOND_KDA,
 ]
-DELTA_FAMILIES = [GATED_DELTA_RULE, DELTA_RULE, KIMI_DELTA_ATTENTION, GATED_DELTA_PRODUCT, GDN2]
+DELTA_FAMILIES = [
+    GATED_DELTA_RULE,
+    DELTA_RULE,
+    KIMI_DELTA_ATTENTION,
+    GATED_DELTA_PRODUCT,
+    GDN2,
+    PRECOND_GATED_DELTA_RULE,
+    PRECOND_KDA,
+]
 
 EXCHANGES = [dcp.AllGather(), dcp.PPermute(), dcp.Ring(), dcp.Auto()]
 EXCHANGE_NAMES = ["allgather", "ppermute", "ring", "auto"]

@@ -7,15 +7,17 @@ makes. With per-channel log decays $g_t$ (one per head is the same decay on ever
 none is $g = 0$), $G_i = \sum_{t \le i} g_t$ from the chunk start, an erase gate $b_i$ and a
 write gate $w_i$ (both the scalar $\beta_i$, except for Gated DeltaNet-2 where $b_i$ has one
 value per key channel and $w_i$ one per value channel), and $s$ updates emitting $c$
-outputs, one chunk is an affine map of the incoming state:
+outputs, one chunk is an affine map of the incoming state (with $\hat k$ the write key: the
+key $k$ itself, except for the preconditioned rules, which erase along $k$ and write along
+$\hat k = k \odot m$):
 
-    A_ij   = sum_c (b_i k_i)_c k_jc exp(G_ic - G_jc)     (i > j)
+    A_ij   = sum_c (b_i k_i)_c k^_jc exp(G_ic - G_jc)    (i > j)
     T      = (I + A)^-1                                   (unit lower triangular)
     w      = T (b * exp(G) * k),   u = T (w_gate * v)
-    attn   = tril_inclusive(sum_c q_ic k_jc exp(G_ic - G_jc)),   q_g = q * exp(G)
+    attn   = tril_inclusive(sum_c q_ic k^_jc exp(G_ic - G_jc)),   q_g = q * exp(G)
     v_new  = u - w h
     o      = q_g h + attn v_new
-    h_next = diag(gamma) h + k~^T v_new,   gamma = exp(G_C),   k~ = k * exp(G_C - G)
+    h_next = diag(gamma) h + k~^T v_new,   gamma = exp(G_C),   k~ = k^ * exp(G_C - G)
 
 The chunk step forms `w h` and `q_g h` in one product and `attn v_new` beside it, as
 flash-linear-attention does: no `attn w` or `attn u` is formed ahead of the state, which
@@ -66,6 +68,9 @@ class DeltaInputs(eqx.Module):
         Gated DeltaNet-2, the erase gate `b`, one per key channel: `(B, T, HV, K)`.
     - `write`: Gated DeltaNet-2's write gate `w`, one per value channel, `(B, T, HV, V)`;
         `None` for the others (the write gate is `beta`).
+    - `write_key`: the preconditioned rules' write key `k^`, `(B, T, H, K)`, taken as
+        given (not normalised with `use_qk_l2norm`); `None` for the others (the write key
+        is `k`).
     """
 
     q: Float[Array, "batch seq heads k"] = eqx.field(metadata={"output_only": True})
@@ -74,6 +79,7 @@ class DeltaInputs(eqx.Module):
     g: Float[Array, "batch seq vheads *k"] | None = eqx.field(metadata={"log_decay": True})
     beta: Float[Array, "batch seq *nh vheads"] | Float[Array, "batch seq vheads k"]
     write: Float[Array, "batch seq vheads v"] | None = None
+    write_key: Float[Array, "batch seq heads k"] | None = None
 
 
 class DeltaFactors(eqx.Module):
@@ -114,7 +120,9 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
     per head (`"optional"`) or absent (`"none"`), with `householder` whether a token makes
     several updates (the `n_h` axis of Gated DeltaProduct), and with `channel_gates`
     whether the erase gate is per key channel and the write gate per value channel (Gated
-    DeltaNet-2; the default: one `beta` per token for both).
+    DeltaNet-2; the default: one `beta` per token for both), and with `write_key` whether
+    it writes along a key of its own, `DeltaInputs.write_key` (the preconditioned rules; the
+    default: along `k`).
     """
 
     scale: eqx.AbstractVar[float | None]
@@ -123,6 +131,7 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
     gate: ClassVar[GateKind]
     householder: ClassVar[bool]
     channel_gates: ClassVar[bool] = False
+    write_key: ClassVar[bool] = False
 
     def check(self, inputs: DeltaInputs) -> None:
         name = type(self).__name__
@@ -137,6 +146,10 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
             raise ValueError(f"{name} needs the write gate `w` (`DeltaInputs.write`); got None.")
         if not self.channel_gates and inputs.write is not None:
             raise ValueError(f"{name} writes with `beta`: pass `write=None`.")
+        if self.write_key and inputs.write_key is None:
+            raise ValueError(f"{name} needs the write key (`DeltaInputs.write_key`); got None.")
+        if not self.write_key and inputs.write_key is not None:
+            raise ValueError(f"{name} writes along `k`: pass `write_key=None`.")
         check_arrays(
             {
                 "q": (inputs.q, ("batch", "seq", "heads", "K")),
@@ -148,6 +161,7 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
                     ("batch", "seq", *nh, "value_heads", *(("K",) if self.channel_gates else ())),
                 ),
                 write: (inputs.write, ("batch", "seq", "value_heads", "V")),
+                "write_key": (inputs.write_key, ("batch", "seq", "heads", "K")),
             }
         )
 
@@ -169,6 +183,9 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
         # output after the last.
         s = c * nh
         k = chunk_major(k.reshape(b, n, s, h, dk))  # (N, B, H, S, K)
+        k_write = None
+        if chunks.write_key is not None:  # taken as given: no l2norm
+            k_write = chunk_major(chunks.write_key.astype(dt).reshape(b, n, s, h, dk))
         v = chunk_major(chunks.v.astype(dt).reshape(b, n, s, h, r, dv))  # (N, B, H, r, S, V)
         channels = int(self.channel_gates)  # erase per key channel, write per value channel
         beta = chunks.beta.astype(dt).reshape(b, n, s, h, r, *((dk,) if channels else ()))
@@ -186,7 +203,9 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
             g = g.reshape(b, n, s, h, r, *((dk,) if per_key else ()))
             g = chunk_major(g, features=int(per_key))
         rows = slice(nh - 1, None, nh)
-        return _factors(chunk_major(q), k, v, g, beta, write, rows=rows, precision=precision)
+        return _factors(
+            chunk_major(q), k, v, g, beta, write, rows=rows, precision=precision, k_write=k_write
+        )
 
     def step(self, factors: DeltaFactors, h: Float[Array, "b h k v"]) -> tuple[Array, Array]:
         f = factors
@@ -249,13 +268,17 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
         return outputs.astype(inputs.v.dtype)
 
 
-def _factors(q, k, v, g, beta, write, *, rows: slice, precision: PrecisionName) -> DeltaFactors:
+def _factors(
+    q, k, v, g, beta, write, *, rows: slice, precision: PrecisionName, k_write=None
+) -> DeltaFactors:
     """The factors from chunk-major inputs: `q: (N, B, H, C, K)`, `k: (N, B, H, S, K)`,
     `v: (N, B, H, r, S, V)`, `g: None`, `(N, B, H, r, S)` or `(N, B, H, r, S, K)`; the
     erase gate `beta: (N, B, H, r, S)` or, per key channel, `(N, B, H, r, S, K)` (per
     channel decays only) and the write gate `write: (N, B, H, r, S)` or, per value
     channel, `(N, B, H, r, S, V)`; `rows` picks the `C` output positions among the `S`
-    updates; `precision` is the policy of the Grams and the WY products.
+    updates; `precision` is the policy of the Grams and the WY products; `k_write`, of
+    `k`'s shape, the write key (`None`: `k`): the Grams' right factor and `k~`, while `w`
+    erases along `k`.
 
     Products of keys with keys or queries are formed once per key head and broadcast over
     its `r` value heads, unless the decay is per channel (it then differs per value head).
@@ -279,25 +302,27 @@ def _factors(q, k, v, g, beta, write, *, rows: slice, precision: PrecisionName) 
     strict = lift(jnp.tril(jnp.ones((s, s), dtype=bool), k=-1), 4)
     zero = jnp.zeros((), dt)
     kr, qr = k[:, None], q[:, None]  # (N B H, 1, ., K)
+    kwr = kr if k_write is None else flat(k_write)[:, None]  # the write key
     if g is not None and g.ndim == k.ndim + 1:  # one decay per key channel: exact blocked Gram
         kb, qb = jnp.broadcast_to(kr, (*lead, s, dk)), jnp.broadcast_to(qr, (*lead, s, dk))
+        kwb = kb if k_write is None else jnp.broadcast_to(kwr, (*lead, s, dk))
         x = jnp.stack([_gated(kb, beta), qb], -2)
-        grams = decayed_grams(x, kb[..., None, :], g, False, precision)
+        grams = decayed_grams(x, kwb[..., None, :], g, False, precision)
         a = jnp.where(strict, grams[..., :, 0, :, 0], zero)
         attn = grams[..., rows, 1, :, 0]
         decay_in, decay_out = cumulative_decays(g, per_channel=True)
-        q_decayed, k_decayed = qb * decay_in[..., rows, :], kb * decay_out
+        q_decayed, k_decayed = qb * decay_in[..., rows, :], kwb * decay_out
         bk = _gated(decay_in * kb, beta)
         gamma = decay_in[..., -1, :]
     else:
         if beta.ndim != v.ndim - 1:
             raise ValueError("An erase gate per key channel needs a decay per key channel.")
-        qk = einsum("...ik,...jk->...ij", qr, kr, precision=precision)  # (N B H, 1, C, S)
-        kk = einsum("...ik,...jk->...ij", kr, kr, precision=precision)
+        qk = einsum("...ik,...jk->...ij", qr, kwr, precision=precision)  # (N B H, 1, C, S)
+        kk = einsum("...ik,...jk->...ij", kr, kwr, precision=precision)
         if g is None:
             attn = jnp.where(incl[..., rows, :], qk, zero)
             a = jnp.where(strict, kk, zero) * beta[..., :, None]
-            q_decayed, k_decayed, bk = qr, kr, beta[..., None] * kr
+            q_decayed, k_decayed, bk = qr, kwr, beta[..., None] * kr
             gamma = jnp.ones((*lead, dk), dt)
         else:
             # G_i - G_j summed directly over (j, i], never as a difference of prefix sums:
@@ -307,7 +332,7 @@ def _factors(q, k, v, g, beta, write, *, rows: slice, precision: PrecisionName) 
             attn = qk * decay[..., rows, :]
             a = jnp.where(strict, kk * decay, zero) * beta[..., :, None]
             q_decayed = decay_in[..., rows, None] * qr
-            k_decayed = kr * decay[..., -1, :, None]  # k e^{G_C - G_i}
+            k_decayed = kwr * decay[..., -1, :, None]  # k^ e^{G_C - G_i}
             bk = (beta * decay_in)[..., None] * kr
             gamma = jnp.broadcast_to(decay_in[..., -1:], (*lead, dk))
     rhs = jnp.concatenate([bk, _gated(v, write)], axis=-1)  # (N B H, r, S, K + V)

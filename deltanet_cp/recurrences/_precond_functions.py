@@ -1,0 +1,471 @@
+r"""The preconditioned delta rules (flash-linear-attention's `precond_gated_delta_rule` and
+`precond_kda`): a cascade of two recurrences on the engine.
+
+Per token, first a diagonal preconditioner per key head (`A: (B, H, K)`, shared by the
+value heads that read the key head), then a squash of it into a write-key scale:
+
+    A   <- exp(g_atk_t) A + beta_atk_t k_t^2                  (elementwise over K)
+    r   =  log(A + eps) - log_atk_scale,   s = r / (1 + |r|)
+    k^_t = k_t * exp(-log(x) s)                                (a scale in (1/x, x))
+
+then the main recurrence per value head, a delta rule erasing along `k` and writing along
+`k^` ([`deltanet_cp.PrecondGatedDeltaRule`][] / [`deltanet_cp.PrecondKimiDeltaAttention`][]).
+
+The preconditioner is a linear recurrence whose per-token output is its state: gated linear
+attention with a one-row state, `A` as a `(1, K)` state with key `1`, value
+`beta_atk * k^2`, query `1` and decay `g_atk`. So it runs on the engine as
+[`deltanet_cp.GatedLinearAttention`][]: its chunks are diagonal maps (`1 + K` numbers per
+key head cross the ranks), its within-chunk sums are the exact segment-sum decays, and its
+VJP is the engine's. The squash is elementwise; the main stage then runs on the engine from
+the preconditioned keys. Context parallelism, packed documents and gradients go through
+both runs.
+"""
+
+import math
+from typing import Any, TypeAlias
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, States, ValueTensor
+from .._parallel import ContextParallel
+from .._precision import accumulation_dtype, as_precision, PrecisionName, resolve_precision
+from .._run import run
+from ..chunkops import l2norm
+from ._delta_family import AbstractDeltaRule, DeltaInputs
+from ._gla import GatedLinearAttention, GLAInputs
+from ._helpers import check_arrays
+from ._precond import PrecondGatedDeltaRule, PrecondKimiDeltaAttention
+
+
+# A gate per token and key head (the preconditioner's), its state per key head, its centre.
+KeyHeadGate: TypeAlias = Float[Array, "batch seq heads"]
+AStates: TypeAlias = Float[Array, "batch_or_docs heads k"]
+Center: TypeAlias = float | Float[Array, " heads"] | Float[Array, ""] | None
+
+
+def _as_positive_float(value: Any, name: str, *, low: float, strict: bool) -> float:
+    if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
+        raise TypeError(f"`{name}` must be a Python float; got {value!r}.")
+    try:
+        number = float(value)
+    except Exception:
+        raise TypeError(
+            f"`{name}` must be a Python float known when tracing; got {value!r}. Pass it as a "
+            "static argument (close over it) instead of a jit argument."
+        ) from None
+    if not math.isfinite(number) or number < low or (strict and number == low):
+        bound = f"> {low}" if strict else f">= {low}"
+        raise ValueError(f"`{name}` must be a finite float {bound}; got {number}.")
+    return number
+
+
+def _center(log_atk_scale: Center, heads: int, dtype: Any) -> Array:
+    """The squash's centre as an array that broadcasts against `(B, T, H, K)`."""
+    if log_atk_scale is None:
+        return jnp.asarray(-0.2, dtype)
+    if isinstance(log_atk_scale, (int, float)) and not isinstance(log_atk_scale, bool):
+        return jnp.asarray(log_atk_scale, dtype)
+    shape = getattr(log_atk_scale, "shape", None)
+    dt = getattr(log_atk_scale, "dtype", None)
+    if shape is None or dt is None or not jnp.issubdtype(dt, jnp.floating):
+        raise ValueError(
+            "`log_atk_scale` must be None, a float, or a floating-point array of shape "
+            f"(H,) = ({heads},), one centre per key head; got {log_atk_scale!r}."
+        )
+    if tuple(shape) == ():
+        return jnp.asarray(log_atk_scale, dtype)
+    if tuple(shape) != (heads,):
+        raise ValueError(
+            "`log_atk_scale` must be a float or an array of shape (H,) = "
+            f"({heads},), one centre per key head; got shape {tuple(shape)}."
+        )
+    return jnp.asarray(log_atk_scale, dtype).reshape(1, 1, heads, 1)
+
+
+def _precond(
+    main: AbstractDeltaRule,
+    per_channel: bool,
+    q,
+    k,
+    v,
+    g_atk,
+    g,
+    beta_atk,
+    beta,
+    *,
+    initial_state,
+    initial_A_state,
+    cu_seqlens,
+    cp,
+    x,
+    eps,
+    log_atk_scale,
+):
+    sizes = check_arrays(
+        {
+            "q": (q, ("batch", "seq", "heads", "K")),
+            "k": (k, ("batch", "seq", "heads", "K")),
+            "v": (v, ("batch", "seq", "value_heads", "V")),
+            "g_atk": (g_atk, ("batch", "seq", "heads")),
+            "g": (g, ("batch", "seq", "value_heads", *(("K",) if per_channel else ()))),
+            "beta_atk": (beta_atk, ("batch", "seq", "heads")),
+            "beta": (beta, ("batch", "seq", "value_heads")),
+        }
+    )
+    heads, dk = sizes["heads"], sizes["K"]
+    if initial_A_state is not None:
+        shape = getattr(initial_A_state, "shape", None)
+        dt = getattr(initial_A_state, "dtype", None)
+        if shape is None or dt is None or not jnp.issubdtype(dt, jnp.floating):
+            raise ValueError(
+                f"`initial_A_state` must be a floating-point array; got {initial_A_state!r}."
+            )
+        batch = sizes["batch"] if cu_seqlens is None else None
+        if len(shape) != 3 or tuple(shape[1:]) != (heads, dk) or batch not in (None, shape[0]):
+            lead = "B" if cu_seqlens is None else "N (documents)"
+            raise ValueError(
+                f"`initial_A_state` must have shape ({lead}, H, K) with H = {heads} key heads "
+                f"and K = {dk} (one preconditioner state per key head); got {tuple(shape)}."
+            )
+    inputs = (q, k, v, g_atk, g, beta_atk, beta)
+    precision = resolve_precision(main.precision, *inputs)
+    write_key, a_final = write_keys(
+        k,
+        g_atk,
+        beta_atk,
+        dtype=accumulation_dtype(*inputs),
+        use_qk_l2norm=main.use_qk_l2norm,
+        initial_A_state=initial_A_state,
+        cu_seqlens=cu_seqlens,
+        cp=cp,
+        chunk_size=main.chunk_size,
+        precision=precision,
+        x=x,
+        eps=eps,
+        log_atk_scale=log_atk_scale,
+    )
+    # Stage 2: the delta rule erasing along k and writing along the preconditioned key.
+    o, final_state = run(
+        _resolved(main, precision),
+        DeltaInputs(q, k, v, g, beta, write_key=write_key),
+        initial_state=initial_state,
+        cu_seqlens=cu_seqlens,
+        cp=cp,
+    )
+    return o, final_state, a_final
+
+
+def write_keys(
+    k,
+    g_atk,
+    beta_atk,
+    *,
+    dtype: Any,
+    use_qk_l2norm: bool,
+    initial_A_state,
+    cu_seqlens,
+    cp,
+    chunk_size: int,
+    precision: PrecisionName,
+    x,
+    eps,
+    log_atk_scale,
+):
+    """The preconditioner on the engine and the squash: the write keys `(B, T, H, K)` in
+    `dtype` and the preconditioner's final state `(B, H, K)` (per document with
+    `cu_seqlens`). `k`, `g_atk`, `beta_atk` and `initial_A_state` checked by the caller."""
+    x = _as_positive_float(x, "x", low=1.0, strict=False)
+    eps = _as_positive_float(eps, "eps", low=0.0, strict=True)
+    center = _center(log_atk_scale, k.shape[2], dtype)
+    k_erase = k.astype(dtype)
+    if use_qk_l2norm:
+        k_erase = l2norm(k_erase)  # what the main stage erases along: the same l2norm
+    # Gated linear attention with a one-row state: key 1, value beta_atk k^2, query 1.
+    ones = jnp.ones((*k.shape[:-1], 1), dtype)
+    a0 = None if initial_A_state is None else initial_A_state[..., None, :]
+    a, a_final = run(
+        GatedLinearAttention(
+            chunk_size=chunk_size, scale=1.0, use_qk_l2norm=False, precision=precision
+        ),
+        GLAInputs(ones, ones, beta_atk.astype(dtype)[..., None] * k_erase**2, g_atk),
+        initial_state=a0,
+        cu_seqlens=cu_seqlens,
+        cp=cp,
+    )
+    # The squash: a write-key scale in (1/x, x) per key channel.
+    r = jnp.log(a + jnp.asarray(eps, dtype)) - center
+    s = r / (1 + jnp.abs(r))
+    return k_erase * jnp.exp(jnp.asarray(-math.log(x), dtype) * s), a_final[..., 0, :]
+
+
+def _resolved(main: AbstractDeltaRule, precision: PrecisionName) -> AbstractDeltaRule:
+    """`main` with its products' policy resolved from the public inputs (the main stage's
+    own inputs hold the float32 preconditioned keys beside possibly bfloat16 ones)."""
+    return type(main)(
+        chunk_size=main.chunk_size,
+        scale=main.scale,
+        use_qk_l2norm=main.use_qk_l2norm,
+        precision=precision,
+    )  # pyright: ignore[reportCallIssue]
+
+
+def chunk_precond_gated_delta_rule(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    g_atk: KeyHeadGate,
+    g: GateTensor,
+    beta_atk: KeyHeadGate,
+    beta: GateTensor,
+    *,
+    scale: float | None = None,
+    initial_state: States | None = None,
+    initial_A_state: AStates | None = None,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+    cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
+    x: float = 1.5,
+    eps: float = 1e-6,
+    log_atk_scale: Center = None,
+) -> tuple[ValueTensor, States, AStates]:
+    r"""The preconditioned gated delta rule in chunked (WY) form: the training path.
+
+    Per token: the preconditioner $A \leftarrow e^{g^{atk}_t} A + \beta^{atk}_t k_t^2$ (per
+    key head and channel), the write key $\hat k_t = k_t\, x^{-s}$ with
+    $s = r / (1 + |r|)$, $r = \log(A + \epsilon) - c$; then per value head
+    $h \leftarrow e^{g_t} h$, $h \leftarrow h + \hat k_t (\beta_t (v_t - h^\top k_t))^\top$,
+    $o_t = h^\top (s\, q_t)$. flash-linear-attention's
+    `fla.ops.precond_gated_delta_rule.chunk_precond_gated_delta_rule` in argument names,
+    order and results.
+
+    **Arguments:**
+
+    - `q`, `k`: queries and keys, shape `(B, T, H, K)`.
+    - `v`: values, shape `(B, T, HV, V)`; `HV` a multiple of `H`, value head `j` reads key
+        head `j // (HV // H)` and its preconditioner.
+    - `g_atk`: the preconditioner's log decays $\le 0$, one per key head, `(B, T, H)`.
+    - `g`: the main log decays $\le 0$, `(B, T, HV)`.
+    - `beta_atk`: the preconditioner's step sizes, `(B, T, H)`.
+    - `beta`: the main step sizes in $[0, 1]$, `(B, T, HV)`.
+    - `chunk_size`: tokens per chunk (both stages).
+    - `scale`: query scale, default `K ** -0.5` (a Python float).
+    - `initial_state`: the main state before the first token, `(B, HV, K, V)`; zeros if
+        `None`.
+    - `initial_A_state`: the preconditioner's state before the first token, `(B, H, K)`
+        (one per key head); zeros if `None`.
+    - `use_qk_l2norm`: L2-normalise `q` and `k` over `K` (eps `1e-6`) first (the
+        preconditioner then accumulates the normalised keys). flash-linear-attention's
+        default is on; so is its adapter's in `deltanet_cp.interop.fla`.
+    - `cu_seqlens`: packed documents (batch size 1), as in
+        [`deltanet_cp.chunk_gated_delta_rule`][]; both states are then per document,
+        `(N, HV, K, V)` and `(N, H, K)`.
+    - `cp`: how the call is sharded, as in [`deltanet_cp.ContextParallel`][]; both stages
+        run context-parallel under it.
+    - `precision`: the products' policy, as in [`deltanet_cp.chunk_gated_delta_rule`][].
+    - `x`: the squash's range: the write key is `k` times a scale in $(1/x, x)$; a Python
+        float $\ge 1$ ($x = 1$: no preconditioning). Default `1.5`.
+    - `eps`: added to the preconditioner's state before the log, a Python float $> 0$.
+        Default `1e-6`.
+    - `log_atk_scale`: the squash's centre in log space: a float (default `-0.2`) or an
+        array of shape `(H,)`, one per key head (differentiable).
+
+    **Returns:**
+
+    `(o, final_state, final_A_state)`: `o` of shape `(B, T, HV, V)` in `v`'s dtype, the
+    final main state `(B, HV, K, V)` and the final preconditioner state `(B, H, K)` (one
+    per key head; float32, float64 for float64 inputs; with `cu_seqlens`, one per
+    document).
+    """
+    return _precond(
+        PrecondGatedDeltaRule(
+            chunk_size=chunk_size,
+            scale=scale,
+            use_qk_l2norm=use_qk_l2norm,
+            precision=as_precision(precision),
+        ),
+        False,
+        q,
+        k,
+        v,
+        g_atk,
+        g,
+        beta_atk,
+        beta,
+        initial_state=initial_state,
+        initial_A_state=initial_A_state,
+        cu_seqlens=cu_seqlens,
+        cp=cp,
+        x=x,
+        eps=eps,
+        log_atk_scale=log_atk_scale,
+    )
+
+
+def recurrent_precond_gated_delta_rule(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    g_atk: KeyHeadGate,
+    g: GateTensor,
+    beta_atk: KeyHeadGate,
+    beta: GateTensor,
+    *,
+    scale: float | None = None,
+    initial_state: States | None = None,
+    initial_A_state: AStates | None = None,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
+    x: float = 1.5,
+    eps: float = 1e-6,
+    log_atk_scale: Center = None,
+) -> tuple[ValueTensor, States, AStates]:
+    r"""The preconditioned gated delta rule token by token: the decoding path.
+
+    The same recurrence as [`deltanet_cp.chunk_precond_gated_delta_rule`][], one token per
+    step (both stages with `chunk_size=1`); the same arguments (without `chunk_size`) and
+    results.
+    """
+    return chunk_precond_gated_delta_rule(
+        q,
+        k,
+        v,
+        g_atk,
+        g,
+        beta_atk,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        initial_A_state=initial_A_state,
+        use_qk_l2norm=use_qk_l2norm,
+        cu_seqlens=cu_seqlens,
+        chunk_size=1,
+        cp=cp,
+        precision=precision,
+        x=x,
+        eps=eps,
+        log_atk_scale=log_atk_scale,
+    )
+
+
+def chunk_precond_kda(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    g: KeyGateTensor,
+    g_atk: KeyHeadGate,
+    beta_atk: KeyHeadGate,
+    beta: GateTensor,
+    *,
+    scale: float | None = None,
+    initial_state: States | None = None,
+    initial_A_state: AStates | None = None,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    chunk_size: int = 64,
+    cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
+    x: float = 1.5,
+    eps: float = 1e-6,
+    log_atk_scale: Center = None,
+) -> tuple[ValueTensor, States, AStates]:
+    r"""Preconditioned Kimi Delta Attention in chunked (WY) form: the training path.
+
+    The preconditioner and write key of
+    [`deltanet_cp.chunk_precond_gated_delta_rule`][], then per value head
+    $h \leftarrow \mathrm{diag}(e^{g_t}) h$,
+    $h \leftarrow h + \hat k_t (\beta_t (v_t - h^\top k_t))^\top$, $o_t = h^\top (s\, q_t)$.
+    flash-linear-attention's `fla.ops.precond_kda.chunk_precond_kda` in argument names,
+    order (`g` before `g_atk`, as there) and results.
+
+    **Arguments:**
+
+    - `q`, `k`: queries and keys, shape `(B, T, H, K)`.
+    - `v`: values, shape `(B, T, HV, V)`; `HV` a multiple of `H`.
+    - `g`: the main log decays per key channel, $\le 0$, `(B, T, HV, K)`.
+    - `g_atk`: the preconditioner's log decays $\le 0$, one per key head, `(B, T, H)`.
+    - `beta_atk`: the preconditioner's step sizes, `(B, T, H)`.
+    - `beta`: the main step sizes in $[0, 1]$, `(B, T, HV)`.
+    - `scale`, `initial_state`, `initial_A_state`, `use_qk_l2norm`, `cu_seqlens`,
+        `chunk_size`, `cp`, `precision`, `x`, `eps`, `log_atk_scale`: as in
+        [`deltanet_cp.chunk_precond_gated_delta_rule`][].
+
+    **Returns:**
+
+    `(o, final_state, final_A_state)`, as in
+    [`deltanet_cp.chunk_precond_gated_delta_rule`][].
+    """
+    return _precond(
+        PrecondKimiDeltaAttention(
+            chunk_size=chunk_size,
+            scale=scale,
+            use_qk_l2norm=use_qk_l2norm,
+            precision=as_precision(precision),
+        ),
+        True,
+        q,
+        k,
+        v,
+        g_atk,
+        g,
+        beta_atk,
+        beta,
+        initial_state=initial_state,
+        initial_A_state=initial_A_state,
+        cu_seqlens=cu_seqlens,
+        cp=cp,
+        x=x,
+        eps=eps,
+        log_atk_scale=log_atk_scale,
+    )
+
+
+def recurrent_precond_kda(
+    q: QKTensor,
+    k: QKTensor,
+    v: ValueTensor,
+    g: KeyGateTensor,
+    g_atk: KeyHeadGate,
+    beta_atk: KeyHeadGate,
+    beta: GateTensor,
+    *,
+    scale: float | None = None,
+    initial_state: States | None = None,
+    initial_A_state: AStates | None = None,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: CuSeqlens | None = None,
+    cp: ContextParallel | None = None,
+    precision: PrecisionName | None = None,
+    x: float = 1.5,
+    eps: float = 1e-6,
+    log_atk_scale: Center = None,
+) -> tuple[ValueTensor, States, AStates]:
+    r"""Preconditioned Kimi Delta Attention token by token: the decoding path.
+
+    The same recurrence as [`deltanet_cp.chunk_precond_kda`][], one token per step (both
+    stages with `chunk_size=1`); the same arguments (without `chunk_size`) and results.
+    """
+    return chunk_precond_kda(
+        q,
+        k,
+        v,
+        g,
+        g_atk,
+        beta_atk,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        initial_A_state=initial_A_state,
+        use_qk_l2norm=use_qk_l2norm,
+        cu_seqlens=cu_seqlens,
+        chunk_size=1,
+        cp=cp,
+        precision=precision,
+        x=x,
+        eps=eps,
+        log_atk_scale=log_atk_scale,
+    )
