@@ -27,7 +27,7 @@ _UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "head_first": (False, "pass the inputs as `(B, T, H, ...)`"),
 }
 # FLA options that only steer how its kernels run; accepted and unused.
-_HINTS = frozenset({"cu_seqlens_cpu", "chunk_indices", "disable_recompute"})
+_HINTS = frozenset({"cu_seqlens_cpu", "chunk_indices", "disable_recompute", "solve_tril_precision"})
 
 
 def _describe(value: Any) -> str:

@@ -9,7 +9,9 @@ o, final_state = chunk_gated_delta_rule(q, k, v, g, beta, scale, h0, True)
 
 Each function has FLA's name, argument names and positional order, takes JAX arrays in FLA's
 `(B, T, H, ...)` layout, and returns what FLA returns: `(o, final_state)`, with `None` for
-the state unless `output_final_state=True`. It converts its arguments and runs the
+the state unless `output_final_state=True` (the preconditioned rules,
+`chunk_precond_gated_delta_rule` and `chunk_precond_kda` with their fused recurrent twins,
+return `(o, final_state, final_A_state)`, as FLA's). It converts its arguments and runs the
 recurrence of the deltanet_cp function named in its docstring; `chunk_gdn` and
 `fused_recurrent_gdn` are FLA's aliases of `chunk_gated_delta_rule` and
 `fused_recurrent_gated_delta_rule`, and `chunk_rwkv7` / `fused_recurrent_rwkv7` are RWKV-7's
@@ -56,6 +58,12 @@ from ._fla_kda import (
     chunk_kda as chunk_kda,
     fused_recurrent_gdn2 as fused_recurrent_gdn2,
     fused_recurrent_kda as fused_recurrent_kda,
+)
+from ._fla_precond import (
+    chunk_precond_gated_delta_rule as chunk_precond_gated_delta_rule,
+    chunk_precond_kda as chunk_precond_kda,
+    fused_recurrent_precond_gated_delta_rule as fused_recurrent_precond_gated_delta_rule,
+    fused_recurrent_precond_kda as fused_recurrent_precond_kda,
 )
 
 
