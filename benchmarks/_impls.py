@@ -330,6 +330,12 @@ def _family_inputs(kind: str, b: int, t: int, h: int, hv: int, d: int) -> list:
         return [q, k, v, log_decay(b, t, hv), sigmoid(normal(b, t, hv))]
     if kind == "kda":
         return [q, k, v, log_decay(b, t, hv, d), sigmoid(normal(b, t, hv))]
+    if kind == "precond_gdn":  # (q, k, v, g_atk, g, beta_atk, beta)
+        g_atk, g = log_decay(b, t, h), log_decay(b, t, hv)
+        return [q, k, v, g_atk, g, sigmoid(normal(b, t, h)), sigmoid(normal(b, t, hv))]
+    if kind == "precond_kda":  # (q, k, v, g, g_atk, beta_atk, beta)
+        g, g_atk = log_decay(b, t, hv, d), log_decay(b, t, h)
+        return [q, k, v, g, g_atk, sigmoid(normal(b, t, h)), sigmoid(normal(b, t, hv))]
     if kind in ("gdn2", "jla_gdn2"):
         g = log_decay(b, t, hv, d)
         return [q, k, v, g, sigmoid(normal(b, t, hv, d)), sigmoid(normal(b, t, hv, d))]
@@ -341,8 +347,9 @@ def _family_inputs(kind: str, b: int, t: int, h: int, hv: int, d: int) -> list:
 
 def family(*, kind: str, b, t, h, hv, d, chunk=64, passes=PASSES, **kw) -> Prepared:
     """One recurrence of the delta family on one device, float32: ours (`kind` gdn, kda,
-    gdn2 or dplr: `chunk_gated_delta_rule`, `chunk_kimi_delta_attention`, `chunk_gdn2`,
-    `chunk_dplr_delta_rule` with RWKV-7-like inputs) or jax-linear-attention's
+    gdn2, dplr, precond_gdn or precond_kda: `chunk_gated_delta_rule`,
+    `chunk_kimi_delta_attention`, `chunk_gdn2`, `chunk_dplr_delta_rule` with RWKV-7-like
+    inputs, `chunk_precond_gated_delta_rule`, `chunk_precond_kda`) or jax-linear-attention's
     `jla.ops.chunked.gdn2` (`jla_gdn2`, q and k repeated to `hv` heads)."""
     import jax.numpy as jnp
 
@@ -365,6 +372,15 @@ def family(*, kind: str, b, t, h, hv, d, chunk=64, passes=PASSES, **kw) -> Prepa
 
             def forward(*args):
                 return dcp.chunk_dplr_delta_rule(*args, chunk_size=chunk)
+
+        elif kind in ("precond_gdn", "precond_kda"):
+            precond = {
+                "precond_gdn": dcp.chunk_precond_gated_delta_rule,
+                "precond_kda": dcp.chunk_precond_kda,
+            }[kind]
+
+            def forward(*args):  # (o, final state); the preconditioner's final state unused
+                return precond(*args, use_qk_l2norm=True, chunk_size=chunk)[:2]
 
         else:
             fn = {

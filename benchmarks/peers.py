@@ -34,7 +34,10 @@ allows it, which is all of ours; jla gets them repeated to 32), T = 2048:
 - `DPLR`: `deltanet_cp.chunk_dplr_delta_rule(q, k, v, a, b, gk)`, RWKV-7-like inputs
   (`a = -kk`, `b = kk * sigmoid(.)`, `kk` unit vectors; `gk` per value head);
 - `jla GDN-2`: jax-linear-attention 0.1.0's `jla.ops.chunked.gdn2`, the same inputs as
-  ours (`--only GDN,GDN-2,DPLR` runs without the bench environment).
+  ours (`--only GDN,GDN-2,DPLR` runs without the bench environment);
+- `precond GDN`, `precond KDA`: `deltanet_cp.chunk_precond_gated_delta_rule` and
+  `deltanet_cp.chunk_precond_kda` (`use_qk_l2norm=True`; the preconditioner with `H` heads,
+  its final state unused), two engine runs each.
 
     python benchmarks/peers.py            # both shapes, about 4 minutes on 2 quiet cores
     python benchmarks/peers.py --quick    # tiny shapes, a smoke test (under a minute)
@@ -76,6 +79,8 @@ FAMILY = {
     "GDN-2": Impl("GDN-2", "_impls:family", {"kind": "gdn2"}),
     "DPLR": Impl("DPLR", "_impls:family", {"kind": "dplr"}),
     "jla GDN-2": Impl("jla GDN-2", "_impls:family", {"kind": "jla_gdn2"}),
+    "precond GDN": Impl("precond GDN", "_impls:family", {"kind": "precond_gdn"}),
+    "precond KDA": Impl("precond KDA", "_impls:family", {"kind": "precond_kda"}),
 }
 FAMILY_SHAPES = [("Qwen3-Next-like heads: H=16, HV=32, T=2048", 1, 2048, 16, 32, 128, 5)]
 FAMILY_QUICK = [("tiny: H=2, HV=4, K=V=32, T=256", 1, 256, 2, 4, 32, 3)]

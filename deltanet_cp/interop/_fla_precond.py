@@ -181,10 +181,19 @@ def fused_recurrent_precond_gated_delta_rule(
             "`beta_atk`, both (B, T, H); got None."
         )
     beta = jnp.ones(v.shape[:3], v.dtype) if beta is None else beta
-    initial_state = _state_in(initial_state, transpose_state_layout)
-    common = dict(
+    if gk is not None:
+        fn, decay = _chunk_kda, gk if g is None else gk + g[..., None]
+        gates = (decay, g_atk, beta_atk, beta)
+    else:
+        fn, decay = _chunk_gdn, jnp.zeros(v.shape[:3], v.dtype) if g is None else g
+        gates = (g_atk, decay, beta_atk, beta)
+    results = fn(
+        q,
+        k,
+        v,
+        *gates,
         scale=scale,
-        initial_state=initial_state,
+        initial_state=_state_in(initial_state, transpose_state_layout),
         initial_A_state=initial_A_state,
         use_qk_l2norm=use_qk_l2norm_in_kernel,
         cu_seqlens=cu_seqlens,
@@ -195,12 +204,6 @@ def fused_recurrent_precond_gated_delta_rule(
         eps=eps,
         log_atk_scale=log_atk_scale,
     )
-    if gk is not None:
-        decay = gk if g is None else gk + g[..., None]
-        results = _chunk_kda(q, k, v, decay, g_atk, beta_atk, beta, **common)
-    else:
-        decay = jnp.zeros(v.shape[:3], v.dtype) if g is None else g
-        results = _chunk_gdn(q, k, v, g_atk, decay, beta_atk, beta, **common)
     return _fla_results(results, output_final_state, transpose_state_layout)
 
 
