@@ -102,6 +102,15 @@ def _precond(
     eps,
     log_atk_scale,
 ):
+    named = {"q": q, "k": k, "v": v, "g_atk": g_atk, "g": g, "beta_atk": beta_atk, "beta": beta}
+    for name, array in named.items():  # before the preconditioner's run, which would name `v`
+        if array is None:
+            raise ValueError(f"`{name}` must be an array; got None.")
+        if 0 in tuple(getattr(array, "shape", ()))[2:]:
+            raise ValueError(
+                f"`{name}` has shape {tuple(array.shape)}, with an empty axis: every axis after "
+                "(batch, seq) (heads, key or value size) must have at least one element."
+            )
     sizes = check_arrays(
         {
             "q": (q, ("batch", "seq", "heads", "K")),
