@@ -132,7 +132,7 @@ def test_states_and_gradients_match_loop(kind, form):
     ]
     errors = directional_check(grads, lambda a: _loss64(*reference(a)), arrays)
     for name, err in zip(names, errors, strict=True):
-        assert err <= 1e-4, (name, err)
+        assert err <= 1e-5, (name, err)  # measured <= 7e-7
 
 
 @pytest.mark.parametrize("kind", KINDS)
