@@ -333,6 +333,10 @@ def _family_inputs(kind: str, b: int, t: int, h: int, hv: int, d: int) -> list:
     if kind in ("gdn2", "jla_gdn2"):
         g = log_decay(b, t, hv, d)
         return [q, k, v, g, sigmoid(normal(b, t, hv, d)), sigmoid(normal(b, t, hv, d))]
+    if kind == "momentum":  # q, k, v, log_alpha, log_mu, p, beta, eta
+        decays = [log_decay(b, t, hv), log_decay(b, t, hv)]
+        steps = [sigmoid(normal(b, t, hv)), sigmoid(normal(b, t, hv))]
+        return [q, k, v, *decays, normal(b, t, h, d), *steps]
     kk = normal(b, t, h, d)
     kk = kk / np.linalg.norm(kk, axis=-1, keepdims=True)
     a, bb = -kk, kk * sigmoid(normal(b, t, h, d))
@@ -341,8 +345,9 @@ def _family_inputs(kind: str, b: int, t: int, h: int, hv: int, d: int) -> list:
 
 def family(*, kind: str, b, t, h, hv, d, chunk=64, passes=PASSES, **kw) -> Prepared:
     """One recurrence of the delta family on one device, float32: ours (`kind` gdn, kda,
-    gdn2 or dplr: `chunk_gated_delta_rule`, `chunk_kimi_delta_attention`, `chunk_gdn2`,
-    `chunk_dplr_delta_rule` with RWKV-7-like inputs) or jax-linear-attention's
+    gdn2, dplr or momentum: `chunk_gated_delta_rule`, `chunk_kimi_delta_attention`,
+    `chunk_gdn2`, `chunk_dplr_delta_rule` with RWKV-7-like inputs,
+    `chunk_momentum_delta_rule` with FLA's defaults) or jax-linear-attention's
     `jla.ops.chunked.gdn2` (`jla_gdn2`, q and k repeated to `hv` heads)."""
     import jax.numpy as jnp
 
@@ -366,6 +371,12 @@ def family(*, kind: str, b, t, h, hv, d, chunk=64, passes=PASSES, **kw) -> Prepa
             def forward(*args):
                 return dcp.chunk_dplr_delta_rule(*args, chunk_size=chunk)
 
+        elif kind == "momentum":  # the final state (S, M) as one (B, HV, 2K, V) array
+
+            def forward(*args):
+                o, final = dcp.chunk_momentum_delta_rule(*args, chunk_size=chunk)
+                return o, jnp.concatenate([final[0], final[1]], axis=-2)
+
         else:
             fn = {
                 "gdn": dcp.chunk_gated_delta_rule,
@@ -378,6 +389,8 @@ def family(*, kind: str, b, t, h, hv, d, chunk=64, passes=PASSES, **kw) -> Prepa
 
     args = tuple(jnp.asarray(x) for x in _family_inputs(kind, b, t, h, hv, d))
     cot = problem(b, t, h, hv, d)[1]
+    if kind == "momentum":  # the state's cotangent for [S; M]: (B, HV, 2K, V)
+        cot = (cot[0], np.concatenate([cot[1], cot[1][..., ::-1, :]], axis=-2))
     return _compiled(forward, version, args, cot, d=d, passes=passes)
 
 

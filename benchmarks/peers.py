@@ -34,7 +34,11 @@ allows it, which is all of ours; jla gets them repeated to 32), T = 2048:
 - `DPLR`: `deltanet_cp.chunk_dplr_delta_rule(q, k, v, a, b, gk)`, RWKV-7-like inputs
   (`a = -kk`, `b = kk * sigmoid(.)`, `kk` unit vectors; `gk` per value head);
 - `jla GDN-2`: jax-linear-attention 0.1.0's `jla.ops.chunked.gdn2`, the same inputs as
-  ours (`--only GDN,GDN-2,DPLR` runs without the bench environment).
+  ours (`--only GDN,GDN-2,DPLR` runs without the bench environment);
+- `Momentum`: `deltanet_cp.chunk_momentum_delta_rule(q, k, v, log_alpha, log_mu, p, beta,
+  eta)` with flash-linear-attention's defaults (q, k, p L2-normalised, the probe times
+  alpha); its state `[S; M]` has 2K rows, so the cotangent of the final state is twice
+  GDN's.
 
     python benchmarks/peers.py            # both shapes, about 4 minutes on 2 quiet cores
     python benchmarks/peers.py --quick    # tiny shapes, a smoke test (under a minute)
@@ -76,6 +80,7 @@ FAMILY = {
     "GDN-2": Impl("GDN-2", "_impls:family", {"kind": "gdn2"}),
     "DPLR": Impl("DPLR", "_impls:family", {"kind": "dplr"}),
     "jla GDN-2": Impl("jla GDN-2", "_impls:family", {"kind": "jla_gdn2"}),
+    "Momentum": Impl("Momentum", "_impls:family", {"kind": "momentum"}),
 }
 FAMILY_SHAPES = [("Qwen3-Next-like heads: H=16, HV=32, T=2048", 1, 2048, 16, 32, 128, 5)]
 FAMILY_QUICK = [("tiny: H=2, HV=4, K=V=32, T=256", 1, 256, 2, 4, 32, 3)]

@@ -63,6 +63,7 @@ class Family:
         state nor other tokens (read off the loop: the query of every family here).
     - `state_rows`: the state's rows per key channel: `(b, hv, state_rows * dk, dv)` (2 for
         the momentum delta rule's `[S; M]`).
+    - `optional`: the arguments that may be `None` (a default takes their place).
     """
 
     name: str
@@ -79,6 +80,7 @@ class Family:
     unit_gates: tuple[str, ...] = ()
     output_only: tuple[str, ...] = ("q",)
     state_rows: int = 1
+    optional: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return self.name
@@ -249,6 +251,7 @@ MOMENTUM = Family(
     gate="log_alpha",
     unit_gates=("beta", "eta"),
     state_rows=2,
+    optional=("p", "beta", "eta"),
 )
 
 FAMILIES = [

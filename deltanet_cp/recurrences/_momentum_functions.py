@@ -134,9 +134,9 @@ def recurrent_momentum_delta_rule(
 
 
 def _call(recurrence, q, k, v, log_alpha, log_mu, p, beta, eta, initial_state, cu_seqlens, cp):
-    ones = None
-    if hasattr(v, "shape") and hasattr(v, "dtype") and len(v.shape) >= 1:
-        ones = jnp.ones(v.shape[:-1], v.dtype)  # beta, eta: one per token and value head
+    # beta, eta default to ones, one per token and value head (a malformed `v` is reported
+    # by the input checks first).
+    ones = jnp.ones(tuple(getattr(v, "shape", (0,)))[:-1], getattr(v, "dtype", jnp.float32))
     inputs = MomentumInputs(
         q,
         k,
