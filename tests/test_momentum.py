@@ -58,7 +58,8 @@ def test_options_and_packed_documents():
     assert rel_err(finals, split_momentum_state(expected_h)) <= 1e-5
 
 
-def test_clear_errors():
+def test_clear_errors(without_runtime_typecheck):
+    # The errors a user gets without jaxtyping's runtime checks (which catch some first).
     args, h0 = make_momentum_inputs(4, b=1, t=10, h=1, hv=2)
     joint = jnp.asarray(h0)  # (B, HV, 2K, V): the engine's layout, not the public one
     with pytest.raises(ValueError, match=r"initial_state.*\(2, B, HV, K, V\)"):
