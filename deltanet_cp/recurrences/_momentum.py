@@ -179,15 +179,7 @@ class MomentumDeltaRule(AbstractRecurrence[MomentumInputs, MomentumFactors, Affi
         v = chunk_major(chunks.v.astype(dt).reshape(b, n, c, h, r, dv))  # (N, B, H, r, C, V)
         la, lm = gates(chunks.log_alpha), gates(chunks.log_mu)
         beta, eta = gates(chunks.beta), gates(chunks.eta)
-        # Decays between tokens from direct segment sums (masked before exp), never as
-        # differences of prefix sums; every term below is a product of them, no cancellation.
-        pa, pm = decay_matrix(la), decay_matrix(lm)  # P^alpha_ti, P^mu_ij (lower, inclusive)
-        sigma = einsum("...ti,...ij->...tj", pa * beta[..., None, :], pm)  # at HIGHEST
-        a_in = cumulative_decays(la, per_channel=False)[0][..., 0]  # A_t = e^{sum_{s<=t} la}
-        mu_in = cumulative_decays(lm, per_channel=False)[0][..., 0]
-        b_in = -einsum("...ti,...i->...t", pa * beta[..., None, :], mu_in)  # B_t
-        a_before = exclusive_decays(la, per_channel=False)[..., 0]  # A_{t-1}
-        b_before = _down(b_in[..., None])[..., 0]  # B_{t-1}
+        pm, sigma, a_in, b_in, mu_in, a_before, b_before = _momentum_decays(la, lm, beta)
         if self.use_p_times_alpha:
             read = jnp.exp(la)  # pi_t: the probe is alpha_t p_t
             read_s, read_m = a_in, read * b_before  # pi A_{t-1} = A_t
@@ -290,6 +282,26 @@ class MomentumDeltaRule(AbstractRecurrence[MomentumInputs, MomentumFactors, Affi
 
     def finalize(self, outputs: Float[Array, "b t h v"], inputs: MomentumInputs) -> Array:
         return outputs.astype(inputs.v.dtype)
+
+
+def _momentum_decays(la: Array, lm: Array, beta: Array) -> tuple[Array, ...]:
+    """The scalar decays of a chunk from its log decays and `beta`, `(..., C)` each, all in
+    float32 at `Precision.HIGHEST` under every policy: `P^mu (C, C)`, `Sigma (C, C)`, the
+    first row and corner of the products from the chunk start `A_t, B_t, mu_t` and the
+    state's before each token `A_{t-1}, B_{t-1}`.
+
+    Decays between tokens come from direct segment sums (masked before exp), never from
+    differences of prefix sums; every other term is a sum of products of them, all of one
+    sign: no cancellation."""
+    pa, pm = decay_matrix(la), decay_matrix(lm)  # P^alpha_ti, P^mu_ij (lower, inclusive)
+    pa_beta = pa * beta[..., None, :]
+    sigma = einsum("...ti,...ij->...tj", pa_beta, pm)
+    a_in = cumulative_decays(la, per_channel=False)[0][..., 0]  # A_t = e^{sum_{s<=t} la}
+    mu_in = cumulative_decays(lm, per_channel=False)[0][..., 0]
+    b_in = -einsum("...ti,...i->...t", pa_beta, mu_in)  # B_t
+    a_before = exclusive_decays(la, per_channel=False)[..., 0]  # A_{t-1}
+    b_before = _down(b_in[..., None])[..., 0]  # B_{t-1}
+    return pm, sigma, a_in, b_in, mu_in, a_before, b_before
 
 
 def _decayed(decay: Array, x: Array) -> Array:
