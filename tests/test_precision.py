@@ -368,7 +368,12 @@ def census(family: Family, *, grad: bool, cp: int | None = None) -> list[Product
 # Where a module keeps no source frames for a product (the backward's, transposed inside the
 # engine's own VJP), the float32 ones are told by their subscripts: the segment sums' and the
 # inverse's levels' (the bfloat16 products of the same subscripts keep bfloat16 operands).
-FLOAT32_SPECS = {"...t,tij->...ij": "segment_sums", "...ij,...jk->...ik": "_inverse_pow2"}
+FLOAT32_SPECS = {
+    "...t,tij->...ij": "segment_sums",
+    "...ij,...jk->...ik": "_inverse_pow2",
+    "...ti,...ij->...tj": "_momentum_decays",
+    "...ti,...i->...t": "_momentum_decays",
+}
 
 
 def float32_place(p: Product) -> str | None:
