@@ -351,6 +351,8 @@ def family(*, kind: str, b, t, h, hv, d, chunk=64, passes=PASSES, **kw) -> Prepa
     `jla.ops.chunked.gdn2` (`jla_gdn2`, q and k repeated to `hv` heads)."""
     import jax.numpy as jnp
 
+    if kind == "momentum":
+        return _momentum(b=b, t=t, h=h, hv=hv, d=d, chunk=chunk, passes=passes)
     if kind == "jla_gdn2":
         from _jla import load_jla
 
@@ -371,12 +373,6 @@ def family(*, kind: str, b, t, h, hv, d, chunk=64, passes=PASSES, **kw) -> Prepa
             def forward(*args):
                 return dcp.chunk_dplr_delta_rule(*args, chunk_size=chunk)
 
-        elif kind == "momentum":  # the final state (S, M) as one (B, HV, 2K, V) array
-
-            def forward(*args):
-                o, final = dcp.chunk_momentum_delta_rule(*args, chunk_size=chunk)
-                return o, jnp.concatenate([final[0], final[1]], axis=-2)
-
         else:
             fn = {
                 "gdn": dcp.chunk_gated_delta_rule,
@@ -389,9 +385,24 @@ def family(*, kind: str, b, t, h, hv, d, chunk=64, passes=PASSES, **kw) -> Prepa
 
     args = tuple(jnp.asarray(x) for x in _family_inputs(kind, b, t, h, hv, d))
     cot = problem(b, t, h, hv, d)[1]
-    if kind == "momentum":  # the state's cotangent for [S; M]: (B, HV, 2K, V)
-        cot = (cot[0], np.concatenate([cot[1], cot[1][..., ::-1, :]], axis=-2))
     return _compiled(forward, version, args, cot, d=d, passes=passes)
+
+
+def _momentum(*, b, t, h, hv, d, chunk, passes) -> Prepared:
+    """`deltanet_cp.chunk_momentum_delta_rule` with FLA's defaults, its final state (S, M)
+    as one `(B, HV, 2K, V)` array (and its cotangent twice GDN's)."""
+    import jax.numpy as jnp
+
+    dcp = import_ours()
+
+    def forward(*args):
+        o, final = dcp.chunk_momentum_delta_rule(*args, chunk_size=chunk)
+        return o, jnp.concatenate([final[0], final[1]], axis=-2)
+
+    args = tuple(jnp.asarray(x) for x in _family_inputs("momentum", b, t, h, hv, d))
+    d_o, d_h = problem(b, t, h, hv, d)[1]
+    cot = (d_o, np.concatenate([d_h, d_h[..., ::-1, :]], axis=-2))
+    return _compiled(forward, dcp.__version__, args, cot, d=d, passes=passes)
 
 
 def _torch(fn, device, version, *, b, t, h, hv, d, dtype="float32", passes=PASSES, sample=None):
