@@ -175,10 +175,16 @@ class MomentumDeltaRule(AbstractRecurrence[MomentumInputs, MomentumFactors, Affi
         def gates(x):  # (B, N, C, HV) -> (N, B, H, r, C)
             return chunk_major(x.astype(dt).reshape(b, n, c, h, r), features=0)
 
-        q, k, p = keys(q), keys(k), keys(p)
-        v = chunk_major(chunks.v.astype(dt).reshape(b, n, c, h, r, dv))  # (N, B, H, r, C, V)
-        la, lm = gates(chunks.log_alpha), gates(chunks.log_mu)
-        beta, eta = gates(chunks.beta), gates(chunks.eta)
+        # (N, B, H) flattened into one axis, as the delta family's factors are: XLA:CPU's
+        # reductions over the broadcast value-head axis of rank-6 products (the backward of
+        # the per-key-head products) are slow or wrong there.
+        def flat(x):
+            return x.reshape(n * b * h, *x.shape[3:])
+
+        q, k, p = flat(keys(q)), flat(keys(k)), flat(keys(p))
+        v = flat(chunk_major(chunks.v.astype(dt).reshape(b, n, c, h, r, dv)))  # (NBH, r, C, V)
+        la, lm = flat(gates(chunks.log_alpha)), flat(gates(chunks.log_mu))
+        beta, eta = flat(gates(chunks.beta)), flat(gates(chunks.eta))
         pm, sigma, a_in, b_in, mu_in, a_before, b_before = _momentum_decays(la, lm, beta)
         if self.use_p_times_alpha:
             read = jnp.exp(la)  # pi_t: the probe is alpha_t p_t
@@ -186,23 +192,23 @@ class MomentumDeltaRule(AbstractRecurrence[MomentumInputs, MomentumFactors, Affi
         else:
             read = jnp.ones_like(la)
             read_s, read_m = a_before, b_before
-        pk = einsum("...ik,...jk->...ij", p, k, precision=prec)  # (N, B, H, 1, C, C)
+        pk = einsum("...ik,...jk->...ij", p, k, precision=prec)  # (N B H, 1, C, C)
         qk = einsum("...ik,...jk->...ij", q, k, precision=prec)
         sigma_before = _down(sigma)  # Sigma_{t-1, j}: strictly lower
         a = read[..., :, None] * sigma_before * eta[..., None, :] * pk
         attn = sigma * eta[..., None, :] * qk
         rhs = jnp.concatenate(
             [read_s[..., None] * p, read_m[..., None] * p, v], axis=-1
-        )  # (N, B, H, r, C, 2K + V)
+        )  # (N B H, r, C, 2K + V)
         wu = unit_lower_solve(a, rhs, prec)
         q_state = jnp.concatenate([a_in[..., None] * q, b_in[..., None] * q], axis=-1)
         write_s = (eta * sigma[..., -1, :])[..., None] * k  # k~ rows for S
         write_m = -(eta * pm[..., -1, :])[..., None] * k  # and for M
-        k_out = jnp.concatenate([write_s, write_m], axis=-1)  # (N, B, H, r, C, 2K)
+        k_out = jnp.concatenate([write_s, write_m], axis=-1)  # (N B H, r, C, 2K)
         decay = jnp.stack([a_in[..., -1], b_in[..., -1], mu_in[..., -1]], axis=-1)
 
-        def heads(x):  # (N, B, H, r, ...) -> (N, B, HV, ...); value head j reads key head j // r
-            return x.reshape(x.shape[:2] + (h * r,) + x.shape[4:])
+        def heads(x):  # (N B H, r, ...) -> (N, B, HV, ...); value head j reads key head j // r
+            return x.reshape((n, b, h * r) + x.shape[2:])
 
         return MomentumFactors(
             wq=heads(jnp.concatenate([wu[..., : 2 * dk], q_state], axis=-2)),
