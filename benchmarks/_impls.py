@@ -339,6 +339,10 @@ def _family_inputs(kind: str, b: int, t: int, h: int, hv: int, d: int) -> list:
     if kind in ("gdn2", "jla_gdn2"):
         g = log_decay(b, t, hv, d)
         return [q, k, v, g, sigmoid(normal(b, t, hv, d)), sigmoid(normal(b, t, hv, d))]
+    if kind == "momentum":  # q, k, v, log_alpha, log_mu, p, beta, eta
+        decays = [log_decay(b, t, hv), log_decay(b, t, hv)]
+        steps = [sigmoid(normal(b, t, hv)), sigmoid(normal(b, t, hv))]
+        return [q, k, v, *decays, normal(b, t, h, d), *steps]
     kk = normal(b, t, h, d)
     kk = kk / np.linalg.norm(kk, axis=-1, keepdims=True)
     a, bb = -kk, kk * sigmoid(normal(b, t, h, d))
@@ -347,12 +351,15 @@ def _family_inputs(kind: str, b: int, t: int, h: int, hv: int, d: int) -> list:
 
 def family(*, kind: str, b, t, h, hv, d, chunk=64, passes=PASSES, **kw) -> Prepared:
     """One recurrence of the delta family on one device, float32: ours (`kind` gdn, kda,
-    gdn2, dplr, precond_gdn or precond_kda: `chunk_gated_delta_rule`,
+    gdn2, dplr, precond_gdn, precond_kda or momentum: `chunk_gated_delta_rule`,
     `chunk_kimi_delta_attention`, `chunk_gdn2`, `chunk_dplr_delta_rule` with RWKV-7-like
-    inputs, `chunk_precond_gated_delta_rule`, `chunk_precond_kda`) or jax-linear-attention's
+    inputs, `chunk_precond_gated_delta_rule`, `chunk_precond_kda`,
+    `chunk_momentum_delta_rule` with FLA's defaults) or jax-linear-attention's
     `jla.ops.chunked.gdn2` (`jla_gdn2`, q and k repeated to `hv` heads)."""
     import jax.numpy as jnp
 
+    if kind == "momentum":
+        return _momentum(b=b, t=t, h=h, hv=hv, d=d, chunk=chunk, passes=passes)
     if kind == "jla_gdn2":
         from _jla import load_jla
 
@@ -395,6 +402,23 @@ def family(*, kind: str, b, t, h, hv, d, chunk=64, passes=PASSES, **kw) -> Prepa
     args = tuple(jnp.asarray(x) for x in _family_inputs(kind, b, t, h, hv, d))
     cot = problem(b, t, h, hv, d)[1]
     return _compiled(forward, version, args, cot, d=d, passes=passes)
+
+
+def _momentum(*, b, t, h, hv, d, chunk, passes) -> Prepared:
+    """`deltanet_cp.chunk_momentum_delta_rule` with FLA's defaults, its final state (S, M)
+    as one `(B, HV, 2K, V)` array (and its cotangent twice GDN's)."""
+    import jax.numpy as jnp
+
+    dcp = import_ours()
+
+    def forward(*args):
+        o, final = dcp.chunk_momentum_delta_rule(*args, chunk_size=chunk, use_qk_l2norm=True)
+        return o, jnp.concatenate([final[0], final[1]], axis=-2)
+
+    args = tuple(jnp.asarray(x) for x in _family_inputs("momentum", b, t, h, hv, d))
+    d_o, d_h = problem(b, t, h, hv, d)[1]
+    cot = (d_o, np.concatenate([d_h, d_h[..., ::-1, :]], axis=-2))
+    return _compiled(forward, dcp.__version__, args, cot, d=d, passes=passes)
 
 
 def _torch(fn, device, version, *, b, t, h, hv, d, dtype="float32", passes=PASSES, sample=None):

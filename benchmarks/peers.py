@@ -38,6 +38,10 @@ allows it, which is all of ours; jla gets them repeated to 32), T = 2048:
 - `precond GDN`, `precond KDA`: `deltanet_cp.chunk_precond_gated_delta_rule` and
   `deltanet_cp.chunk_precond_kda` (`use_qk_l2norm=True`; the preconditioner with `H` heads,
   its final state unused), two engine runs each.
+- `Momentum`: `deltanet_cp.chunk_momentum_delta_rule(q, k, v, log_alpha, log_mu, p, beta,
+  eta)` with flash-linear-attention's defaults (q, k, p L2-normalised, the probe times
+  alpha); its state `[S; M]` has 2K rows, so the cotangent of the final state is twice
+  GDN's.
 
     python benchmarks/peers.py            # both shapes, about 4 minutes on 2 quiet cores
     python benchmarks/peers.py --quick    # tiny shapes, a smoke test (under a minute)
@@ -81,6 +85,7 @@ FAMILY = {
     "jla GDN-2": Impl("jla GDN-2", "_impls:family", {"kind": "jla_gdn2"}),
     "precond GDN": Impl("precond GDN", "_impls:family", {"kind": "precond_gdn"}),
     "precond KDA": Impl("precond KDA", "_impls:family", {"kind": "precond_kda"}),
+    "Momentum": Impl("Momentum", "_impls:family", {"kind": "momentum"}),
 }
 FAMILY_SHAPES = [("Qwen3-Next-like heads: H=16, HV=32, T=2048", 1, 2048, 16, 32, 128, 5)]
 FAMILY_QUICK = [("tiny: H=2, HV=4, K=V=32, T=256", 1, 256, 2, 4, 32, 3)]

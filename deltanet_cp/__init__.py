@@ -90,6 +90,15 @@ from .recurrences._kda import (
     KimiDeltaAttention as KimiDeltaAttention,
     recurrent_kimi_delta_attention as recurrent_kimi_delta_attention,
 )
+from .recurrences._momentum import (
+    MomentumDeltaRule as MomentumDeltaRule,
+    MomentumFactors as MomentumFactors,
+    MomentumInputs as MomentumInputs,
+)
+from .recurrences._momentum_functions import (
+    chunk_momentum_delta_rule as chunk_momentum_delta_rule,
+    recurrent_momentum_delta_rule as recurrent_momentum_delta_rule,
+)
 from .recurrences._precond import (
     PrecondGatedDeltaRule as PrecondGatedDeltaRule,
     PrecondKimiDeltaAttention as PrecondKimiDeltaAttention,

@@ -358,6 +358,77 @@ def precond_kda_reference(q, k, v, g, g_atk, beta_atk, beta, **kwargs):
 # ---------------------------------------------------------------------------------------
 
 
+@_per_document
+def _momentum_loop(
+    q, k, v, log_alpha, log_mu, p, beta, eta, *, scale, initial_state, l2norm, p_times_alpha
+):
+    q, k, v, la, lm, p, beta, eta = _f64(q, k, v, log_alpha, log_mu, p, beta, eta)
+    b, t, h, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    scale = dk**-0.5 if scale is None else scale
+    if l2norm:
+        q, k, p = _l2norm(q), _l2norm(k), _l2norm(p)
+    kh, ph = np.repeat(k, hv // h, axis=2), np.repeat(p, hv // h, axis=2)
+    qh = np.repeat(q, hv // h, axis=2) * scale
+    joint = _start(initial_state, (b, hv, 2 * dk, dv))
+    memory, momentum = joint[:, :, :dk], joint[:, :, dk:]
+    o = np.zeros((b, t, hv, dv))
+    for ti in range(t):
+        alpha, mu = np.exp(la[:, ti])[..., None, None], np.exp(lm[:, ti])[..., None, None]
+        probe = ph[:, ti] * (np.exp(la[:, ti])[..., None] if p_times_alpha else 1.0)
+        residual = np.einsum("bhkv,bhk->bhv", memory, probe) - v[:, ti]
+        write = eta[:, ti][..., None] * kh[:, ti]
+        momentum = mu * momentum + np.einsum("bhk,bhv->bhkv", write, residual)
+        memory = alpha * memory - beta[:, ti][..., None, None] * momentum
+        o[:, ti] = np.einsum("bhkv,bhk->bhv", memory, qh[:, ti])
+    return o, np.concatenate([memory, momentum], axis=2)
+
+
+def momentum_reference(
+    q,
+    k,
+    v,
+    log_alpha,
+    log_mu,
+    p=None,
+    beta=None,
+    eta=None,
+    *,
+    scale=None,
+    initial_state=None,
+    l2norm=False,
+    cu_seqlens=None,
+    p_times_alpha=True,
+):
+    """The momentum delta rule, with the memory `S` and the momentum `M` of each value head
+    as one state of `2K` rows `[S; M]`, `(B, HV, 2K, V)`: per token, with `p~ = exp(log_alpha)
+    p` (`p_times_alpha`) or `p`, `M = exp(log_mu) M + (eta k) (S^T p~ - v)^T`,
+    `S = exp(log_alpha) S - beta M`, `o = (scale q)^T S`. log_alpha, log_mu, beta, eta:
+    `(B, T, HV)`; `p` defaults to `k`, `beta` and `eta` to ones."""
+    ones = np.ones(np.shape(v)[:3])
+    return _momentum_loop(
+        q,
+        k,
+        v,
+        log_alpha,
+        log_mu,
+        k if p is None else p,
+        ones if beta is None else beta,
+        ones if eta is None else eta,
+        scale=scale,
+        initial_state=initial_state,
+        l2norm=l2norm,
+        cu_seqlens=cu_seqlens,
+        p_times_alpha=p_times_alpha,
+    )
+
+
+def split_momentum_state(h):
+    """`(..., 2K, V)` rows `[S; M]` -> flash-linear-attention's stacked `(2, ..., K, V)`."""
+    dk = h.shape[-2] // 2
+    return np.stack([np.asarray(h)[..., :dk, :], np.asarray(h)[..., dk:, :]])
+
+
 def _cast(dtype, *xs) -> tuple[Any, ...]:
     return tuple(jnp.asarray(x, dtype) for x in xs)
 
@@ -467,6 +538,23 @@ def make_precond_kda_inputs(seed, *, b=1, t=40, h=1, hv=2, dk=8, dv=6, dtype=jnp
     beta_atk = rng.uniform(size=(b, t, h))
     beta = rng.uniform(size=(b, t, hv))
     return _cast(dtype, q, k, v, g, g_atk, beta_atk, beta), _state(rng, b, hv, dk, dv)
+
+
+def make_momentum_inputs(seed, *, b=1, t=40, h=1, hv=2, dk=8, dv=6, dtype=jnp.float32):
+    """Momentum delta rule inputs with the state `[S; M]` as `(b, hv, 2 dk, dv)`: decays of
+    the memory and the momentum in (0.2, 1), beta and eta in [0, 1], a probe apart from
+    the key."""
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(b, t, h, dk))
+    k = 0.7 * rng.normal(size=(b, t, h, dk)) / np.sqrt(dk)
+    v = rng.normal(size=(b, t, hv, dv))
+    log_alpha = -np.exp(rng.uniform(-5.0, 0.0, size=(b, t, hv)))
+    log_mu = -np.exp(rng.uniform(-5.0, 0.0, size=(b, t, hv)))
+    p = k + 0.3 * rng.normal(size=(b, t, h, dk)) / np.sqrt(dk)
+    beta = rng.uniform(size=(b, t, hv))
+    eta = rng.uniform(size=(b, t, hv))
+    args = _cast(dtype, q, k, v, log_alpha, log_mu, p, beta, eta)
+    return args, _state(rng, b, hv, 2 * dk, dv)
 
 
 def make_gdn_inputs(key, b=2, t=37, h=2, hv=4, dk=16, dv=8, dtype=jnp.float32, state=True):

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 import deltanet_cp as dcp
 from deltanet_cp._precision import accumulation_dtype
@@ -32,8 +33,10 @@ from .helpers import (
     make_gdn2_inputs,
     make_gla_inputs,
     make_kda_inputs,
+    make_momentum_inputs,
     make_precond_gdn_inputs,
     make_precond_kda_inputs,
+    momentum_reference,
     precond_gated_delta_reference,
     precond_kda_reference,
     Reference,
@@ -64,6 +67,9 @@ class Family:
         extreme-gate test).
     - `output_only`: the arguments that reach only their own token's outputs, neither the
         state nor other tokens (read off the loop: the query of every family here).
+    - `state_rows`: the state's rows per key channel: `(b, hv, state_rows * dk, dv)` (2 for
+        the momentum delta rule's `[S; M]`).
+    - `optional`: the arguments that may be `None` (a default takes their place).
     """
 
     name: str
@@ -79,6 +85,8 @@ class Family:
     l2norm: bool = True
     unit_gates: tuple[str, ...] = ()
     output_only: tuple[str, ...] = ("q",)
+    state_rows: int = 1
+    optional: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return self.name
@@ -281,6 +289,44 @@ PRECOND_KDA = Family(
     unit_gates=("beta_atk", "beta"),
 )
 
+# The momentum delta rule. Its public functions take and return flash-linear-attention's
+# stacked (2, B, HV, K, V) state; the property tests hand every family the engine's
+# (B, HV, 2K, V), so these adapters restack it (exact: no arithmetic). The public layout
+# itself is tested in tests/test_momentum.py.
+
+
+def _momentum_public(fn):
+    @ft.wraps(fn)
+    def call(*args, initial_state=None, **kwargs):
+        if initial_state is not None:
+            dk = initial_state.shape[-2] // 2
+            s0, m0 = initial_state[..., :dk, :], initial_state[..., dk:, :]
+            initial_state = jnp.stack([s0, m0]) if s0.shape == m0.shape else initial_state
+        o, final = fn(*args, initial_state=initial_state, **kwargs)
+        return o, jnp.concatenate([final[0], final[1]], axis=-2)
+
+    return call
+
+
+def _momentum_inputs(q, k, v, log_alpha, log_mu, p, beta, eta):
+    return dcp.MomentumInputs(q, k, v, p, log_alpha, log_mu, beta, eta)
+
+
+MOMENTUM = Family(
+    name="momentum_delta_rule",
+    chunk=_momentum_public(dcp.chunk_momentum_delta_rule),
+    recurrent=_momentum_public(dcp.recurrent_momentum_delta_rule),
+    recurrence=dcp.MomentumDeltaRule,
+    inputs=_momentum_inputs,
+    make=make_momentum_inputs,
+    reference=momentum_reference,
+    arg_names=("q", "k", "v", "log_alpha", "log_mu", "p", "beta", "eta"),
+    gate="log_alpha",
+    unit_gates=("beta", "eta"),
+    state_rows=2,
+    optional=("p", "beta", "eta"),
+)
+
 FAMILIES = [
     GATED_DELTA_RULE,
     DELTA_RULE,
@@ -292,6 +338,7 @@ FAMILIES = [
     DPLR,
     PRECOND_GATED_DELTA_RULE,
     PRECOND_KDA,
+    MOMENTUM,
 ]
 DELTA_FAMILIES = [
     GATED_DELTA_RULE,

@@ -99,11 +99,13 @@ def test_empty_key_axis(family, entry, without_runtime_typecheck):
 
 @pytest.mark.parametrize("family, entry", _cases())
 def test_missing_array(family, entry, without_runtime_typecheck):
-    # The last argument (`beta`, or GLA's `g`) as None: was an AttributeError on `None`.
+    # The last argument that has no default (`beta`, GLA's `g`, the momentum rule's
+    # `log_mu`) as None: was an AttributeError on `None`.
     args, _ = family.make(0, **SHAPE)
-    name = family.arg_names[-1]
+    i = max(i for i, n in enumerate(family.arg_names) if n not in family.optional)
+    name = family.arg_names[i]
     with pytest.raises(ValueError, match=f"`{name}`"):
-        _call(family, entry, (*args[:-1], None), **_options(entry))
+        _call(family, entry, (*args[:i], None, *args[i + 1 :]), **_options(entry))
 
 
 @pytest.mark.parametrize(

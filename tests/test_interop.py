@@ -40,7 +40,9 @@ from .helpers import (
     make_gdn2_inputs,
     make_gla_inputs,
     make_kda_inputs,
+    make_momentum_inputs,
     rel_err,
+    split_momentum_state,
 )
 
 
@@ -775,6 +777,45 @@ def _case_fused_recurrent_gdn2(cu):
     return actual, expected
 
 
+def _case_chunk_momentum_delta_rule(cu):
+    # FLA's stacked (2, N, HV, K, V) state; p, beta, eta positional after the two decays.
+    (q, k, v, la, lm, p, beta, eta), h0 = make_momentum_inputs(37)
+    h0 = jnp.asarray(split_momentum_state(_per_document(h0) if cu else h0))
+    actual = fla.chunk_momentum_delta_rule(
+        q, k, v, la, lm, p, beta, eta, SCALE, h0, True, CU if cu else None, True, False, 16
+    )
+    expected = dcp.chunk_momentum_delta_rule(
+        q,
+        k,
+        v,
+        la,
+        lm,
+        p,
+        beta,
+        eta,
+        scale=SCALE,
+        initial_state=h0,
+        use_qk_l2norm=True,
+        use_p_times_alpha=False,
+        cu_seqlens=jnp.array(CU) if cu else None,
+        chunk_size=16,
+    )
+    return actual, expected
+
+
+def _case_fused_recurrent_momentum_delta_rule(cu):
+    # FLA's defaults: p = k, beta = eta = 1, q/k/p L2-normalised, the probe times alpha.
+    (q, k, v, la, lm, _, _, _), h0 = make_momentum_inputs(38)
+    h0 = jnp.asarray(split_momentum_state(_per_document(h0) if cu else h0))
+    actual = fla.fused_recurrent_momentum_delta_rule(
+        q, k, v, la, lm, initial_state=h0, output_final_state=True, cu_seqlens=CU if cu else None
+    )
+    expected = dcp.recurrent_momentum_delta_rule(
+        q, k, v, la, lm, initial_state=h0, cu_seqlens=jnp.array(CU) if cu else None
+    )
+    return actual, expected
+
+
 CASES = [
     _case_chunk_gated_delta_rule,
     _case_fused_recurrent_gated_delta_rule,
@@ -800,6 +841,8 @@ CASES = [
     _case_fused_recurrent_rwkv7,
     _case_chunk_gdn2,
     _case_fused_recurrent_gdn2,
+    _case_chunk_momentum_delta_rule,
+    _case_fused_recurrent_momentum_delta_rule,
 ]
 PACKED = [
     case
@@ -876,6 +919,11 @@ FLA_POSITIONAL = {
     "chunk_gdn2": "q k v g b w scale initial_state output_final_state use_qk_l2norm_in_kernel",
     "fused_recurrent_gdn2": "q k v g b w A_log dt_bias scale initial_state output_final_state "
     "use_qk_l2norm_in_kernel",
+    # flash-linear-attention 0.6.0 (fla-core wheel).
+    "chunk_momentum_delta_rule": "q k v log_alpha log_mu p beta eta scale initial_state "
+    "output_final_state cu_seqlens use_qk_l2norm_in_kernel use_p_times_alpha chunk_size",
+    "fused_recurrent_momentum_delta_rule": "q k v log_alpha log_mu p beta eta scale "
+    "initial_state output_final_state cu_seqlens use_qk_l2norm_in_kernel use_p_times_alpha",
 }
 HF_POSITIONAL = {
     "chunk_kimi_delta_attention": "query key value g beta chunk_size initial_state "

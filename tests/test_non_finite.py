@@ -78,7 +78,9 @@ def _inputs(family: Family, seed: int):
     args, _ = family.make(seed, **SHAPE)
     rng = np.random.default_rng(seed)
     b, hv, dk, dv = SHAPE["b"], SHAPE["hv"], SHAPE["dk"], SHAPE["dv"]
-    h0s = jnp.asarray(0.5 * rng.normal(size=(len(DOCS) * b, hv, dk, dv)), jnp.float32)
+    h0s = jnp.asarray(
+        0.5 * rng.normal(size=(len(DOCS) * b, hv, family.state_rows * dk, dv)), jnp.float32
+    )
     return list(args), h0s
 
 

@@ -329,7 +329,13 @@ def test_bfloat16_policy_on_float32_inputs():
 # the log decays' segment sums (a sum of gates as a product with a 0/1 tensor), the levels
 # of the unit-lower inverse (I + A)^-1 and its VJP, and the chunk maps and their composition
 # (context parallelism only).
-FLOAT32_PLACES = ("segment_sums", "_inverse_pow2", "_unit_lower_inverse_bwd", "_affine.py")
+FLOAT32_PLACES = (
+    "segment_sums",
+    "_inverse_pow2",
+    "_unit_lower_inverse_bwd",
+    "_affine.py",
+    "_momentum_decays",  # the momentum rule's 2 x 2 decays between tokens
+)
 
 
 def census(family: Family, *, grad: bool, cp: int | None = None) -> list[Product]:
@@ -362,7 +368,12 @@ def census(family: Family, *, grad: bool, cp: int | None = None) -> list[Product
 # Where a module keeps no source frames for a product (the backward's, transposed inside the
 # engine's own VJP), the float32 ones are told by their subscripts: the segment sums' and the
 # inverse's levels' (the bfloat16 products of the same subscripts keep bfloat16 operands).
-FLOAT32_SPECS = {"...t,tij->...ij": "segment_sums", "...ij,...jk->...ik": "_inverse_pow2"}
+FLOAT32_SPECS = {
+    "...t,tij->...ij": "segment_sums",
+    "...ij,...jk->...ik": "_inverse_pow2",
+    "...ti,...ij->...tj": "_momentum_decays",
+    "...ti,...i->...t": "_momentum_decays",
+}
 
 
 def float32_place(p: Product) -> str | None:

@@ -194,7 +194,7 @@ def test_chunked_matches_loop(family, case):
         *args, initial_state=h0, scale=scale, l2norm=kw.get("use_qk_l2norm", False)
     )
     assert o.shape == (b, t, hv, dv) and o.dtype == args[2].dtype
-    assert final.shape == (b, hv, dk, dv) and final.dtype == jnp.float32
+    assert final.shape == (b, hv, family.state_rows * dk, dv) and final.dtype == jnp.float32
     assert rel_err(o, expected_o) <= 1e-5
     assert rel_err(final, expected_h) <= 1e-5
 
@@ -214,7 +214,7 @@ def test_recurrent_matches_loop(family, t, b, h, hv, use_state, l2norm, scale):
         *args, initial_state=h0, scale=scale, l2norm=kw.get("use_qk_l2norm", False)
     )
     assert o.shape == expected_o.shape and o.dtype == args[2].dtype
-    assert final.shape == (b, hv, 8, 6) and final.dtype == jnp.float32
+    assert final.shape == (b, hv, family.state_rows * 8, 6) and final.dtype == jnp.float32
     assert rel_err(o, expected_o) <= 1e-5
     assert rel_err(final, expected_h) <= 1e-5
 
@@ -503,7 +503,7 @@ def test_zigzag_packed_documents(family, cp, exchange, cu):
     # Packed documents on zigzag shards: outputs, per-document final states from
     # per-document initial states, and their gradients.
     args, _ = family.make(27, **PACKED)
-    h0 = _doc_states(28, cu)
+    h0 = _doc_states(28, cu, family)
 
     def fn(*a):
         return family.chunk(
@@ -644,9 +644,9 @@ DOCS = [
 CP_DOCS = [[0, 5, 5, 40, 41, 64], [0, 16, 16, 33, 64]]
 
 
-def _doc_states(seed, cu):
+def _doc_states(seed, cu, family: Family):
     rng = np.random.default_rng(seed)
-    shape = (len(cu) - 1, PACKED["hv"], PACKED["dk"], PACKED["dv"])
+    shape = (len(cu) - 1, PACKED["hv"], family.state_rows * PACKED["dk"], PACKED["dv"])
     return jnp.asarray(rng.normal(size=shape), jnp.float32)
 
 
@@ -669,7 +669,7 @@ def _packed_params():
 @pytest.mark.parametrize("family, form, cu", _packed_params())
 def test_packed_one_device(family, form, cu):
     args, _ = family.make(23, **PACKED)
-    h0 = _doc_states(24, cu)
+    h0 = _doc_states(24, cu, family)
     kw = dict(initial_state=h0, **_options(family))
     if form == "list":
         o, finals = jax.jit(lambda args: family.chunk(*args, cu_seqlens=cu, **kw))(args)
@@ -678,7 +678,12 @@ def test_packed_one_device(family, form, cu):
         o, finals = fn(jnp.asarray(cu, jnp.int32), args)
     expected_o, expected_h = _reference(family, args, h0, cu_seqlens=cu)
     assert o.shape == expected_o.shape and o.dtype == args[2].dtype
-    assert finals.shape == (len(cu) - 1, PACKED["hv"], PACKED["dk"], PACKED["dv"])
+    assert finals.shape == (
+        len(cu) - 1,
+        PACKED["hv"],
+        family.state_rows * PACKED["dk"],
+        PACKED["dv"],
+    )
     assert rel_err(o, expected_o) <= 1e-5
     assert rel_err(finals, expected_h) <= 1e-5
     # Without initial states (zeros): still one final state per document; traced only.
@@ -712,7 +717,9 @@ def test_packed_cp_documents_cross_ranks(family, cp, cu):
     i = FAMILIES.index(family)
     exchange = EXCHANGES[i % len(EXCHANGES)]
     args, _ = family.make(25, **PACKED)
-    extra = {"cu": jnp.asarray(cu, jnp.int32), "h0": _doc_states(26, cu)} if i % 2 == 0 else {}
+    extra = (
+        {"cu": jnp.asarray(cu, jnp.int32), "h0": _doc_states(26, cu, family)} if i % 2 == 0 else {}
+    )
     mesh = _mesh(cp)
     seq = P(None, "cp")
 
@@ -744,7 +751,7 @@ def test_packed_sharded_with_document_states(family):
     # rank boundaries.
     cu = CP_DOCS[0]
     args, _ = family.make(27, **PACKED)
-    h0 = _doc_states(28, cu)
+    h0 = _doc_states(28, cu, family)
     o, finals = family.chunk(
         *args,
         cu_seqlens=jnp.asarray(cu, jnp.int32),
@@ -1017,7 +1024,7 @@ def test_blocks_match_loop(family, block_size):
 
     cu = DOCS[0]
     args, _ = family.make(42, **PACKED)
-    docs = _doc_states(43, cu)
+    docs = _doc_states(43, cu, family)
     run = jax.jit(
         lambda args, docs: dcp.run(
             recurrence,

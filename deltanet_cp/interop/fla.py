@@ -59,6 +59,10 @@ from ._fla_kda import (
     fused_recurrent_gdn2 as fused_recurrent_gdn2,
     fused_recurrent_kda as fused_recurrent_kda,
 )
+from ._fla_momentum import (
+    chunk_momentum_delta_rule as chunk_momentum_delta_rule,
+    fused_recurrent_momentum_delta_rule as fused_recurrent_momentum_delta_rule,
+)
 from ._fla_precond import (
     chunk_precond_gated_delta_rule as chunk_precond_gated_delta_rule,
     chunk_precond_kda as chunk_precond_kda,
