@@ -81,7 +81,8 @@ def state_policy(precision: PrecisionName, *, decays: bool) -> ProductPrecision:
     decay the state forgets no rounding, and these three products carry the largest share
     of it (each alone about a tenth of DeltaNet's bfloat16 output error; the three
     compensated take its outputs at T = 4096 from 5.4e-3 to 3.8e-3 of their RMS). Their
-    VJPs, the Grams and the WY products stay bfloat16.
+    VJPs, through which the backward carries the state's cotangent, are compensated too;
+    the factors' cotangents, the Grams and the WY products stay bfloat16.
     """
     return "bfloat16x3" if precision == "bfloat16" and not decays else precision
 
@@ -103,7 +104,8 @@ def einsum(spec: str, *operands: Array, precision: ProductPrecision = "highest")
         `"bfloat16x3"`: each operand split into a bfloat16 high half and a bfloat16 low
         half (`x = x_hi + x_lo` to about $2^{-16}$), three bfloat16 products `x_hi y_hi +
         x_hi y_lo + x_lo y_hi` accumulated in float32: the float32 product to about
-        $2^{-16}$ relative, at three bfloat16 products' cost; its VJP is `"bfloat16"`'s.
+        $2^{-16}$ relative, at three bfloat16 products' cost; its VJP multiplies the same
+        way.
         `"default"`: `jax.default_matmul_precision` decides, the result in the
         accumulation dtype.
 
@@ -166,15 +168,15 @@ def _bf16_product(spec: str, acc: Any, x: Array, y: Array) -> Array:
 
 
 def _operand_cotangent(
-    out: str, other: str, mine: str, acc: Any, g: Array, y: Array, x: Array
+    out: str, other: str, mine: str, acc: Any, g: Array, y: Array, x: Array, product=None
 ) -> Array:
     """The cotangent of the operand `x` (subscripts `mine`) of `einsum(mine, other -> out)`
-    from the result's cotangent `g`: `einsum(out, other -> mine)` in bfloat16 with `acc`
-    accumulation, its broadcast axes summed back to `x`'s shape."""
+    from the result's cotangent `g`: `einsum(out, other -> mine)` by `product` (bfloat16
+    with `acc` accumulation by default), its broadcast axes summed back to `x`'s shape."""
     letters = mine.replace("...", "")
     kept = "".join(c for c in letters if c in out or c in other)
     target = ("..." if "..." in mine else "") + kept
-    d = _bf16_product(f"{out},{other}->{target}", acc, g, y)
+    d = (product or _bf16_product)(f"{out},{other}->{target}", acc, g, y)
     if kept != letters:  # subscripts summed inside `x` alone: the cotangent is broadcast
         rank = d.ndim - len(kept)
         lead, tail = d.shape[:rank], d.shape[rank:]
@@ -239,4 +241,12 @@ def _bf16x3_einsum_fwd(spec, acc, x, y):
     return _bf16x3_product(spec, acc, x, y), (x, y)
 
 
-_bf16x3_einsum.defvjp(_bf16x3_einsum_fwd, _bf16_einsum_bwd)  # the VJP is bfloat16's
+def _bf16x3_einsum_bwd(spec, acc, res, g):
+    x, y = res
+    lhs, rhs, out = _parse(spec)
+    dx = _operand_cotangent(out, rhs, lhs, acc, g, y, x, _bf16x3_product)
+    dy = _operand_cotangent(out, lhs, rhs, acc, g, x, y, _bf16x3_product)
+    return dx, dy
+
+
+_bf16x3_einsum.defvjp(_bf16x3_einsum_fwd, _bf16x3_einsum_bwd)

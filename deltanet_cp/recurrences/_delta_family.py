@@ -94,7 +94,7 @@ class DeltaFactors(eqx.Module):
     - `decays`: whether the recurrence decays its state (`False`: DeltaNet, an ungated
         Gated DeltaProduct). Without decay, `step`'s three products under `"bfloat16"`
         are compensated: each operand split into two bfloat16 halves, three bfloat16
-        products (the state forgets no rounding); their VJPs stay bfloat16.
+        products, and so are their VJPs (the state and its cotangent forget no rounding).
     """
 
     wq: Float[Array, "n b h sc k"]
