@@ -8,6 +8,7 @@ bfloat16-rounded operands in float32), its `dot_general`s counted by operand dty
     python benchmarks/precision.py                 # the structure table
     python benchmarks/precision.py --accuracy      # and the accuracy table (slow)
     python benchmarks/precision.py --accuracy --t 4096 --cp 8
+    python benchmarks/precision.py --accuracy --kinds delta_rule   # some kinds only
 
 Accuracy: flash-linear-attention's `get_err_ratio` (relative RMS error) of outputs, final
 state and gradients against the float64 token loops (tests/test_precision.py), on one
@@ -35,12 +36,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def structure() -> None:
+def _families(kinds: list[str] | None) -> list:
     from tests.registry import FAMILIES
+
+    names = [f.name for f in FAMILIES]
+    unknown = sorted(set(kinds or ()) - set(names))
+    if unknown:
+        raise SystemExit(f"unknown kinds {unknown}; the kinds are {names}")
+    return [f for f in FAMILIES if kinds is None or f.name in kinds]
+
+
+def structure(kinds: list[str] | None) -> None:
     from tests.test_precision import census, float32_place
 
     print("bfloat16 policy, dot_generals in the module lowered for a GPU (each once):")
-    for family in FAMILIES:
+    for family in _families(kinds):
         for grad in (False, True):
             found = census(family, grad=grad)
             bf16 = [p for p in found if p.operands == ("bf16", "bf16") and p.result == "f32"]
@@ -54,13 +64,12 @@ def structure() -> None:
             )
 
 
-def accuracy(t: int, cp: int) -> None:
-    from tests.registry import FAMILIES
+def accuracy(t: int, cp: int, kinds: list[str] | None) -> None:
     from tests.test_precision import _errors, WIDE
 
     print(f"bfloat16 inputs and policy, T={t}, {WIDE}: relative RMS error vs float64 loop")
     print(f"  {'kind':22s} {'out':>9s} {'state':>9s} {'grad':>9s} | cp={cp}: out, state, grad")
-    for family in FAMILIES:
+    for family in _families(kinds):
         one = _errors(family, t, **WIDE)
         many = _errors(family, t, cp=cp, **WIDE)
         print(
@@ -76,11 +85,12 @@ def main() -> None:
     parser.add_argument("--no-structure", action="store_true", help="skip the structure table")
     parser.add_argument("--t", type=int, default=4096, help="sequence length (accuracy)")
     parser.add_argument("--cp", type=int, default=8, help="ranks for the cp column (accuracy)")
+    parser.add_argument("--kinds", nargs="+", help="only these kinds (test ids, e.g. delta_rule)")
     args = parser.parse_args()
     if not args.no_structure:
-        structure()
+        structure(args.kinds)
     if args.accuracy:
-        accuracy(args.t, args.cp)
+        accuracy(args.t, args.cp, args.kinds)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._affine import AffineMap
-from .._precision import accumulation_dtype, PrecisionName
+from .._precision import accumulation_dtype, PrecisionName, state_policy
 from .._recurrence import AbstractRecurrence
 from ..chunkops import (
     chunk_major,
@@ -97,6 +97,10 @@ class DeltaFactors(eqx.Module):
     - `gamma`: $e^{G_C}$, the decay over the whole chunk per key channel.
     - `precision`: the policy the chunk's products with the state run under (resolved from
         the inputs by `prepare`); every field is in the accumulation dtype whatever it is.
+    - `decays`: whether the recurrence decays its state (`False`: DeltaNet, an ungated
+        Gated DeltaProduct). Without decay, `step`'s three products under `"bfloat16"`
+        are compensated: each operand split into two bfloat16 halves, three bfloat16
+        products, and so are their VJPs (the state and its cotangent forget no rounding).
     """
 
     wq: Float[Array, "n b h sc k"]
@@ -105,6 +109,7 @@ class DeltaFactors(eqx.Module):
     k_decayed_t: Float[Array, "n b h k s"]
     gamma: Float[Array, "n b h k"]
     precision: PrecisionName = eqx.field(default="highest", static=True)
+    decays: bool = eqx.field(default=True, static=True)
 
     @property
     def w(self) -> Float[Array, "*chunks b h s k"]:
@@ -209,7 +214,7 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
 
     def step(self, factors: DeltaFactors, h: Float[Array, "b h k v"]) -> tuple[Array, Array]:
         f = factors
-        p = f.precision
+        p = state_policy(f.precision, decays=f.decays)
         s = f.u.shape[-2]
         y = einsum("bhck,bhkv->bhcv", f.wq, h, precision=p)  # [w h; q_g h]
         v_new = f.u - y[..., :s, :]
@@ -262,6 +267,7 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
             k_decayed_t=einsum("nbhkv,nbhsv->nbhks", d_next, v_new, precision=p),
             gamma=jnp.sum(d_next * states, axis=-1),
             precision=p,
+            decays=f.decays,
         )
 
     def finalize(self, outputs: Float[Array, "b t h v"], inputs: DeltaInputs) -> Array:
@@ -351,6 +357,7 @@ def _factors(
         k_decayed_t=heads(jnp.swapaxes(k_decayed, -1, -2)),
         gamma=heads(gamma),
         precision=precision,
+        decays=g is not None,
     )
 
 
