@@ -811,7 +811,14 @@ def _case_fused_recurrent_momentum_delta_rule(cu):
         q, k, v, la, lm, initial_state=h0, output_final_state=True, cu_seqlens=CU if cu else None
     )
     expected = dcp.recurrent_momentum_delta_rule(
-        q, k, v, la, lm, initial_state=h0, cu_seqlens=jnp.array(CU) if cu else None
+        q,
+        k,
+        v,
+        la,
+        lm,
+        initial_state=h0,
+        use_qk_l2norm=True,
+        cu_seqlens=jnp.array(CU) if cu else None,
     )
     return actual, expected
 
