@@ -70,6 +70,9 @@ class Family:
     - `state_rows`: the state's rows per key channel: `(b, hv, state_rows * dk, dv)` (2 for
         the momentum delta rule's `[S; M]`).
     - `optional`: the arguments that may be `None` (a default takes their place).
+    - `inputs_run_a_recurrence`: `inputs(*args, cu_seqlens=, cp=)` runs a first recurrence
+        (the preconditioned rules' write keys), which needs the packed documents and the
+        context parallelism of the call.
     """
 
     name: str
@@ -87,6 +90,7 @@ class Family:
     output_only: tuple[str, ...] = ("q",)
     state_rows: int = 1
     optional: tuple[str, ...] = ()
+    inputs_run_a_recurrence: bool = False
 
     def __repr__(self) -> str:
         return self.name
@@ -237,7 +241,7 @@ def _main_state_only(fn):
     return wrapper
 
 
-def _precond_inputs(q, k, v, g_atk, g, beta_atk, beta):
+def _precond_inputs(q, k, v, g_atk, g, beta_atk, beta, *, cu_seqlens=None, cp=None):
     write_key, _ = write_keys(
         k,
         g_atk,
@@ -245,8 +249,8 @@ def _precond_inputs(q, k, v, g_atk, g, beta_atk, beta):
         dtype=accumulation_dtype(q, k, v, g_atk, g, beta_atk, beta),
         use_qk_l2norm=False,
         initial_A_state=None,
-        cu_seqlens=None,
-        cp=None,
+        cu_seqlens=cu_seqlens,
+        cp=cp,
         chunk_size=16,
         precision="highest",
         x=1.5,
@@ -256,8 +260,8 @@ def _precond_inputs(q, k, v, g_atk, g, beta_atk, beta):
     return dcp.DeltaInputs(q, k, v, g, beta, write_key=write_key)
 
 
-def _precond_kda_inputs(q, k, v, g, g_atk, beta_atk, beta):
-    return _precond_inputs(q, k, v, g_atk, g, beta_atk, beta)
+def _precond_kda_inputs(q, k, v, g, g_atk, beta_atk, beta, *, cu_seqlens=None, cp=None):
+    return _precond_inputs(q, k, v, g_atk, g, beta_atk, beta, cu_seqlens=cu_seqlens, cp=cp)
 
 
 PRECOND_GATED_DELTA_RULE = Family(
@@ -272,6 +276,7 @@ PRECOND_GATED_DELTA_RULE = Family(
     gate="g",
     l2norm=False,
     unit_gates=("beta_atk", "beta"),
+    inputs_run_a_recurrence=True,
 )
 
 PRECOND_KDA = Family(
@@ -287,6 +292,7 @@ PRECOND_KDA = Family(
     gate_per_channel=True,
     l2norm=False,
     unit_gates=("beta_atk", "beta"),
+    inputs_run_a_recurrence=True,
 )
 
 # The momentum delta rule. Its public functions take and return flash-linear-attention's

@@ -226,6 +226,29 @@ def test_cp_matches_loop(kind, cp, layout, exchange, docs):
     assert max(errors) <= 1e-4, errors
 
 
+def test_global_arrays_eager_and_placed_on_an_explicit_mesh():
+    # Global arrays over a `jax.make_mesh` mesh (`Explicit` axes): an eager `jax.grad` of
+    # unplaced arrays, and a jitted one of arrays the caller placed on that mesh, equal the
+    # one-device run (the two stages' arrays meet on one mesh).
+    args, _ = _make("gdn", 11, b=1, t=32, h=2, hv=4, dk=8, dv=6)
+    mesh = jax.make_mesh((4,), ("cp",), devices=jax.devices()[:4])
+    parallel = dcp.ContextParallel("cp", mesh=mesh)
+
+    def loss(arrays, cp):
+        o, s, a = dcp.chunk_precond_gated_delta_rule(*arrays, chunk_size=4, cp=cp)
+        return _loss(o, s, a)
+
+    expected = jax.grad(loss)(list(args), None)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "cp"))
+    placed = [jax.device_put(x, sharding) for x in args]
+    for grads in (
+        jax.grad(loss)(list(args), parallel),
+        jax.jit(jax.grad(loss), static_argnums=1)(placed, parallel),
+    ):
+        for got, want in zip(grads, expected):
+            assert rel_err(got, want) <= 1e-5
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_unit_range_is_the_plain_rule(kind):
     # x = 1: the write key is the key, so the rule is Gated DeltaNet / KDA.

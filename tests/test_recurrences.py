@@ -1025,10 +1025,11 @@ def test_blocks_match_loop(family, block_size):
     cu = DOCS[0]
     args, _ = family.make(42, **PACKED)
     docs = _doc_states(43, cu, family)
+    documents = {"cu_seqlens": cu} if family.inputs_run_a_recurrence else {}
     run = jax.jit(
         lambda args, docs: dcp.run(
             recurrence,
-            family.inputs(*args),
+            family.inputs(*args, **documents),
             initial_state=docs,
             cu_seqlens=cu,
             block_size=block_size,
@@ -1041,13 +1042,16 @@ def test_blocks_match_loop(family, block_size):
 
     args, h0 = family.make(44, **SHAPE)
 
+    cp = dcp.ContextParallel("cp")
+    sharded = {"cp": cp} if family.inputs_run_a_recurrence else {}
+
     def per_rank(*a):
         return dcp.run(
             recurrence,
-            family.inputs(*a[:-1]),
+            family.inputs(*a[:-1], **sharded),
             initial_state=a[-1],
             block_size=block_size,
-            cp=dcp.ContextParallel("cp"),
+            cp=cp,
         )
 
     o, final, grads = value_and_grad_fn(per_rank, len(family.arg_names) + 1, cp=2)(*args, h0)

@@ -24,10 +24,12 @@ both runs.
 import math
 from typing import Any, TypeAlias
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, States, ValueTensor
+from .._mesh import mesh_to_run_on
 from .._parallel import ContextParallel
 from .._precision import accumulation_dtype, as_precision, PrecisionName, resolve_precision
 from .._run import run
@@ -202,10 +204,46 @@ def write_keys(
         cu_seqlens=cu_seqlens,
         cp=cp,
     )
-    # The squash: a write-key scale in (1/x, x) per key channel.
-    r = jnp.log(a + jnp.asarray(eps, dtype)) - center
+    if cp is not None and cp.mesh is not None:
+        # Global arrays: the preconditioner's come back on the mesh the engine ran on (its
+        # `Auto` copy of `cp.mesh`); the keys go there too before the two meet.
+        spec = jax.sharding.PartitionSpec(cp.batch_axis, cp.axis_name)
+        on_mesh = jax.sharding.NamedSharding(mesh_to_run_on(cp.mesh), spec)
+        k_erase, a = jax.device_put(k_erase, on_mesh), jax.device_put(a, on_mesh)
+    # The squash: a write-key scale in (1/x, x) per key channel. Where the preconditioner's
+    # state is non-finite (a non-finite input at or before the token), the write key is NaN,
+    # which the main stage takes as a non-finite input; the squash itself is formed from a
+    # zero there, so that its VJP sends a zero, not NaN, back into the preconditioner's run
+    # (whose backward would carry a NaN cotangent to the tokens before).
+    finite = jnp.isfinite(a)
+    r = jnp.log(jnp.where(finite, a, 0) + jnp.asarray(eps, dtype)) - center
     s = r / (1 + jnp.abs(r))
-    return k_erase * jnp.exp(jnp.asarray(-math.log(x), dtype) * s), a_final[..., 0, :]
+    write_key = k_erase * jnp.exp(jnp.asarray(-math.log(x), dtype) * s)
+    return _finite_cotangent(jnp.where(finite, write_key, jnp.nan)), a_final[..., 0, :]
+
+
+@jax.custom_vjp
+def _finite_cotangent(write_key: Array) -> Array:
+    """`write_key` itself; its cotangent with non-finite entries read as zeros.
+
+    After a non-finite input the main stage's states are NaN from that token on (to the end
+    of its document), and so are the cotangents it sends to its inputs there, although no
+    finite output depends on them (a loss on the tokens before has a zero gradient there).
+    Within one run of the engine they stay at their own tokens; here they would reach the
+    preconditioner's run, whose reverse pass carries a cotangent to every earlier token.
+    """
+    return write_key
+
+
+def _finite_cotangent_fwd(write_key: Array) -> tuple[Array, None]:
+    return write_key, None
+
+
+def _finite_cotangent_bwd(_, cotangent: Array) -> tuple[Array]:
+    return (jnp.where(jnp.isfinite(cotangent), cotangent, jnp.zeros((), cotangent.dtype)),)
+
+
+_finite_cotangent.defvjp(_finite_cotangent_fwd, _finite_cotangent_bwd)
 
 
 def _resolved(main: AbstractDeltaRule, precision: PrecisionName) -> AbstractDeltaRule:
