@@ -217,7 +217,8 @@ def test_check_inputs(without_runtime_typecheck):
     check_inputs(dcp.GatedLinearAttention(), dcp.GLAInputs(q, k, v, g))
     with pytest.raises(TypeError, match="GatedDeltaRule takes `inputs` of type DeltaInputs"):
         check_inputs(rule, (q, k, v, g, beta))
-    with pytest.raises(TypeError, match=r"deltanet_cp.DeltaInputs\(q, k, v, g, beta, write, write_key\)"):
+    fields = r"deltanet_cp.DeltaInputs\(q, k, v, g, beta, write, write_key\)"
+    with pytest.raises(TypeError, match=fields):
         check_inputs(rule, dcp.GLAInputs(q, k, v, g))
     with pytest.raises(TypeError, match=r"deltanet_cp.GLAInputs\(q, k, v, g\)"):
         check_inputs(dcp.GatedLinearAttention(), dcp.DeltaInputs(q, k, v, g, beta))

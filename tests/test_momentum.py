@@ -1,7 +1,8 @@
 """The momentum delta rule's public layout: flash-linear-attention's stacked `(2, N, HV, K, V)`
 state and its defaults (`p = k`, `beta = eta = 1`, the probe times alpha; q/k/p
-L2-normalised on request, FLA's default), against the float64 loop; and the errors its arguments get. The property tests of
-tests/test_recurrences.py (through `tests/registry.py`) cover everything else.
+L2-normalised on request, FLA's default), against the float64 loop; and the errors its
+arguments get. The property tests of tests/test_recurrences.py (through `tests/registry.py`)
+cover everything else.
 """
 
 import jax
