@@ -17,7 +17,7 @@ $(VENV)/.installed-%: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.installed-demo
 	$(BIN)/python examples/demo.py
 
-# The default suite (under 15 minutes on 2 cores); `make test-slow` runs the rest of the
+# The default suite (about 23 minutes on 2 cores); `make test-slow` runs the rest of the
 # parameter grids (tests marked `slow`), `make test-all` both. CI runs both. JOBS test
 # processes run side by side (pytest-xdist); JOBS=0 runs them in this process.
 JOBS ?= 2
