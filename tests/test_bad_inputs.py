@@ -12,7 +12,6 @@ type checker where it would answer first: these are the errors a user without it
 
 import functools as ft
 import os
-import subprocess
 import sys
 from typing import Any
 
@@ -30,6 +29,7 @@ from deltanet_cp._validate import as_index, as_scale
 from deltanet_cp.interop import fla
 from deltanet_cp.nn import CausalConv1d, CausalSelfAttention, GatedDeltaNet, HybridLM
 
+from . import _stall
 from .helpers import make_delta_product_inputs, pairwise
 from .registry import FAMILIES, Family, GLA, GLA_PER_HEAD
 
@@ -420,13 +420,7 @@ def test_hybrid_out_of_vocabulary_tokens_under_cp():
         **os.environ,
         "XLA_FLAGS": " ".join([*flags, "--xla_force_host_platform_device_count=2"]),
     }
-    result = subprocess.run(
-        [sys.executable, "-c", _OUT_OF_VOCABULARY_UNDER_CP],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    result = _stall.run([sys.executable, "-c", _OUT_OF_VOCABULARY_UNDER_CP], env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split()[-3:] == ["RAISED", "EquinoxRuntimeError", "True"], (
         result.stdout + result.stderr[-3000:]

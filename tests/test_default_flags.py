@@ -11,9 +11,10 @@ and is checked against a float64 token-by-token loop with its backward written o
 """
 
 import os
-import subprocess
 import sys
 import textwrap
+
+from . import _stall
 
 
 # The reference: per value head, S <- diag(exp(g_t)) S; e = w_t * v_t - S^T (b_t * k_t);
@@ -59,13 +60,7 @@ def reference_grads(q, k, v, g, b, w, do, scale, h0=None):
 def _run(code: str) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["JAX_PLATFORMS"] = "cpu"
-    result = subprocess.run(
-        [sys.executable, "-c", _REFERENCE + textwrap.dedent(code)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = _stall.run([sys.executable, "-c", _REFERENCE + textwrap.dedent(code)], env=env)
     assert result.returncode == 0, (
         f"exit {result.returncode} under XLA's default flags\n{result.stderr[-3000:]}"
     )

@@ -6,6 +6,8 @@ import socket
 import subprocess
 import sys
 
+from . import _stall
+
 
 WORKER = pathlib.Path(__file__).parent / "_multiprocess_worker.py"
 
@@ -31,15 +33,14 @@ def test_two_processes_cp4_matches_single_device(tmp_path):
         )
         for i in range(nproc)
     ]
-    logs = []
     try:
-        for p in procs:
-            logs.append(p.communicate(timeout=240)[0])
+        _stall.wait_all(procs)  # the ranks together: one waits in a collective for the other
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    logs = [p.communicate()[0] for p in procs]
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-3000:]
     for out in outs:

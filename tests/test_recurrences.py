@@ -10,7 +10,6 @@ grids keep a covering subset in the default run (`pairwise`), the rest marked `s
 import contextlib
 import functools as ft
 import os
-import subprocess
 import sys
 from typing import Any
 
@@ -23,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import deltanet_cp as dcp
 
+from . import _stall
 from .helpers import (
     delta_product_reference,
     directional_check,
@@ -945,13 +945,7 @@ def test_invalid_cu_seqlens_under_cp(cu):
         **os.environ,
         "XLA_FLAGS": " ".join([*flags, "--xla_force_host_platform_device_count=4"]),
     }
-    result = subprocess.run(
-        [sys.executable, "-c", _INVALID_UNDER_CP, ",".join(map(str, cu))],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    result = _stall.run([sys.executable, "-c", _INVALID_UNDER_CP, ",".join(map(str, cu))], env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     kind, names_cu_seqlens = result.stdout.split()[-2:]
     assert result.stdout.split()[-3] == "RAISED", result.stdout + result.stderr[-3000:]

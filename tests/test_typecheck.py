@@ -7,10 +7,11 @@ import json
 import pathlib
 import re
 import shutil
-import subprocess
 import sys
 
 import pytest
+
+from . import _stall
 
 
 HERE = pathlib.Path(__file__).parent
@@ -25,11 +26,8 @@ def _pyright() -> str:
 
 def test_pyright_rejects_zigzag_layout():
     path = HERE / "typecheck" / "zigzag_layout.py"
-    result = subprocess.run(
+    result = _stall.run(
         [_pyright(), "--pythonpath", sys.executable, "--outputjson", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
         cwd=path.parent,  # its own pyrightconfig.json
     )
     report = json.loads(result.stdout)
