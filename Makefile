@@ -4,7 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-slow test-all test-floor lint docs bench bench-gpu bench-gpu-wheels clean
+.PHONY: demo test test-slow test-all test-profile test-floor lint docs bench bench-gpu \
+	bench-gpu-wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,19 +18,34 @@ $(VENV)/.installed-%: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.installed-demo
 	$(BIN)/python examples/demo.py
 
-# The default suite (about 23 minutes on 2 cores); `make test-slow` runs the rest of the
-# parameter grids (tests marked `slow`), `make test-all` both. CI runs both. JOBS test
-# processes run side by side (pytest-xdist); JOBS=0 runs them in this process.
+# The default suite (TEST_MINUTES); `make test-slow` runs the rest of the parameter grids
+# (tests marked `slow`), `make test-all` both. CI runs both. JOBS test processes run side by
+# side (pytest-xdist); JOBS=0 runs them in this process. Every run shares the persistent
+# compilation cache in .cache/jax (tests/_compile_cache.py; `make clean` removes it): a program
+# compiled once loads in every later run. The line "XLA: ..." at the end of a run gives its
+# compilations and the cache's hit rate.
 JOBS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(JOBS)
 
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q -n $(JOBS) -m "not slow"
+	$(PYTEST) -m "not slow"
 
 test-slow: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q -n $(JOBS) -m slow
+	$(PYTEST) -m slow
 
 test-all: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q -n $(JOBS)
+	$(PYTEST)
+
+# Where a suite's time goes: per test file and for the slowest tests, the wall time and how much
+# of it is building XLA programs (tests/profile_report.py). MARK picks the suite ("not slow",
+# "slow" or "" for all); the records stay in PROFILE_DIR.
+MARK ?= not slow
+PROFILE_DIR ?= .cache/profile
+
+test-profile: $(VENV)/.installed-test
+	rm -rf $(PROFILE_DIR)
+	$(PYTEST) -m "$(MARK)" --suite-profile=$(PROFILE_DIR)
+	$(BIN)/python -m tests.profile_report $(PROFILE_DIR)
 
 # The oldest versions of the dependencies pyproject.toml allows (its lower bounds, pinned in
 # .ci/floor-constraints.txt), in their own environment, and a smoke subset of the suite
@@ -101,4 +117,4 @@ bench-gpu-wheels:
 		"$(MAXTEXT)" "$(JLA)"
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) site .pytest_cache
+	rm -rf $(VENV) $(FLOOR_VENV) site .pytest_cache .cache

@@ -13,6 +13,25 @@ import jax.random as jr  # noqa: E402
 import jaxtyping  # noqa: E402
 import pytest  # noqa: E402
 
+from tests import _compile_cache, _compile_stats  # noqa: E402
+
+
+_compile_cache.enable()
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--suite-profile",
+        metavar="DIR",
+        default=None,
+        help="write each test's wall and XLA compile seconds to DIR/<worker>.jsonl "
+        "(python -m tests.profile_report DIR prints the tables)",
+    )
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_compile_stats, "compile_stats")
+
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")

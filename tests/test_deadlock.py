@@ -6,7 +6,8 @@ The shapes are those at which a path through LAPACK's triangular solve once dead
 suite's usual shapes and its 8 devices would not show it. Each check runs in a fresh process
 (the device count is fixed at start-up), watched by `tests/_stall.py`: a process whose CPU
 time stops advancing for `STALL_S` seconds is hung, one that is merely slow (on a loaded
-machine) is left to finish, up to a generous wall-clock backstop.
+machine) is left to finish. The processes load their programs from the suite's persistent
+compilation cache where it has them (the hang was in running a program, not in compiling it).
 """
 
 import os
@@ -19,14 +20,17 @@ import time
 import pytest
 
 from . import _stall
+from ._compile_cache import ROOT
 
 
 STALL_S = 60  # seconds without CPU time: every thread is blocked
-WALL_CAP_S = 30 * 60  # a backstop only; a normal run takes a minute or two
 
 _PRELUDE = """
 import sys
 import jax
+from tests import _compile_cache
+
+_compile_cache.enable()  # the suite's persistent cache: the repeated runs load the programs
 import jax.numpy as jnp
 import numpy as np
 import deltanet_cp as dcp
@@ -126,6 +130,7 @@ def _start(script: str, devices: int, repeats: int, full: bool, log) -> subproce
     return subprocess.Popen(
         [sys.executable, "-c", code, str(repeats), "full" if full else "quick"],
         env=_env(devices),
+        cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -133,7 +138,7 @@ def _start(script: str, devices: int, repeats: int, full: bool, log) -> subproce
 
 def _finish(proc: subprocess.Popen, log, what: str) -> None:
     try:
-        code = _stall.wait(proc, stall_s=STALL_S, wall_cap_s=WALL_CAP_S)
+        code = _stall.wait(proc, stall_s=STALL_S)
     except _stall.Stalled as e:
         log.seek(0)
         last = log.read().decode(errors="replace").strip().splitlines()[-1:] or ["(nothing)"]
@@ -294,3 +299,29 @@ def test_cpu_seconds_counts_busy_children():
             os.kill(child, 9)
         proc.kill()
         proc.wait()
+
+
+@_needs_proc
+def test_run_captures_output_without_a_time_limit():
+    result = _stall.run(
+        [sys.executable, "-c", "import sys; print('out' * 30000); print('err', file=sys.stderr)"]
+    )
+    assert result.returncode == 0
+    assert result.stdout.strip() == "out" * 30000  # more than a pipe holds
+    assert result.stderr.strip() == "err"
+    with pytest.raises(_stall.Stalled, match="no CPU time"):
+        _stall.run([sys.executable, "-c", "import time; time.sleep(600)"], stall_s=2.0)
+
+
+@_needs_proc
+def test_wait_all_counts_the_processes_together():
+    # One waits (as a rank in a collective) while the other computes: progress, no stall.
+    spin = "import time\nt = time.monotonic()\nwhile time.monotonic() < t + 4: pass"
+    waiting = _python("import time; time.sleep(5)")
+    busy = subprocess.Popen([sys.executable, "-c", spin])
+    assert _stall.wait_all([waiting, busy], stall_s=2.0) == [0, 0]
+    # Both asleep: stalled, and both are killed.
+    procs = [_python("import time; time.sleep(600)") for _ in range(2)]
+    with pytest.raises(_stall.Stalled):
+        _stall.wait_all(procs, stall_s=2.0)
+    assert all(p.poll() is not None for p in procs)

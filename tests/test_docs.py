@@ -26,13 +26,14 @@ import inspect
 import json
 import os
 import re
-import subprocess
 import sys
 import textwrap
 import types
 from pathlib import Path
 
 import pytest
+
+from . import _stall
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -239,13 +240,17 @@ def test_every_python_block_is_run_or_a_fragment():
 # The runnable blocks run in child processes, not in pytest's: as a reader runs them, in a
 # fresh interpreter without runtime type checking (they may set XLA_FLAGS before jax starts),
 # and a crash in XLA fails the page rather than killing the test session. Rank promotion is an
-# error there, as in the test suite.
+# error there, as in the test suite, and the suite's persistent compilation cache serves them
+# (tests/_compile_cache.py).
 _RUNNER = r"""
 import contextlib, io, json, sys, time, traceback
 
 import jax
 
+from tests import _compile_cache
+
 jax.config.update("jax_numpy_rank_promotion", "raise")
+_compile_cache.enable()  # the suite's persistent cache: a page compiled before loads
 
 for page, blocks in json.load(sys.stdin).items():
     print(json.dumps({"start": page}), flush=True)
@@ -260,82 +265,40 @@ for page, blocks in json.load(sys.stdin).items():
     else:
         print(json.dumps({"ok": page, "seconds": time.perf_counter() - start}), flush=True)
 """
-# Eight simulated CPU devices, as in conftest.py; XLA's most optimisations off (jax's
-# `jax_disable_most_optimizations`: its backend optimisation level 0, as the second flag,
-# and LLVM's expensive passes off) make XLA compile several times faster (the examples are
-# tiny: compiling is nearly all their time).
-_XLA_FLAGS = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+# Eight simulated CPU devices, as in conftest.py, and otherwise XLA's default flags: the
+# pages run the programs a reader runs. (With XLA's most optimisations off they compiled 20%
+# faster on a cold cache, 250 s against 300 s for all pages on 2 cores; the persistent cache
+# makes the difference small, and a second run loads them: 160 s.)
+_XLA_FLAGS = "--xla_force_host_platform_device_count=8"
 _RUNNABLE_PAGES = [_rel(p) for p in _pages() if _runnable_blocks(p)]
 
 
-def _run_pages(pages: list[str]) -> subprocess.Popen:
-    env = dict(
-        os.environ, XLA_FLAGS=_XLA_FLAGS, JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="1"
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _RUNNER],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env=env,
-    )
-    assert proc.stdin is not None
-    proc.stdin.write(json.dumps({page: _runnable_blocks(DOCS / page) for page in pages}))
-    proc.stdin.close()
-    proc.stdin = None  # written: `communicate` is only to read the output
-    return proc
-
-
-def _collect(proc: subprocess.Popen) -> dict[str, dict]:
-    assert proc.stdout is not None and proc.stderr is not None
+def _run_page(page: str) -> dict:
+    """Run one page's blocks in a fresh process; its "ok" or "fail" event."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_DISABLE_MOST_OPTIMIZATIONS"}
+    env.update(XLA_FLAGS=_XLA_FLAGS, JAX_PLATFORMS="cpu")
+    blocks = json.dumps({page: _runnable_blocks(DOCS / page)})
     try:
-        stdout, stderr = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
-    results: dict[str, dict] = {}
-    running = None
-    for line in stdout.splitlines():
-        if not line.startswith("{"):
-            continue
-        event = json.loads(line)
-        running = event.get("start", running)
-        for kind in ("ok", "fail"):
-            if kind in event:
-                results[event[kind]] = event
-    if running is not None and running not in results:
-        results[running] = {
-            "fail": running,
-            "error": f"the process died (exit code {proc.returncode}) while running this "
-            f"page:\n{stderr[-3000:]}",
-        }
-    return results
+        result = _stall.run([sys.executable, "-c", _RUNNER], input=blocks, cwd=ROOT, env=env)
+    except _stall.Stalled as e:
+        return {"fail": page, "error": f"the process hung: {e}"}
+    for line in result.stdout.splitlines():
+        event = json.loads(line) if line.startswith("{") else {}
+        if "ok" in event or "fail" in event:
+            return event
+    return {
+        "fail": page,
+        "error": f"the process died (exit code {result.returncode}) while running this page:"
+        f"\n{result.stderr[-3000:]}",
+    }
 
 
-@pytest.fixture(scope="module")
-def runnable_results() -> dict[str, dict]:
-    """Every runnable page's result. Compiling dominates, so the pages are spread over one
-    process per core (two at most), largest first."""
-    workers = max(1, min(2, os.cpu_count() or 1))
-    size = {p: sum(len(code) for _, code in _runnable_blocks(DOCS / p)) for p in _RUNNABLE_PAGES}
-    groups: list[list[str]] = [[] for _ in range(workers)]
-    for page in sorted(_RUNNABLE_PAGES, key=size.__getitem__, reverse=True):
-        min(groups, key=lambda g: sum(size[p] for p in g)).append(page)
-    procs = [_run_pages(group) for group in groups if group]
-    results: dict[str, dict] = {}
-    for proc in procs:
-        results.update(_collect(proc))
-    return results
-
-
+# Each page in a process of its own, so that the pages spread over the test processes as
+# any other tests do (pytest-xdist), whatever the distribution.
 @pytest.mark.parametrize("page", _RUNNABLE_PAGES)
-def test_runnable_examples(page, runnable_results):
+def test_runnable_examples(page):
     """A page's runnable blocks, in order, in one namespace (as a reader would run them)."""
-    result = runnable_results.get(page)
-    if result is None:
-        pytest.fail(f"docs/{page} was not run: an earlier page stopped the process.")
+    result = _run_page(page)
     if "fail" in result:
         pytest.fail(f"docs/{page}:\n{result['error']}", pytrace=False)
 
@@ -363,9 +326,7 @@ def test_readme_runs_as_written():
     code += "\nassert jax.device_count() == 4, jax.devices()\n"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["JAX_PLATFORMS"] = "cpu"
-    result = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
-    )
+    result = _stall.run([sys.executable, "-c", code], env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "max error" in result.stdout, "the quickstart prints what it checks"
 
@@ -378,9 +339,7 @@ def test_dir_shows_only_the_api():
         "import json, types, deltanet_cp as d; print(json.dumps([(n, isinstance(getattr(d, n), "
         "types.ModuleType) and getattr(d, n).__name__ == 'deltanet_cp.' + n) for n in dir(d)]))"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    result = _stall.run([sys.executable, "-c", code], cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     documented = {d.name for d in _directives()}
     stray = [
