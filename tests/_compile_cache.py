@@ -37,6 +37,7 @@ def _atomic_put(self, key: str, value: bytes) -> None:
     from jax._src import lru_cache
 
     if self.eviction_enabled:  # JAX's own file lock serialises readers and writers
+        assert _ORIGINAL_PUT is not None
         return _ORIGINAL_PUT(self, key, value)
     path = self.path / f"{key}{lru_cache._CACHE_SUFFIX}"
     if path.exists():

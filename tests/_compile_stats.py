@@ -16,7 +16,7 @@ Compilation inside a test's own subprocesses is not seen here: it counts as "oth
 import json
 import os
 import time
-from collections import Counter
+from collections import defaultdict
 from pathlib import Path
 
 import jax
@@ -35,27 +35,28 @@ _COUNTS = {
 }
 
 # Since the process started, and for the test now running.
-_total: Counter = Counter()
-_current: Counter = Counter()
+_total: defaultdict[str, float] = defaultdict(float)
+_current: defaultdict[str, float] = defaultdict(float)
 
 
 # The test now running's backend compilations (or loads) of half a second or more.
 _current_programs: list[tuple[str, float]] = []
 
 
-def _on_duration(event: str, duration: float, fun_name: str = "?", **_) -> None:
+def _on_duration(event: str, duration_secs: float, **kwargs: str | int) -> None:
     stage = _STAGES.get(event)
     if stage is not None:
-        _total[stage] += duration
-        _current[stage] += duration
+        _total[stage] += duration_secs
+        _current[stage] += duration_secs
         if stage == "backend_s":
             _total["compiles"] += 1
             _current["compiles"] += 1
-            if duration >= 0.5:
-                _current_programs.append((fun_name, round(duration, 2)))
+            if duration_secs >= 0.5:
+                name = str(kwargs.get("fun_name", "?"))
+                _current_programs.append((name, round(duration_secs, 2)))
 
 
-def _on_event(event: str, **_) -> None:
+def _on_event(event: str, **kwargs: str | int) -> None:
     count = _COUNTS.get(event)
     if count is not None:
         _total[count] += 1
@@ -90,17 +91,18 @@ def pytest_sessionfinish(session):
 
 
 def pytest_testnodedown(node, error):
-    _workers.update(getattr(node, "workeroutput", {}).get("compile_stats", {}))
+    for name, value in getattr(node, "workeroutput", {}).get("compile_stats", {}).items():
+        _workers[name] += value
 
 
-_workers: Counter = Counter()
+_workers: defaultdict[str, float] = defaultdict(float)
 
 
 def pytest_terminal_summary(terminalreporter, config):
     totals = _workers if _workers else _total
     requests, hits = totals["cache_requests"], totals["cache_hits"]
     compile_s = totals["trace_s"] + totals["lower_s"] + totals["backend_s"]
-    if not jax.config.jax_compilation_cache_dir:
+    if not getattr(jax.config, "jax_compilation_cache_dir"):
         cache = "persistent cache off"
     else:
         share = f" ({100 * hits / requests:.0f}%)" if requests else ""

@@ -170,6 +170,7 @@ def run(
             proc.stdin.write(input.encode())
             proc.stdin.close()
         code = wait(proc, stall_s=stall_s)
-        out.seek(0), err.seek(0)
+        out.seek(0)
+        err.seek(0)
         stdout, stderr = (f.read().decode(errors="replace") for f in (out, err))
     return subprocess.CompletedProcess(args, code, stdout, stderr)

@@ -26,7 +26,7 @@ def _compile_s(r: dict) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("directory", type=Path)
     parser.add_argument("--slowest", type=int, default=30)
     args = parser.parse_args(argv)
