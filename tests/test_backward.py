@@ -6,6 +6,7 @@ and tests/test_cp.py; here each hand-written cotangent is compared with what JAX
 of the same function gives, so a wrong formula is caught where it is written.
 """
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,20 +23,36 @@ def _block(family, dtype, *, n=3, c=8):
     args, _ = family.make(0, b=2, t=n * c, h=2, hv=4, dk=8, dv=6, dtype=dtype)
     recurrence = family.configuration(c)
     inputs = family.inputs(*args)
-    chunks = jax.tree.map(lambda x: x.reshape(x.shape[0], n, c, *x.shape[2:]), inputs)
-    factors = recurrence.prepare(chunks)
+    factors = _factors(recurrence, inputs, n, c)
     state = recurrence.state(inputs)
     rng = np.random.default_rng(1)
 
     def normal(*shape):
         return jnp.asarray(rng.normal(size=shape), dtype)
 
-    one = jax.tree.map(lambda x: x[0], factors)
     h = normal(n, *state.shape)
-    _, out = recurrence.step(one, h[0])
+    one_h = jax.ShapeDtypeStruct(state.shape, dtype)
+    out = jax.eval_shape(
+        lambda f, h: recurrence.step(jax.tree.map(lambda x: x[0], f), h)[1], factors, one_h
+    )
     d_next = normal(n, *state.shape)
     d_out = jax.tree.map(lambda o: normal(n, *o.shape), out)
     return recurrence, factors, h, d_next, d_out
+
+
+# Each case is one compiled program (run op by op, the same arithmetic compiles ~100 small
+# programs and takes several times as long).
+@eqx.filter_jit
+def _factors(recurrence, inputs, n: int, c: int):
+    chunks = jax.tree.map(lambda x: x.reshape(x.shape[0], n, c, *x.shape[2:]), inputs)
+    return recurrence.prepare(chunks)
+
+
+@eqx.filter_jit
+def _both_cotangents(recurrence, f, h, d_next, d_out):
+    got = recurrence.factor_cotangents(f, h, d_next, d_out)
+    want = dcp.AbstractRecurrence.factor_cotangents(recurrence, f, h, d_next, d_out)
+    return got, want
 
 
 def _cotangent_cases():
@@ -60,8 +77,7 @@ def test_factor_cotangents_match_autodiff(family, dtype):
     # default, `step`'s VJP in its factors mapped over the chunks.
     with jax.enable_x64(dtype == jnp.float64):
         recurrence, f, h, d_next, d_out = _block(family, dtype)
-        got = recurrence.factor_cotangents(f, h, d_next, d_out)
-        want = dcp.AbstractRecurrence.factor_cotangents(recurrence, f, h, d_next, d_out)
+        got, want = _both_cotangents(recurrence, f, h, d_next, d_out)
         tol = 1e-5 if dtype == jnp.float32 else 1e-12
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             assert g.shape == w.shape and g.dtype == w.dtype
