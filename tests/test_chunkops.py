@@ -3,7 +3,9 @@ here (numpy loops or the direct formula), with extreme gates (very negative, -in
 hand-written VJPs against `jax.grad` of the direct formula in float64."""
 
 import functools as ft
+from types import SimpleNamespace
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,22 @@ from .helpers import pairwise, rel_err
 
 
 _EPS = float(np.finfo(np.float32).eps)
+
+# The functions under test, each case compiled as one program: run op by op, the same
+# arithmetic compiles about a hundred small programs and takes several times as long.
+ops = SimpleNamespace(
+    **{name: eqx.filter_jit(getattr(chunkops, name)) for name in chunkops.__all__}
+)
+
+
+def _grad(fn, argnums=0):
+    return eqx.filter_jit(jax.grad(fn, argnums))
+
+
+@eqx.filter_jit
+def _vjp(fn, args, ct):
+    out, pull = jax.vjp(fn, *args)
+    return out, pull(ct)
 
 
 def _normal(rng, *shape, dtype=jnp.float32):
@@ -51,7 +69,7 @@ def _segment(g, j, i):
 def test_einsum_is_float32_exact():
     rng = np.random.default_rng(0)
     a, b = _normal(rng, 3, 16, 32), _normal(rng, 3, 32, 8)
-    out = chunkops.einsum("bij,bjk->bik", a, b)
+    out = ops.einsum("bij,bjk->bik", a, b)
     expected = np.einsum("bij,bjk->bik", np.float64(a), np.float64(b))
     assert out.dtype == jnp.float32
     assert rel_err(out, expected) <= 1e-6
@@ -62,11 +80,11 @@ def test_l2norm():
     x = _normal(rng, 2, 5, 8).at[0, 0].set(0.0)
     x64 = np.float64(x)
     expected = x64 / np.sqrt(np.sum(x64 * x64, -1, keepdims=True) + 1e-6)
-    out = chunkops.l2norm(x)
+    out = ops.l2norm(x)
     assert out.dtype == x.dtype
     assert rel_err(out, expected) <= 1e-6
     assert np.all(np.asarray(out[0, 0]) == 0.0)
-    grad = jax.grad(lambda x: jnp.sum(jnp.sin(chunkops.l2norm(x))))(x)
+    grad = _grad(lambda x: jnp.sum(jnp.sin(ops.l2norm(x))))(x)
     assert np.all(np.isfinite(grad))
 
 
@@ -75,7 +93,7 @@ def test_chunk_major_and_back(features):
     rng = np.random.default_rng(2)
     shape = (2, 3, 4, 5) + (6, 7)[:features]  # (B, N, C, H, *features)
     x = _normal(rng, *shape)
-    out = chunkops.chunk_major(x, features=features)
+    out = ops.chunk_major(x, features=features)
     assert out.shape == (3, 2, 5, 4) + shape[4:]
     x_np = np.asarray(x)
     for b in range(2):
@@ -83,7 +101,7 @@ def test_chunk_major_and_back(features):
             for c in range(4):
                 for h in range(5):
                     assert np.array_equal(np.asarray(out[n, b, h, c]), x_np[b, n, c, h])
-    back = chunkops.from_chunk_major(out, features=features)
+    back = ops.from_chunk_major(out, features=features)
     assert back.shape == x.shape and np.array_equal(back, x)
 
 
@@ -105,7 +123,7 @@ def test_cumsum(n, reverse):
     rng = np.random.default_rng(3)
     # Terms of one sign over many orders of magnitude: every sum to a relative epsilon.
     x = np.asarray(-np.exp(rng.uniform(-8, 8, size=(3, n, 2))), np.float32).astype(np.float64)
-    out = chunkops.cumsum(jnp.asarray(x, jnp.float32), 1, reverse=reverse)
+    out = ops.cumsum(jnp.asarray(x, jnp.float32), 1, reverse=reverse)
     expected = np.flip(np.cumsum(np.flip(x, 1), 1), 1) if reverse else np.cumsum(x, 1)
     assert np.all(np.abs(np.asarray(out, np.float64) - expected) <= n * _EPS * np.abs(expected))
 
@@ -113,9 +131,9 @@ def test_cumsum(n, reverse):
 def test_cumsum_minus_inf():
     x = np.full((1, 16), -0.5)
     x[0, 5] = -np.inf
-    out = np.asarray(chunkops.cumsum(jnp.asarray(x, jnp.float32), 1))
+    out = np.asarray(ops.cumsum(jnp.asarray(x, jnp.float32), 1))
     assert np.array_equal(out, np.cumsum(x, 1).astype(np.float32))
-    out = np.asarray(chunkops.cumsum(jnp.asarray(x, jnp.float32), -1, reverse=True))
+    out = np.asarray(ops.cumsum(jnp.asarray(x, jnp.float32), -1, reverse=True))
     assert np.all(out[0, :6] == -np.inf) and np.all(np.isfinite(out[0, 6:]))
 
 
@@ -124,7 +142,7 @@ def test_cumsum_minus_inf():
 def test_segment_sums(c, extreme):
     rng = np.random.default_rng(4)
     g = _gates(rng, 2, 3, c, 1, extreme=extreme and c > 4)[..., 0]  # (2, 3, C)
-    out = np.asarray(chunkops.segment_sums(jnp.asarray(g, jnp.float32)), np.float64)
+    out = np.asarray(ops.segment_sums(jnp.asarray(g, jnp.float32)), np.float64)
     clamped = np.maximum(g, -1e4)[..., None]
     for i in range(c):
         for j in range(c):
@@ -145,7 +163,7 @@ def test_cumulative_decays(per_channel, extreme):
     if not per_channel:
         g = g[..., :1]
     arg = jnp.asarray(g if per_channel else g[..., 0], jnp.float32)
-    into, out = chunkops.cumulative_decays(arg, per_channel)
+    into, out = ops.cumulative_decays(arg, per_channel)
     assert into.shape == out.shape == (2, c, k if per_channel else 1)
     expected_in = np.exp(np.stack([_segment(g, -1, i) for i in range(c)], -2))
     expected_out = np.exp(np.stack([_segment(g, i, c - 1) for i in range(c)], -2))
@@ -168,14 +186,14 @@ def test_exclusive_decays(per_channel, extreme):
     if not per_channel:
         g = g[..., :1]
     arg = jnp.asarray(g if per_channel else g[..., 0], jnp.float32)
-    before = np.asarray(chunkops.exclusive_decays(arg, per_channel), np.float64)
+    before = np.asarray(ops.exclusive_decays(arg, per_channel), np.float64)
     assert before.shape == (2, c, k if per_channel else 1)
     expected = np.exp(np.stack([np.sum(g[..., :i, :], axis=-2) for i in range(c)], -2))
     assert np.all(before[..., 0, :] == 1.0) and np.all(before <= 1.0)
     tiny = expected < 1e-30
     assert np.all(np.abs(before - expected) <= 1e-5 * expected + 1e-30 * tiny)
     # Shifted by one token from cumulative_decays' e^{G_i}.
-    into, _ = chunkops.cumulative_decays(arg, per_channel)
+    into, _ = ops.cumulative_decays(arg, per_channel)
     np.testing.assert_array_equal(before[..., 1:, :], np.asarray(into, np.float64)[..., :-1, :])
 
 
@@ -187,7 +205,7 @@ def test_decay_matrix(strict, extreme):
     c = 8
     g = _gates(rng, 2, 3, c, 1, extreme=extreme)[..., 0]  # (2, 3, C)
     arg = jnp.asarray(g, jnp.float32)
-    d = np.asarray(chunkops.decay_matrix(arg, strict=strict), np.float64)
+    d = np.asarray(ops.decay_matrix(arg, strict=strict), np.float64)
     assert d.shape == (2, 3, c, c)
     for i in range(c):
         for j in range(c):
@@ -195,7 +213,7 @@ def test_decay_matrix(strict, extreme):
             expected = np.exp(np.sum(g[..., j + 1 : i + 1], axis=-1)) if inside else 0.0
             assert np.all(np.abs(d[..., i, j] - expected) <= 1e-5 * expected + 1e-30)
     # Finite gradients everywhere, -inf gates and the masked triangle included.
-    grad = jax.grad(lambda g: jnp.sum(chunkops.decay_matrix(g, strict=strict)))(arg)
+    grad = _grad(lambda g: jnp.sum(ops.decay_matrix(g, strict=strict)))(arg)
     assert np.all(np.isfinite(np.asarray(grad)))
 
 
@@ -250,7 +268,7 @@ def test_decayed_gram(gate, strict, extreme, c):
         arg = jnp.asarray(g, jnp.float32)
     else:
         g, arg = np.zeros_like(g), None
-    out = chunkops.decayed_gram(x, y, arg, strict=strict)
+    out = ops.decayed_gram(x, y, arg, strict=strict)
     assert out.dtype == jnp.float32
     _assert_exact(out, _gram_reference(x, y, g, strict))
 
@@ -272,7 +290,7 @@ def test_decayed_grams(strict, extreme, c):
     k = 4
     x, y = _normal(rng, 2, 1, c, 2, k), _normal(rng, 1, 3, c, 3, k)
     g = _gates(rng, 2, 3, c, k, extreme=extreme)
-    out = chunkops.decayed_grams(x, y, jnp.asarray(g, jnp.float32), strict)
+    out = ops.decayed_grams(x, y, jnp.asarray(g, jnp.float32), strict)
     assert out.shape == (2, 3, c, 2, c, 3)
     for p in range(2):
         for q in range(3):
@@ -300,15 +318,15 @@ def test_decayed_grams_vjp(strict, c):
     w = rng.normal(size=(2, 3, c, 2, c, 3))
     finite = np.maximum(g, -1e4)  # -inf as a decay of exactly zero, differentiable
     with jax.enable_x64(True):
-        expected = jax.grad(
+        expected = _grad(
             lambda x, y, g: jnp.sum(jnp.asarray(w) * _grams_direct(x, y, g, strict)), (0, 1, 2)
         )(*(jnp.asarray(a, jnp.float64) for a in (x, y, finite)))
         expected = [np.asarray(e) for e in expected]
     args = [jnp.asarray(a, jnp.float32) for a in (x, y, g)]
     w32 = jnp.asarray(w, jnp.float32)
-    grads = jax.grad(
-        lambda x, y, g: jnp.sum(w32 * chunkops.decayed_grams(x, y, g, strict)), (0, 1, 2)
-    )(*args)
+    grads = _grad(lambda x, y, g: jnp.sum(w32 * ops.decayed_grams(x, y, g, strict)), (0, 1, 2))(
+        *args
+    )
     for actual, e in zip(grads, expected):
         assert np.all(np.isfinite(np.asarray(actual)))
         assert rel_err(actual, e) <= 1e-5
@@ -328,7 +346,7 @@ def _strict_lower(rng, *shape, scale=0.3):
 def test_unit_lower_inverse(c):
     rng = np.random.default_rng(9)
     a = _strict_lower(rng, 3, 2, c, c)
-    t = chunkops.unit_lower_inverse(jnp.asarray(a, jnp.float32))
+    t = ops.unit_lower_inverse(jnp.asarray(a, jnp.float32))
     expected = np.linalg.inv(np.eye(c) + a)
     assert t.shape == a.shape and t.dtype == jnp.float32
     assert rel_err(t, expected) <= 1e-5
@@ -343,7 +361,7 @@ def test_unit_lower_inverse_delta_rule_system():
     k /= np.linalg.norm(k, axis=-1, keepdims=True)
     beta = rng.uniform(0, 1, size=(4, c, 1))
     a = np.tril((beta * k) @ np.swapaxes(k, -1, -2), -1)
-    t = chunkops.unit_lower_inverse(jnp.asarray(a, jnp.float32))
+    t = ops.unit_lower_inverse(jnp.asarray(a, jnp.float32))
     assert rel_err(t, np.linalg.inv(np.eye(c) + a)) <= 1e-5
 
 
@@ -353,14 +371,12 @@ def test_unit_lower_inverse_vjp(c):
     a, w = _strict_lower(rng, 3, c, c), rng.normal(size=(3, c, c))
     with jax.enable_x64(True):
         eye = jnp.broadcast_to(jnp.eye(c, dtype=jnp.float64), a.shape)
-        expected = jax.grad(
-            lambda a: jnp.sum(jnp.asarray(w) * jnp.linalg.inv(eye + jnp.tril(a, -1)))
-        )(jnp.asarray(a, jnp.float64))
+        expected = _grad(lambda a: jnp.sum(jnp.asarray(w) * jnp.linalg.inv(eye + jnp.tril(a, -1))))(
+            jnp.asarray(a, jnp.float64)
+        )
         expected = np.asarray(expected)
     w32 = jnp.asarray(w, jnp.float32)
-    grad = jax.grad(lambda a: jnp.sum(w32 * chunkops.unit_lower_inverse(a)))(
-        jnp.asarray(a, jnp.float32)
-    )
+    grad = _grad(lambda a: jnp.sum(w32 * ops.unit_lower_inverse(a)))(jnp.asarray(a, jnp.float32))
     assert np.all(np.triu(np.asarray(grad)) == 0)  # only the strict lower triangle is read
     assert rel_err(grad, expected) <= 1e-5
 
@@ -381,10 +397,9 @@ def test_unit_lower_solve_and_vjp(c, dtype):
         def dense(a, b):
             return jnp.linalg.solve(eye + jnp.tril(a, -1), b)
 
-        x64, pull = jax.vjp(dense, jnp.asarray(a), jnp.asarray(b))
-        da64, db64 = (np.asarray(z) for z in pull(jnp.asarray(ct)))
-        x, pull = jax.vjp(chunkops.unit_lower_solve, jnp.asarray(a, dtype), jnp.asarray(b, dtype))
-        da, db = pull(jnp.asarray(ct, dtype))
+        x64, (da64, db64) = _vjp(dense, (jnp.asarray(a), jnp.asarray(b)), jnp.asarray(ct))
+        args = (jnp.asarray(a, dtype), jnp.asarray(b, dtype))
+        x, (da, db) = _vjp(chunkops.unit_lower_solve, args, jnp.asarray(ct, dtype))
     tol = 1e-5 if dtype == jnp.float32 else 1e-12
     assert x.dtype == dtype and da.dtype == dtype and db.dtype == dtype
     assert rel_err(x, x64) <= tol
@@ -405,8 +420,8 @@ def test_unit_lower_solve_vjp_broadcast():
         eye = jnp.broadcast_to(jnp.eye(8, dtype=a.dtype), a.shape)
         return jnp.linalg.solve(jnp.broadcast_to(eye + jnp.tril(a, -1), b.shape[:-1] + (8,)), b)
 
-    got = jax.grad(ft.partial(loss, chunkops.unit_lower_solve), (0, 1))(a32, b32)
-    want = jax.grad(ft.partial(loss, dense), (0, 1))(a32, b32)
+    got = _grad(ft.partial(loss, ops.unit_lower_solve), (0, 1))(a32, b32)
+    want = _grad(ft.partial(loss, dense), (0, 1))(a32, b32)
     assert got[0].shape == a.shape and got[1].shape == b.shape
     assert rel_err(got[0], np.tril(np.asarray(want[0]), -1)) <= 1e-5
     assert rel_err(got[1], want[1]) <= 1e-5
