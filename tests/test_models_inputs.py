@@ -43,6 +43,13 @@ def _tokens(n: int = 8) -> jax.Array:
     return jnp.arange(n, dtype=jnp.int32) * 7 % VOCAB
 
 
+# Set-up computations compiled as one program each (op by op, a model's forward compiles
+# about two hundred small programs); the entry points under test are called as users call them.
+@eqx.filter_jit
+def _forward(model, tokens):
+    return model(tokens)
+
+
 @eqx.filter_jit
 def _prefill(model, tokens, cache=None, capacity=None, every=None):
     return model.prefill(tokens, cache, capacity=capacity, checkpoint_every=every)
@@ -58,7 +65,7 @@ def test_token_ids_are_checked_at_every_entry_point(without_runtime_typecheck):
     model = _model()
     good = _tokens()
     assert model(good).shape == (8, VOCAB)
-    _, cache = model.prefill(good, capacity=16)
+    _, cache = _prefill(model, good, capacity=16)
     for bad in [VOCAB, -1]:
         tokens = good.at[5].set(bad)
         with pytest.raises(ValueError, match=BAD_ID + rf"; got {bad} at position 5"):
@@ -72,7 +79,7 @@ def test_token_ids_are_checked_at_every_entry_point(without_runtime_typecheck):
             model.decode_step(bad, cache)
         # Traced ids fail the computation when it runs.
         with pytest.raises(Exception, match=BAD_ID):
-            jax.block_until_ready(eqx.filter_jit(lambda m, t: m(t))(model, tokens))
+            jax.block_until_ready(_forward(model, tokens))
         with pytest.raises(Exception, match=BAD_ID):
             jax.block_until_ready(_prefill(model, tokens, capacity=16))
         with pytest.raises(Exception, match=rf"`token` must be ids in \[0, vocab_size = {VOCAB}"):
@@ -158,18 +165,18 @@ def test_layer_config_eps_is_a_number(without_runtime_typecheck):
 
 def test_cache_of_another_model_is_refused(without_runtime_typecheck):
     model, tokens = _model(), _tokens()
-    _, cache = model.prefill(tokens, capacity=16)
+    _, cache = _prefill(model, tokens, capacity=16)
     token = tokens[0]
     one = _model(num_hidden_layers=1, layer_types=("full_attention",))
-    _, other = one.prefill(tokens, capacity=16)
+    _, other = _prefill(one, tokens, capacity=16)
     with pytest.raises(ValueError, match=r"`cache` has 1 layers; this model has 2"):
         model.decode_step(token, other)
     swapped = _model(layer_types=("full_attention", "linear_attention"))
-    _, other = swapped.prefill(tokens, capacity=16)
+    _, other = _prefill(swapped, tokens, capacity=16)
     with pytest.raises(ValueError, match=r"Layer 0 of this model is 'linear_attention'"):
         model.decode_step(token, other)
     wider = _model(linear_value_head_dim=16, head_dim=8)
-    _, other = wider.prefill(tokens, capacity=16)
+    _, other = _prefill(wider, tokens, capacity=16)
     with pytest.raises(ValueError, match=r"`cache.layers\[0\]` \(linear_attention\) is"):
         model.decode_step(token, other)
     with pytest.raises(ValueError, match=r"`cache.layers\[0\]`"):
@@ -219,7 +226,7 @@ def test_restore_refuses_what_is_not_a_checkpoint(without_runtime_typecheck):
         model.restore(early, ckpts, 3)
     other = _model(num_hidden_layers=1, layer_types=("full_attention",))
     with pytest.raises(ValueError, match="`checkpoints` must be the Qwen3_5Checkpoints"):
-        model.restore(cache, other.prefill(tokens, checkpoint_every=4)[2], 0)
+        model.restore(cache, _prefill(other, tokens, every=4)[2], 0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -251,7 +258,7 @@ def test_default_capacity_leaves_room_to_decode(without_runtime_typecheck):
 def test_prefill_needs_room_in_its_cache(without_runtime_typecheck):
     # Was: a prefill past the cache's end silently overwrote its last entries.
     model, tokens = _model(), _tokens()
-    _, cache = model.prefill(tokens[:6], capacity=10)
+    _, cache = _prefill(model, tokens[:6], capacity=10)
     with pytest.raises(ValueError, match=r"`cache` has no room for `tokens`: .* 10 tokens, 6 seen"):
         model.prefill(tokens, cache)
     with pytest.raises(Exception, match=r"`cache` has no room for `tokens` \(8 tokens\)"):
