@@ -364,8 +364,8 @@ def test_hybrid_out_of_vocabulary_tokens():
     # Was: the embedding clamped an id of `vocab_size` or -1 to the last id, silently.
     model = _model()
     good = jnp.asarray([0, 3, 10, 5], jnp.int32)
-    assert model(good).shape == (4, 11)
-    call = eqx.filter_jit(lambda m, t: m(t))
+    call = eqx.filter_jit(lambda m, t: m(t))  # one program for the good and the bad ids
+    assert call(model, good).shape == (4, 11)
     for bad in [11, -1]:
         tokens = good.at[2].set(bad)
         # Concrete ids: a ValueError naming the id and its position; traced ones fail the
