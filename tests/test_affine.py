@@ -1,3 +1,4 @@
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -38,17 +39,31 @@ def test_identity(getkey):
     np.testing.assert_array_equal(e(h), h)
 
 
+@eqx.filter_jit
+def _scans_and_fold(maps):
+    """Both prefix scans of `maps` (leading axis), and the running compositions before and
+    after each map by a plain sequential fold: one compiled program."""
+    running = dcp.AffineMap.identity(5, 4, maps.M.shape[1:-2])
+    before, after = [], []
+    for i in range(maps.M.shape[0]):
+        before.append(running)
+        running = running.then(jax.tree.map(lambda x: x[i], maps))
+        after.append(running)
+
+    def stack(xs):
+        return jax.tree.map(lambda *x: jnp.stack(x), *xs)
+
+    scans = dcp.prefix_scan(maps), dcp.prefix_scan(maps, exclusive=True)
+    return scans, stack(before), stack(after)
+
+
 @pytest.mark.parametrize("n", [1, 2, 5, 8])
 def test_prefix_scan_matches_sequential_fold(getkey, n):
     maps = _random_map(getkey(), batch=(n, 2))
-    inclusive = dcp.prefix_scan(maps)
-    exclusive = dcp.prefix_scan(maps, exclusive=True)
-    running = dcp.AffineMap.identity(5, 4, (2,))
-    for i in range(n):
-        item = jax.tree.map(lambda x: x[i], maps)
-        assert tree_allclose(jax.tree.map(lambda x: x[i], exclusive), running, atol=1e-5)
-        running = running.then(item)
-        assert tree_allclose(jax.tree.map(lambda x: x[i], inclusive), running, atol=1e-5)
+    (inclusive, exclusive), before, after = _scans_and_fold(maps)
+    for got, want in [(exclusive, before), (inclusive, after)]:
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
 
 
 def test_bad_shapes_are_refused(without_runtime_typecheck):
@@ -69,16 +84,20 @@ def test_chunk_maps_reproduce_the_final_state(getkey, chunk_size):
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
         return x.reshape(x.shape[0], n, chunk_size, *x.shape[2:])
 
-    factors = rec.prepare(jax.tree.map(split, dcp.DeltaInputs(q, k, v, g, beta)))
-    dense = jax.vmap(rec.chunk_map)(factors)
-    total = dcp.prefix_scan(dense)
-    total = jax.tree.map(lambda x: x[-1], total)
+    @eqx.filter_jit
+    def maps(inputs, h0):  # one compiled program
+        factors = rec.prepare(jax.tree.map(split, inputs))
+        dense = jax.vmap(rec.chunk_map)(factors)
+        total = jax.tree.map(lambda x: x[-1], dcp.prefix_scan(dense))
+        # The low-rank running composition gives the same map as the dense one.
+        running = total.identity_like()
+        for i in range(n):
+            running = rec.compose(jax.tree.map(lambda x: x[i], factors), running)
+        return total, total(h0), running
+
+    total, final, running = maps(dcp.DeltaInputs(q, k, v, g, beta), h0)
     _, expected = gated_delta_reference(q, k, v, g, beta, initial_state=h0)
-    assert rel_err(total(h0), expected) < 1e-5
-    # The low-rank running composition gives the same map as the dense one.
-    running = total.identity_like()
-    for i in range(n):
-        running = rec.compose(jax.tree.map(lambda x: x[i], factors), running)
+    assert rel_err(final, expected) < 1e-5
     assert tree_allclose(running, total, rtol=1e-4, atol=1e-5)
 
 
