@@ -1132,6 +1132,7 @@ def test_non_finite_input_does_not_reach_earlier_tokens(family, where):
     # the loop, and the gradients of a loss on every other token are the clean ones.
     t = 13  # inside the second chunk of 8; on rank 0 of 2 (20 tokens each)
     args, h0 = family.make(52, **SHAPE)
+    cu = [0, 9, 30, 40]  # packed: t in the second document; the third stays clean
     bad_values = [np.nan, np.inf, -np.inf]
     for n, name in enumerate(family.arg_names):
         value = bad_values[n % 3]
@@ -1145,9 +1146,7 @@ def test_non_finite_input_does_not_reach_earlier_tokens(family, where):
             _check_output_only(family, where, args, broken, h0, t, name)
             continue
         if where == "packed":
-            cu = [0, 9, 30, 40]  # t in the second document; the third stays clean
-            fn = jax.jit(lambda a: family.chunk(*a, cu_seqlens=cu, **_options(family)))
-            o, finals = fn(broken)
+            o, finals = _packed_fn(family, tuple(cu))(broken)
             expected_o, expected_h = _reference(family, args, None, cu_seqlens=cu)
             o, e = np.asarray(o, np.float64), np.asarray(expected_o)
             assert rel_err(o[:, :t], e[:, :t]) <= 1e-5, name
@@ -1180,8 +1179,7 @@ def _check_output_only(family: Family, where: str, args, broken, h0, t: int, nam
     cp = 2 if where == "cp" else None
     if where == "packed":
         cu = [0, 9, 30, 40]  # t in the second document
-        fn = jax.jit(lambda a: family.chunk(*a, cu_seqlens=cu, **_options(family)))
-        o, final = fn(broken)
+        o, final = _packed_fn(family, tuple(cu))(broken)
         expected_o, expected_h = _reference(family, broken, None, cu_seqlens=cu)
     else:
         o, final, _ = _grad_fn(family, "chunk", cp)(*broken, h0)
@@ -1200,6 +1198,12 @@ def _check_output_only(family: Family, where: str, args, broken, h0, t: int, nam
     for i, (a, b) in enumerate(zip(grads, clean)):
         assert np.all(np.isfinite(a)), (name, i)
         assert rel_err(a, b) <= 1e-5, (name, i)
+
+
+@ft.cache
+def _packed_fn(family: Family, cu: tuple[int, ...]):
+    """`jax.jit` of `family.chunk` on documents packed at `cu`: one compilation per family."""
+    return jax.jit(lambda a: family.chunk(*a, cu_seqlens=list(cu), **_options(family)))
 
 
 @ft.cache
