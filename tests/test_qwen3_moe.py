@@ -145,10 +145,12 @@ def test_greedy_generation_matches_transformers(which):
     np.testing.assert_array_equal(out, IO[f"{which}_generated"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", list(MODELS))
 def test_prefill_then_decode_equals_forward(which):
     # Positions 0..7 from a prefill, 8..11 one token at a time: the forward's logits, and
-    # transformers' own cached decoding.
+    # transformers' own cached decoding. Slow (about 16 s a model to compile); the default
+    # suite's greedy-generation test runs prefill and decode_step against transformers.
     model, tokens = _model(which), _tokens(which)
     logits, cache = eqx.filter_jit(lambda m, t: m.prefill(t, capacity=12))(model, tokens[:8])
     rows = []
