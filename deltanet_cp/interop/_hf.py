@@ -213,6 +213,32 @@ def _find_prefix(reader: _Reader, prefix: str | None) -> str:
     )
 
 
+def split_qwen3_next_projections(
+    qkvz: Any, ba: Any, h: int, hv: int, dk: int, dv: int
+) -> tuple[Any, Any, Any, Any]:
+    """Qwen3-Next's fused projections as Qwen3.5's: `(in_proj_qkv, in_proj_z, in_proj_b,
+    in_proj_a)` weights (`None` for those of an absent input).
+
+    Qwen3-Next groups the rows per key head: `in_proj_qkvz` is `[q (K) | k (K) | v (r V) |
+    z (r V)]` per head and `in_proj_ba` `[b (r) | a (r)]`, with `r = HV / H`.
+    """
+    r = hv // h
+    qkv = z = b = a = None
+    if qkvz is not None:
+        hidden = qkvz.shape[-1]
+        qkvz = jnp.asarray(qkvz).reshape(h, 2 * dk + 2 * r * dv, hidden)
+        q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
+        qkv = jnp.concatenate(
+            [q.reshape(h * dk, hidden), k.reshape(h * dk, hidden), v.reshape(hv * dv, hidden)]
+        )
+        z = z.reshape(hv * dv, hidden)
+    if ba is not None:
+        hidden = ba.shape[-1]
+        ba = jnp.asarray(ba).reshape(h, 2 * r, hidden)
+        b, a = ba[:, :r].reshape(hv, hidden), ba[:, r:].reshape(hv, hidden)
+    return qkv, z, b, a
+
+
 def gated_delta_net_from_hf(
     config: Any,
     weights: Mapping[str, Any] | str | os.PathLike,
@@ -293,7 +319,6 @@ def gated_delta_net_from_hf(
         raise ValueError(
             f"`linear_num_value_heads` ({hv}) must be a multiple of `linear_num_key_heads` ({h})."
         )
-    r = hv // h
 
     reader = _Reader(weights)
     prefix = _find_prefix(reader, prefix)
@@ -345,15 +370,9 @@ def gated_delta_net_from_hf(
         tensors[short] = x if dtype is None else x.astype(dtype)
 
     if layout == "Qwen3-Next":
-        # Rows grouped per key head: [q (K) | k (K) | v (r V) | z (r V)] and [b (r) | a (r)].
-        qkvz = tensors["in_proj_qkvz.weight"].reshape(h, 2 * dk + 2 * r * dv, hidden)
-        q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
-        qkv = jnp.concatenate(
-            [q.reshape(h * dk, hidden), k.reshape(h * dk, hidden), v.reshape(hv * dv, hidden)]
+        qkv, z, b, a = split_qwen3_next_projections(
+            tensors["in_proj_qkvz.weight"], tensors["in_proj_ba.weight"], h, hv, dk, dv
         )
-        z = z.reshape(hv * dv, hidden)
-        ba = tensors["in_proj_ba.weight"].reshape(h, 2 * r, hidden)
-        b, a = ba[:, :r].reshape(hv, hidden), ba[:, r:].reshape(hv, hidden)
     else:
         qkv, z = tensors["in_proj_qkv.weight"], tensors["in_proj_z.weight"]
         b, a = tensors["in_proj_b.weight"], tensors["in_proj_a.weight"]

@@ -13,15 +13,16 @@ from jaxtyping import Array, Int
 from .._precision import accumulation_dtype
 from ..nn._attention import KVCache
 from ..nn._gated_delta_net import GatedDeltaNetState
-from ._config import Qwen3_5Config
+from ._config import _QwenTextConfig
 
 
 @runtime_checkable
 class _CachedModel(Protocol):
-    """What the cache checks read of a model (a `Qwen3_5ForCausalLM`)."""
+    """What the cache checks read of a model (a `Qwen3_5ForCausalLM`, `Qwen3NextForCausalLM`
+    or `Qwen3_5MoeForCausalLM`)."""
 
     @property
-    def config(self) -> Qwen3_5Config: ...
+    def config(self) -> _QwenTextConfig: ...
 
     @property
     def layers(self) -> Sequence[Any]: ...
@@ -42,7 +43,9 @@ def _describe(tree: Any) -> str:
 
 
 class Qwen3_5Cache(eqx.Module):
-    """What [`deltanet_cp.models.Qwen3_5ForCausalLM`][] carries from a prefill to the next
+    """What [`deltanet_cp.models.Qwen3_5ForCausalLM`][] (and the mixture-of-experts
+    [`deltanet_cp.models.Qwen3NextForCausalLM`][] and
+    [`deltanet_cp.models.Qwen3_5MoeForCausalLM`][]) carries from a prefill to the next
     token.
 
     **Fields:**

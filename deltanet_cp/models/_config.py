@@ -1,11 +1,12 @@
-"""The configuration of a Qwen3.5 dense text model, read from a Hugging Face `config.json`."""
+"""The configurations of the Qwen3.5 dense, Qwen3-Next and Qwen3.5 MoE text models, read from a
+Hugging Face `config.json`."""
 
 import dataclasses
 import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 import numpy as np
 
@@ -26,18 +27,18 @@ def _bool(name: str, value: Any) -> bool:
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class Qwen3_5Config:
-    """The sizes of a Qwen3.5 dense text model, with transformers' field names.
+_C = TypeVar("_C", bound="_QwenTextConfig")
 
-    A frozen dataclass: a static configuration, hashable. `layer_types` defaults to
-    Qwen3.5's pattern, full attention every `full_attention_interval`-th layer (4: three
-    Gated DeltaNet layers to one attention layer).
+
+@dataclasses.dataclass(frozen=True)
+class _QwenTextConfig:
+    """The fields the Qwen3.5 dense, Qwen3-Next and Qwen3.5 MoE text models share, their checks
+    and their reading from transformers' `config.json`; each model's config adds its own
+    (keyword-only) fields.
 
     **Fields:**
 
-    - `vocab_size`, `hidden_size`, `intermediate_size` (the SwiGLU MLP's width),
-        `num_hidden_layers`.
+    - `vocab_size`, `hidden_size`, `num_hidden_layers`.
     - `num_attention_heads`, `num_key_value_heads`, `head_dim`: the attention layers.
     - `linear_num_key_heads`, `linear_num_value_heads`, `linear_key_head_dim`,
         `linear_value_head_dim`, `linear_conv_kernel_dim`: the Gated DeltaNet layers.
@@ -53,9 +54,11 @@ class Qwen3_5Config:
     it.
     """
 
+    # transformers' `model_type`s of this model (the text config's first), and of the others.
+    _MODEL_TYPES: ClassVar[tuple[str, ...]] = ()
+
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -81,6 +84,8 @@ class Qwen3_5Config:
                 value = as_config_float(f.name, value)
             elif f.type is bool:
                 value = _bool(f.name, value)
+            elif f.name == "mlp_only_layers":
+                value = _layer_indices(f.name, value)
             elif isinstance(value, str) or not isinstance(value, (list, tuple)):
                 raise ValueError(
                     f"The config's `{f.name}` must be a list of layer types; got {value!r}."
@@ -122,17 +127,24 @@ class Qwen3_5Config:
         """The features of each attention head the rotary embedding turns."""
         return int(self.head_dim * self.partial_rotary_factor)
 
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s feed-forward is the sparse mixture-of-experts block (else
+        a dense SwiGLU MLP)."""
+        del layer
+        return False
+
     @classmethod
-    def from_hf(cls, config: Mapping[str, Any]) -> "Qwen3_5Config":
-        """From a transformers config as a dict (the contents of `config.json`): a
-        `Qwen3_5TextConfig` (`model_type` `"qwen3_5_text"`) or a `Qwen3_5Config` with its
-        `text_config` (the vision tower is not read).
+    def from_hf(cls: type[_C], config: Mapping[str, Any]) -> _C:
+        """From a transformers config as a dict (the contents of `config.json`): the text
+        model's config, or the multimodal model's with its `text_config` (the vision tower
+        is not read).
 
         **Raises:**
 
         `ValueError` naming the field if one is missing, of the wrong type (a bool must be
         a JSON bool, a size a JSON int) or asks for what is not supported (an activation
-        other than SiLU, attention biases, a rotary scaling).
+        other than SiLU, attention biases, a rotary scaling); and if the config is another
+        model's (its `model_type`), naming the class that reads it.
         """
         if not isinstance(config, Mapping):
             raise ValueError(
@@ -142,6 +154,7 @@ class Qwen3_5Config:
         text = config.get("text_config") or config
         if not isinstance(text, Mapping):
             raise ValueError(f"The config's `text_config` must be a mapping; got {text!r}.")
+        cls._check_model_type(top, text)
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in text.items() if k in fields}
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
@@ -175,12 +188,28 @@ class Qwen3_5Config:
         ]
         if required:
             raise ValueError(f"The config is missing {', '.join(f'`{n}`' for n in required)}.")
-        if isinstance(kwargs.get("layer_types"), list):
-            kwargs["layer_types"] = tuple(kwargs["layer_types"])
+        for name in ("layer_types", "mlp_only_layers"):
+            if isinstance(kwargs.get(name), list):
+                kwargs[name] = tuple(kwargs[name])
         return cls(**kwargs)
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike) -> "Qwen3_5Config":
+    def _check_model_type(cls, top: Mapping[str, Any], text: Mapping[str, Any]) -> None:
+        for where in (text, top):
+            kind = where.get("model_type")
+            if kind is None or kind in cls._MODEL_TYPES:
+                continue
+            owner = next((c for c in _CONFIGS if kind in c._MODEL_TYPES), None)
+            hint = (
+                f"; read it with deltanet_cp.models.{owner.__name__}" if owner is not None else ""
+            )
+            raise ValueError(
+                f"The config is of model_type {kind!r}, not a {cls.__name__} (model_type "
+                f"{' / '.join(repr(t) for t in cls._MODEL_TYPES)}){hint}."
+            )
+
+    @classmethod
+    def from_json(cls: type[_C], path: str | os.PathLike) -> _C:
         """From a `config.json` file, or a directory holding one: see `from_hf`."""
         path = Path(path)
         if path.is_dir():
@@ -193,3 +222,147 @@ class Qwen3_5Config:
             return cls.from_hf(config)
         except ValueError as e:
             raise ValueError(f"In {str(path)!r}: {e}") from None
+
+
+def _layer_indices(name: str, value: Any) -> tuple[int, ...]:
+    """A list of layer indices (ints at least 0)."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"The config's `{name}` must be a list of layer indices; got {value!r}.")
+    bad = [
+        v
+        for v in value
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0
+    ]
+    if bad:
+        raise ValueError(f"The config's `{name}` must hold layer indices (ints >= 0); got {bad}.")
+    return tuple(int(v) for v in value)
+
+
+def _check_experts(config: Any) -> None:
+    if config.num_experts_per_tok > config.num_experts:
+        raise ValueError(
+            f"The config's `num_experts_per_tok` ({config.num_experts_per_tok}) is more than "
+            f"its `num_experts` ({config.num_experts}): each token is routed to that many "
+            "distinct experts."
+        )
+    if config.router_aux_loss_coef < 0:
+        raise ValueError(
+            f"The config's `router_aux_loss_coef` must be at least 0; got "
+            f"{config.router_aux_loss_coef}."
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Qwen3_5Config(_QwenTextConfig):
+    """The sizes of a Qwen3.5 dense text model, with transformers' field names.
+
+    A frozen dataclass: a static configuration, hashable. `layer_types` defaults to
+    Qwen3.5's pattern, full attention every `full_attention_interval`-th layer (4: three
+    Gated DeltaNet layers to one attention layer).
+
+    **Fields:**
+
+    - `vocab_size`, `hidden_size`, `intermediate_size` (the SwiGLU MLP's width),
+        `num_hidden_layers`.
+    - `num_attention_heads`, `num_key_value_heads`, `head_dim`: the attention layers.
+    - `linear_num_key_heads`, `linear_num_value_heads`, `linear_key_head_dim`,
+        `linear_value_head_dim`, `linear_conv_kernel_dim`: the Gated DeltaNet layers.
+    - `rms_norm_eps`: every RMSNorm's epsilon.
+    - `rope_theta`, `partial_rotary_factor`: the rotary embedding's base and the fraction
+        of each head's features it turns.
+    - `tie_word_embeddings`: the LM head is the embedding's transpose.
+    - `layer_types`: `"linear_attention"` or `"full_attention"` per layer.
+
+    Every field is typed: the sizes are positive ints (not bools, floats or strings), the
+    floats numbers, `tie_word_embeddings` a bool (not the string `"false"`, which would
+    read as true); a field of the wrong type or out of range raises a `ValueError` naming
+    it. `from_hf` refuses another model's config (a Qwen3-Next or Qwen3.5 MoE one).
+    """
+
+    _MODEL_TYPES: ClassVar[tuple[str, ...]] = ("qwen3_5_text", "qwen3_5")
+
+    intermediate_size: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Qwen3NextConfig(_QwenTextConfig):
+    """The sizes of a Qwen3-Next text model (transformers' `Qwen3NextConfig`), with its
+    field names.
+
+    The fields of [`deltanet_cp.models.Qwen3_5Config`][] (`intermediate_size` is the width
+    of the dense MLP of the layers that have one), and:
+
+    - `num_experts`, `num_experts_per_tok` (the top-k, at most `num_experts`),
+        `moe_intermediate_size` (each routed expert's width),
+        `shared_expert_intermediate_size`: the sparse mixture-of-experts blocks.
+    - `norm_topk_prob`: renormalise the top-k router probabilities to sum to one.
+    - `decoder_sparse_step`, `mlp_only_layers`: layer `i` is sparse if `(i + 1) %
+        decoder_sparse_step == 0` and `i` is not in `mlp_only_layers` (those have the dense
+        MLP).
+    - `router_aux_loss_coef`: the load-balancing loss's weight in the training loss.
+    """
+
+    _MODEL_TYPES: ClassVar[tuple[str, ...]] = ("qwen3_next",)
+
+    intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_experts(self)
+        beyond = [i for i in self.mlp_only_layers if i >= self.num_hidden_layers]
+        if beyond:
+            raise ValueError(
+                f"The config's `mlp_only_layers` names layers {beyond}; the model has "
+                f"{self.num_hidden_layers} (0 to {self.num_hidden_layers - 1})."
+            )
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s feed-forward is the sparse mixture-of-experts block (else
+        a dense SwiGLU MLP of `intermediate_size`)."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Qwen3_5MoeConfig(_QwenTextConfig):
+    """The sizes of a Qwen3.5 MoE text model (transformers' `Qwen3_5MoeTextConfig`, or the
+    `text_config` of its multimodal `Qwen3_5MoeConfig`), with its field names.
+
+    The fields of [`deltanet_cp.models.Qwen3_5Config`][] except `intermediate_size` (every
+    layer is sparse), and `num_experts`, `num_experts_per_tok`, `moe_intermediate_size`,
+    `shared_expert_intermediate_size`, `router_aux_loss_coef` as in
+    [`deltanet_cp.models.Qwen3NextConfig`][]. The top-k router probabilities are always
+    renormalised.
+    """
+
+    _MODEL_TYPES: ClassVar[tuple[str, ...]] = ("qwen3_5_moe_text", "qwen3_5_moe")
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    router_aux_loss_coef: float = 0.001
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_experts(self)
+
+    @property
+    def norm_topk_prob(self) -> bool:
+        """Always: Qwen3.5 MoE renormalises the top-k router probabilities."""
+        return True
+
+    def is_sparse(self, layer: int) -> bool:
+        """Always: every layer of Qwen3.5 MoE is sparse."""
+        del layer
+        return True
+
+
+_CONFIGS: tuple[type[_QwenTextConfig], ...] = (Qwen3_5Config, Qwen3NextConfig, Qwen3_5MoeConfig)

@@ -1,5 +1,6 @@
-"""One decoder layer of the Qwen3.5 model: a Gated DeltaNet or attention token mixer and a
-SwiGLU MLP, each in a pre-norm residual."""
+"""One decoder layer of the Qwen3.5, Qwen3-Next and Qwen3.5 MoE models: a Gated DeltaNet or
+attention token mixer and a SwiGLU MLP or sparse mixture-of-experts block, each in a pre-norm
+residual."""
 
 import equinox as eqx
 import jax
@@ -9,26 +10,30 @@ from .._parallel import ContextParallel
 from ..nn._attention import CausalSelfAttention, KVCache
 from ..nn._gated_delta_net import GatedDeltaNet, GatedDeltaNetState
 from ..nn._hybrid import SwiGLU
+from ..nn._moe import RouterStats, SparseMoE
 from ..nn._norm import ZeroCenteredRMSNorm
 from ..nn._schedule import KVSchedule
-from ._config import Qwen3_5Config
+from ._config import _QwenTextConfig, Qwen3_5Config, Qwen3_5MoeConfig, Qwen3NextConfig
 
 
 class Qwen3_5DecoderLayer(eqx.Module):
     """A pre-norm residual block: `x + mixer(norm(x))`, then `x + mlp(norm(x))`, with
     zero-centred RMSNorms; the token mixer is a [`deltanet_cp.nn.GatedDeltaNet`][] or a
-    [`deltanet_cp.nn.CausalSelfAttention`][]."""
+    [`deltanet_cp.nn.CausalSelfAttention`][], the feed-forward `mlp` a
+    [`deltanet_cp.nn.SwiGLU`][] or a [`deltanet_cp.nn.SparseMoE`][] (the decoder layer of
+    all three models: Qwen3.5, Qwen3-Next, Qwen3.5 MoE)."""
 
     input_layernorm: ZeroCenteredRMSNorm
     mixer: GatedDeltaNet | CausalSelfAttention
     post_attention_layernorm: ZeroCenteredRMSNorm
-    mlp: SwiGLU
+    mlp: SwiGLU | SparseMoE
 
     def __init__(
         self,
-        config: Qwen3_5Config,
+        config: _QwenTextConfig,
         kind: str,
         *,
+        sparse: bool = False,
         chunk_size,
         block_size,
         tile_size,
@@ -71,12 +76,32 @@ class Qwen3_5DecoderLayer(eqx.Module):
             )
         self.input_layernorm = ZeroCenteredRMSNorm(c.hidden_size, eps=eps, dtype=dtype)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(c.hidden_size, eps=eps, dtype=dtype)
-        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, key=kmlp, dtype=dtype)
+        if sparse:
+            assert isinstance(c, (Qwen3NextConfig, Qwen3_5MoeConfig))
+            self.mlp = SparseMoE(
+                c.hidden_size,
+                c.num_experts,
+                c.num_experts_per_tok,
+                c.moe_intermediate_size,
+                c.shared_expert_intermediate_size,
+                norm_topk_prob=c.norm_topk_prob,
+                key=kmlp,
+                dtype=dtype,
+            )
+        else:
+            assert isinstance(c, (Qwen3_5Config, Qwen3NextConfig))
+            self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, key=kmlp, dtype=dtype)
 
-    def _mlp(self, x):
-        return x + jax.vmap(self.mlp)(self.post_attention_layernorm(x))
+    def _mlp(self, x) -> tuple[jax.Array, RouterStats | None]:
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, SparseMoE):
+            h, stats = self.mlp(h)
+            return x + h, stats
+        return x + jax.vmap(self.mlp)(h), None
 
-    def __call__(self, x, cp: ContextParallel | None, kv_schedule: KVSchedule):
+    def __call__(
+        self, x, cp: ContextParallel | None, kv_schedule: KVSchedule
+    ) -> tuple[jax.Array, RouterStats | None]:
         h = self.input_layernorm(x)
         if isinstance(self.mixer, GatedDeltaNet):
             h = self.mixer(h, cp=cp)
@@ -93,7 +118,7 @@ class Qwen3_5DecoderLayer(eqx.Module):
         else:
             assert isinstance(cache, KVCache)
             h, cache = self.mixer.prefill(h, cache, length, cp=cp, kv_schedule=kv_schedule)
-        return self._mlp(x + h), cache, saved
+        return self._mlp(x + h)[0], cache, saved
 
     def step(self, x, cache, position):
         h = self.input_layernorm(x)
@@ -103,5 +128,4 @@ class Qwen3_5DecoderLayer(eqx.Module):
         else:
             assert isinstance(cache, KVCache)
             h, cache = self.mixer.step(h, cache, position)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        return self._mlp((x + h)[None])[0][0], cache

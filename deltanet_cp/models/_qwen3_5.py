@@ -1,32 +1,19 @@
 """The Qwen3.5 dense text model (`Qwen3_5ForCausalLM`), built from deltanet_cp's layers."""
 
 import os
-from typing import Any, overload
 
 import equinox as eqx
-import jax
-import jax.numpy as jnp
-import jax.random as jr
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import PRNGKeyArray
 
-from .._parallel import axis_size, ContextParallel
-from .._precision import as_precision, PrecisionName
-from .._validate import as_index, as_positive_index
-from ..nn._context import layer_cp, local_positions
-from ..nn._gated_delta_net import GatedDeltaNet
+from .._precision import PrecisionName
 from ..nn._norm import ZeroCenteredRMSNorm
-from ..nn._schedule import KVSchedule
-from ..nn._tokens import check_tokens
-from ._cache import check_cache, concrete, Qwen3_5Cache, Qwen3_5Checkpoints, restore
+from ._causal_lm import _QwenForCausalLM, init_model
 from ._config import Qwen3_5Config
 from ._decoder_layer import Qwen3_5DecoderLayer
+from ._weights import load
 
 
-# The default room `prefill` leaves after the prompt for the tokens to decode.
-DECODE_ROOM = 256
-
-
-class Qwen3_5ForCausalLM(eqx.Module):
+class Qwen3_5ForCausalLM(_QwenForCausalLM[Qwen3_5Config]):
     """The Qwen3.5 dense text model: what transformers' `Qwen3_5ForCausalLM` computes.
 
     Embedding; `num_hidden_layers` pre-norm residual blocks whose token mixer is a
@@ -83,32 +70,16 @@ class Qwen3_5ForCausalLM(eqx.Module):
         - `key`: a PRNG key for the (random) initial parameters.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
         """
-        precision = as_precision(precision)
-        kemb, khead, *keys = jr.split(key, config.num_hidden_layers + 2)
-        self.embed = eqx.nn.Embedding(config.vocab_size, config.hidden_size, key=kemb, dtype=dtype)
-        self.layers = tuple(
-            Qwen3_5DecoderLayer(
-                config,
-                kind,
-                chunk_size=chunk_size,
-                block_size=block_size,
-                tile_size=tile_size,
-                precision=precision,
-                key=k,
-                dtype=dtype,
-            )
-            for kind, k in zip(config.layer_types, keys)
+        init_model(
+            self,
+            config,
+            chunk_size=chunk_size,
+            block_size=block_size,
+            tile_size=tile_size,
+            precision=precision,
+            key=key,
+            dtype=dtype,
         )
-        self.norm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else eqx.nn.Linear(
-                config.hidden_size, config.vocab_size, use_bias=False, key=khead, dtype=dtype
-            )
-        )
-        self.config = config
-        self.precision = precision
 
     @classmethod
     def from_pretrained(
@@ -141,10 +112,9 @@ class Qwen3_5ForCausalLM(eqx.Module):
 
         `ValueError` listing, by name, every missing, unexpected or misshapen tensor.
         """
-        from ._weights import load
-
         return load(
             cls,
+            Qwen3_5Config,
             path,
             dtype=dtype,
             chunk_size=chunk_size,
@@ -152,305 +122,3 @@ class Qwen3_5ForCausalLM(eqx.Module):
             tile_size=tile_size,
             precision=precision,
         )
-
-    def _logits(self, x):
-        x = self.norm(x)
-        if self.lm_head is None:
-            return x @ self.embed.weight.T
-        return jax.vmap(self.lm_head)(x)
-
-    def __call__(
-        self,
-        tokens: Int[Array, " seq"],
-        *,
-        cp: ContextParallel | None = None,
-        kv_schedule: KVSchedule = "allgather",
-    ) -> Float[Array, "seq vocab"]:
-        """**Arguments:**
-
-        - `tokens`: one sequence of token ids; with `cp`, this rank's shard of it under
-            `cp.layout`.
-        - `cp`: how the call is sharded, as in [`deltanet_cp.ContextParallel`][] (without
-            `mesh`; the logits come out in `cp.layout`'s order); `None` on one device.
-        - `kv_schedule`: how the attention layers get the other ranks' keys and values,
-            `"allgather"` or `"ring"` (see [`deltanet_cp.nn.CausalSelfAttention`][]).
-
-        **Returns:**
-
-        The next-token logits, `(seq, vocab)`, in the parameters' dtype; `(0, vocab)` for
-        an empty `tokens`.
-
-        **Raises:**
-
-        `ValueError` if `tokens` is not a 1-D integer array, or holds an id outside
-        `[0, vocab_size)` (an embedding lookup would silently clamp it). Traced ids (under
-        `jax.jit`) are checked through `equinox.error_if`: the computation fails when it
-        runs.
-        """
-        cp = layer_cp(cp, "Qwen3_5ForCausalLM")
-        tokens = check_tokens(tokens, self.config.vocab_size)
-        if tokens.shape[0] == 0:
-            return jnp.zeros((0, self.config.vocab_size), self.embed.weight.dtype)
-        x = jax.vmap(self.embed)(tokens)
-        for layer in self.layers:
-            x = layer(x, cp, kv_schedule)
-        return self._logits(x)
-
-    def init_cache(self, capacity: int, dtype=None) -> Qwen3_5Cache:
-        """The cache before the first token, with room for `capacity` tokens.
-
-        **Arguments:**
-
-        - `capacity`: the most tokens (prompt and generated) the attention layers' caches
-            hold.
-        - `dtype`: the dtype of the conv states and keys/values; the parameters' if `None`
-            (the recurrent states are float32).
-        """
-        capacity = as_positive_index(capacity, "capacity")
-        layers = tuple(
-            layer.mixer.init_state(dtype)
-            if isinstance(layer.mixer, GatedDeltaNet)
-            else layer.mixer.init_cache(capacity, dtype)
-            for layer in self.layers
-        )
-        return Qwen3_5Cache(layers, jnp.zeros((), jnp.int32))
-
-    def _check_cache(self, cache: Any, name: str = "cache") -> None:
-        """A `ValueError` naming `name` and what differs if `cache` is not a cache of this
-        model (its layers, their kinds, shapes and dtypes)."""
-        check_cache(self, cache, name)
-
-    @overload
-    def prefill(
-        self,
-        tokens: Int[Array, " seq"],
-        cache: Qwen3_5Cache | None = None,
-        *,
-        checkpoint_every: None = None,
-        capacity: int | None = None,
-        cp: ContextParallel | None = None,
-        kv_schedule: KVSchedule = "allgather",
-    ) -> tuple[Float[Array, "seq vocab"], Qwen3_5Cache]: ...
-
-    @overload
-    def prefill(
-        self,
-        tokens: Int[Array, " seq"],
-        cache: Qwen3_5Cache | None = None,
-        *,
-        checkpoint_every: int,
-        capacity: int | None = None,
-        cp: ContextParallel | None = None,
-        kv_schedule: KVSchedule = "allgather",
-    ) -> tuple[Float[Array, "seq vocab"], Qwen3_5Cache, Qwen3_5Checkpoints]: ...
-
-    def prefill(
-        self,
-        tokens: Int[Array, " seq"],
-        cache: Qwen3_5Cache | None = None,
-        *,
-        checkpoint_every: int | None = None,
-        capacity: int | None = None,
-        cp: ContextParallel | None = None,
-        kv_schedule: KVSchedule = "allgather",
-    ) -> (
-        tuple[Float[Array, "seq vocab"], Qwen3_5Cache]
-        | tuple[Float[Array, "seq vocab"], Qwen3_5Cache, Qwen3_5Checkpoints]
-    ):
-        """Run a prompt (or the next part of one) and return the cache to continue from.
-
-        **Arguments:**
-
-        - `tokens`: the prompt's token ids; with `cp`, this rank's shard of them.
-        - `cache`: the cache after the tokens before these (replicated on every rank with
-            `cp`), or `None` to start a new sequence.
-        - `checkpoint_every`: `L`, to also return the Gated DeltaNet layers' states after
-            every `L` tokens of `tokens` (for prefix caching), computed in the same pass
-            (see [`deltanet_cp.nn.GatedDeltaNet.prefill`][] for what `L` must divide).
-        - `capacity`: with `cache=None`, the most tokens the new cache holds (prompt and
-            generated); if `None`, the whole prompt's length plus 256, room for 256 tokens
-            of `decode_step` (pass `capacity` for longer generations). Only without a
-            `cache` (whose own capacity holds).
-        - `cp`, `kv_schedule`: as for `__call__`.
-
-        **Returns:**
-
-        `(logits, cache)`, the logits `(seq, vocab)` of `tokens` (in the layout's order)
-        and the cache after them, the same on every rank; with `checkpoint_every`,
-        `(logits, cache, checkpoints)`, a [`deltanet_cp.models.Qwen3_5Checkpoints`][]
-        (under context parallelism each rank's own, in the layout's order).
-
-        **Raises:**
-
-        `ValueError` naming the argument: `tokens` empty, not a 1-D integer array or with
-        an id outside `[0, vocab_size)` (traced ids fail the computation through
-        `equinox.error_if`); a `cache` of another model or config, or without room for
-        `tokens`; `capacity` with a `cache`, or too small for the prompt;
-        `checkpoint_every` more than the tokens (no checkpoint would fall in them).
-        """
-        cp = layer_cp(cp, "Qwen3_5ForCausalLM")
-        tokens = check_tokens(tokens, self.config.vocab_size)
-        t = tokens.shape[0]
-        if t == 0:
-            raise ValueError(
-                "`tokens` is empty: `prefill` needs at least one token (the cache before the "
-                "first token is `init_cache(capacity)`)."
-            )
-        if checkpoint_every is not None:
-            checkpoint_every = as_positive_index(checkpoint_every, "checkpoint_every")
-            if checkpoint_every > t:
-                where = "" if cp is None else " on this rank"
-                raise ValueError(
-                    f"`checkpoint_every` ({checkpoint_every}) is more than the {t} tokens of "
-                    f"`tokens`{where}: no checkpoint would fall in them. Pass at most {t}, or "
-                    "`checkpoint_every=None` for no checkpoints."
-                )
-        total = t * axis_size(cp)
-        if cache is None:
-            capacity = (
-                total + DECODE_ROOM if capacity is None else as_positive_index(capacity, "capacity")
-            )
-            if capacity < total:
-                raise ValueError(
-                    f"`capacity` ({capacity}) is less than the prompt's {total} tokens; pass at "
-                    "least the prompt's length plus the tokens to generate."
-                )
-            cache = self.init_cache(capacity)
-        else:
-            if capacity is not None:
-                raise ValueError(
-                    "`capacity` is for a new cache (`cache=None`); this `cache` holds "
-                    f"{cache.capacity} tokens. Pass one or the other."
-                )
-            self._check_cache(cache)
-        length = cache.length
-        room = f"the cache holds {cache.capacity} tokens"
-        seen = concrete(length)
-        if seen is not None and int(seen) + total > cache.capacity:
-            raise ValueError(
-                f"`cache` has no room for `tokens`: {room}, {int(seen)} seen and {total} "
-                "more. Make a larger cache (`init_cache(capacity)` or `prefill(..., "
-                "capacity=...)`)."
-            )
-        if seen is None:
-            length = eqx.error_if(
-                length,
-                length + total > cache.capacity,
-                f"`cache` has no room for `tokens` ({total} tokens): {room}. Make a larger "
-                "cache (`init_cache(capacity)` or `prefill(..., capacity=...)`).",
-            )
-        x = jax.vmap(self.embed)(tokens)
-        states, saved = [], []
-        for layer, state in zip(self.layers, cache.layers):
-            x, state, ckpt = layer.prefill(x, state, length, checkpoint_every, cp, kv_schedule)
-            states.append(state)
-            saved.append(ckpt)
-        new_cache = Qwen3_5Cache(tuple(states), length + total)
-        if checkpoint_every is None:
-            return self._logits(x), new_cache
-        n = t // checkpoint_every
-        ends = local_positions(cp, t)[checkpoint_every - 1 :: checkpoint_every][:n]
-        return self._logits(x), new_cache, Qwen3_5Checkpoints(tuple(saved), length + ends + 1)
-
-    def restore(
-        self, cache: Qwen3_5Cache, checkpoints: Qwen3_5Checkpoints, index: Int[Array, ""] | int
-    ) -> Qwen3_5Cache:
-        """The cache after the prefix that checkpoint `index` ends, from a later cache of
-        the same sequence (its keys and values hold the prefix's) and the checkpoints.
-
-        **Arguments:**
-
-        - `cache`: a cache of the same sequence, at or past the checkpoint.
-        - `checkpoints`: from `prefill(..., checkpoint_every=L)` (gathered, in sequence
-            order, under context parallelism).
-        - `index`: which checkpoint, `0` to `n - 1` (the `n` of `checkpoints.lengths`;
-            negative indices are refused).
-
-        **Raises:**
-
-        `ValueError` if `index` is not one of the checkpoints (naming those there are), if
-        `cache` is before the checkpoint, or if `cache` or `checkpoints` is not of this
-        model; for a traced `index` or cache length, the computation fails through
-        `equinox.error_if`.
-        """
-        return restore(self, cache, checkpoints, index)
-
-    @eqx.filter_jit
-    def decode_step(
-        self, token: Int[Array, ""], cache: Qwen3_5Cache
-    ) -> tuple[Float[Array, " vocab"], Qwen3_5Cache]:
-        """One token of generation, compiled once per model and cache shape.
-
-        **Arguments:**
-
-        - `token`: the next token id (a scalar).
-        - `cache`: the cache after the tokens before it (from `prefill` or the last
-            `decode_step`), with room for one more.
-
-        **Returns:**
-
-        `(logits, cache)`: the next-token logits `(vocab,)` and the cache after `token`.
-
-        **Raises:**
-
-        `ValueError` if `cache` is not a cache of this model (naming what differs) or
-        `token` is not one integer id; an id outside `[0, vocab_size)` or a full cache fail
-        the computation through `equinox.error_if`.
-        """
-        self._check_cache(cache)
-        token = check_tokens(token, self.config.vocab_size, "token", ndim=0)
-        cache = eqx.error_if(
-            cache,
-            cache.length >= cache.capacity,
-            f"The cache is full: it holds {cache.capacity} tokens. Make room for the tokens "
-            "to generate: `prefill(tokens, capacity=len(tokens) + max_new_tokens)` or "
-            "`init_cache(capacity)`.",
-        )
-        x = self.embed(token)
-        states = []
-        for layer, state in zip(self.layers, cache.layers):
-            x, state = layer.step(x, state, cache.length)
-            states.append(state)
-        return self._logits(x[None])[0], Qwen3_5Cache(tuple(states), cache.length + 1)
-
-    def generate(
-        self, tokens: Int[Array, " seq"], max_new_tokens: int
-    ) -> Int[Array, " max_new_tokens"]:
-        """Greedy decoding: a prefill of `tokens`, then `max_new_tokens` tokens, each the
-        most likely after the ones before (one compiled loop).
-
-        **Arguments:**
-
-        - `tokens`: the prompt's token ids, `(seq,)`.
-        - `max_new_tokens`: how many tokens to generate.
-
-        **Returns:**
-
-        The generated token ids, `(max_new_tokens,)`.
-
-        **Raises:**
-
-        `ValueError` as for `prefill` (an empty prompt, bad ids); `TypeError` /
-        `ValueError` naming `max_new_tokens` unless it is an int at least 0.
-        """
-        max_new_tokens = as_index(max_new_tokens, "max_new_tokens")
-        if max_new_tokens < 0:
-            raise ValueError(f"`max_new_tokens` must be at least 0; got {max_new_tokens}.")
-        tokens = check_tokens(tokens, self.config.vocab_size)
-        if tokens.shape[0] == 0:
-            raise ValueError("`tokens` is empty: `generate` needs a prompt of at least one token.")
-        return _generate(self, tokens, max_new_tokens)
-
-
-@eqx.filter_jit
-def _generate(model: Qwen3_5ForCausalLM, tokens, max_new_tokens: int):
-    logits, cache = model.prefill(tokens, capacity=tokens.shape[0] + max_new_tokens)
-    first = jnp.argmax(logits[-1]).astype(tokens.dtype)
-
-    def body(carry, _):
-        token, cache = carry
-        logits, cache = model.decode_step(token, cache)
-        return (jnp.argmax(logits).astype(token.dtype), cache), token
-
-    _, out = jax.lax.scan(body, (first, cache), length=max_new_tokens)
-    return out

@@ -1,8 +1,10 @@
-"""Hugging Face safetensors checkpoints for `Qwen3_5ForCausalLM`: every tensor by name."""
+"""Hugging Face safetensors checkpoints for the Qwen3.5 dense, Qwen3-Next and Qwen3.5 MoE models:
+every tensor by name."""
 
+import dataclasses
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,13 +13,16 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 
+from ..interop._hf import split_qwen3_next_projections
 from ..interop._safetensors import read_header, read_tensor, TensorInfo
 from ..nn._gated_delta_net import GatedDeltaNet
-from ._config import Qwen3_5Config
+from ..nn._moe import SparseMoE
+from ._config import _QwenTextConfig
 
 
 # Tensors transformers itself skips when loading the text model: multi-token prediction
-# heads and the multimodal checkpoint's vision tower.
+# heads (`mtp.*`, in the released Qwen3-Next and Qwen3.5 checkpoints) and the multimodal
+# checkpoint's vision tower.
 _SKIPPED = ("mtp.", "model.visual.")
 
 # (suffix after the layer prefix, the parameter in the decoder layer, HF shape from ours)
@@ -26,15 +31,26 @@ _Entry = tuple[str, Callable[[Any], Any], Callable[[tuple[int, ...]], tuple[int,
 _COMMON: list[_Entry] = [
     ("input_layernorm.weight", lambda b: b.input_layernorm.weight, None),
     ("post_attention_layernorm.weight", lambda b: b.post_attention_layernorm.weight, None),
+]
+_DENSE_MLP: list[_Entry] = [
     ("mlp.gate_proj.weight", lambda b: b.mlp.gate_proj.weight, None),
     ("mlp.up_proj.weight", lambda b: b.mlp.up_proj.weight, None),
     ("mlp.down_proj.weight", lambda b: b.mlp.down_proj.weight, None),
 ]
-_LINEAR: list[_Entry] = [
+_SPARSE_MLP: list[_Entry] = [
+    ("mlp.gate.weight", lambda b: b.mlp.gate.weight, None),
+    ("mlp.shared_expert.gate_proj.weight", lambda b: b.mlp.shared_expert.gate_proj.weight, None),
+    ("mlp.shared_expert.up_proj.weight", lambda b: b.mlp.shared_expert.up_proj.weight, None),
+    ("mlp.shared_expert.down_proj.weight", lambda b: b.mlp.shared_expert.down_proj.weight, None),
+    ("mlp.shared_expert_gate.weight", lambda b: b.mlp.shared_expert_gate.weight, None),
+]
+_QWEN3_5_PROJECTIONS: list[_Entry] = [
     ("linear_attn.in_proj_qkv.weight", lambda b: b.mixer.in_proj_qkv.weight, None),
     ("linear_attn.in_proj_z.weight", lambda b: b.mixer.in_proj_z.weight, None),
     ("linear_attn.in_proj_b.weight", lambda b: b.mixer.in_proj_b.weight, None),
     ("linear_attn.in_proj_a.weight", lambda b: b.mixer.in_proj_a.weight, None),
+]
+_LINEAR: list[_Entry] = [
     # torch's depthwise Conv1d weight is (channels, 1, kernel); ours (channels, kernel).
     ("linear_attn.conv1d.weight", lambda b: b.mixer.conv1d.weight, lambda s: (s[0], 1, s[1])),
     ("linear_attn.A_log", lambda b: b.mixer.A_log, None),
@@ -142,18 +158,131 @@ def _tensors(path: Path) -> dict[str, TensorInfo]:
     )
 
 
-def _entries(model, base: str) -> list[tuple[str, Callable, Callable | None]]:
-    """`(tensor name, parameter getter, HF shape from ours)` for every parameter."""
-    out: list[tuple[str, Callable, Callable | None]] = [
-        (base + "embed_tokens.weight", lambda m: m.embed.weight, None),
-        (base + "norm.weight", lambda m: m.norm.weight, None),
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """Checkpoint tensors (`names`, of `shapes`) that `convert` turns into parameters (read
+    from the model by `params`): one to one, or fused tensors split, or per-expert ones
+    stacked."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    params: tuple[Callable, ...]
+    convert: Callable[[list[Any]], list[Any]]
+
+
+def _one(name: str, get: Callable, ours: tuple[int, ...], to_hf: Callable | None) -> _Group:
+    want = ours if to_hf is None else tuple(to_hf(ours))
+    return _Group((name,), (want,), (get,), lambda xs: [xs[0].reshape(ours)])
+
+
+def _qwen3_next_projections(prefix: str, i: int, gdn: GatedDeltaNet) -> list[_Group]:
+    """Qwen3-Next's fused, head-interleaved `in_proj_qkvz` and `in_proj_ba`."""
+    h, hv = gdn.num_key_heads, gdn.num_value_heads
+    dk, dv, hidden = gdn.key_head_dim, gdn.value_head_dim, gdn.hidden_size
+
+    def get(field):
+        return lambda m: getattr(m.layers[i].mixer, field).weight
+
+    def qkvz(xs):
+        qkv, z, _, _ = split_qwen3_next_projections(xs[0], None, h, hv, dk, dv)
+        return [qkv, z]
+
+    def ba(xs):
+        _, _, b, a = split_qwen3_next_projections(None, xs[0], h, hv, dk, dv)
+        return [b, a]
+
+    return [
+        _Group(
+            (prefix + "linear_attn.in_proj_qkvz.weight",),
+            ((2 * h * dk + 2 * hv * dv, hidden),),
+            (get("in_proj_qkv"), get("in_proj_z")),
+            qkvz,
+        ),
+        _Group(
+            (prefix + "linear_attn.in_proj_ba.weight",),
+            ((2 * hv, hidden),),
+            (get("in_proj_b"), get("in_proj_a")),
+            ba,
+        ),
+    ]
+
+
+def _experts(prefix: str, i: int, moe: SparseMoE, fused: bool) -> list[_Group]:
+    """The routed experts: fused (`mlp.experts.gate_up_proj` `(E, 2I, H)`, gate first, and
+    `mlp.experts.down_proj` `(E, H, I)`) or one tensor per expert and projection."""
+    e, inter, hidden = moe.experts.gate_proj.shape
+
+    def get(field):
+        return lambda m: getattr(m.layers[i].mlp.experts, field)
+
+    if fused:
+        return [
+            _Group(
+                (prefix + "mlp.experts.gate_up_proj",),
+                ((e, 2 * inter, hidden),),
+                (get("gate_proj"), get("up_proj")),
+                lambda xs: [xs[0][:, :inter], xs[0][:, inter:]],
+            ),
+            _Group(
+                (prefix + "mlp.experts.down_proj",),
+                ((e, hidden, inter),),
+                (get("down_proj"),),
+                lambda xs: [xs[0]],
+            ),
+        ]
+    shapes = {
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
+    }
+    return [
+        _Group(
+            tuple(f"{prefix}mlp.experts.{j}.{field}.weight" for j in range(e)),
+            (shape,) * e,
+            (get(field),),
+            lambda xs: [jnp.stack(xs)],
+        )
+        for field, shape in shapes.items()
+    ]
+
+
+def _groups(model, base: str, tensors: Sequence[str] | dict) -> list[_Group]:
+    """Every parameter's group of checkpoint tensors; the layouts (Qwen3-Next's fused Gated
+    DeltaNet projections, fused experts) as the checkpoint has them."""
+    out = [
+        _one(
+            base + "embed_tokens.weight", lambda m: m.embed.weight, model.embed.weight.shape, None
+        ),
+        _one(base + "norm.weight", lambda m: m.norm.weight, model.norm.weight.shape, None),
     ]
     if model.lm_head is not None:
-        out.append(("lm_head.weight", lambda m: m.lm_head.weight, None))
+        out.append(
+            _one("lm_head.weight", lambda m: m.lm_head.weight, model.lm_head.weight.shape, None)
+        )
     for i, block in enumerate(model.layers):
-        own = _LINEAR if isinstance(block.mixer, GatedDeltaNet) else _ATTENTION
-        for suffix, get, shape in _COMMON + own:
-            out.append((f"{base}layers.{i}.{suffix}", _at(i, get), shape))
+        prefix = f"{base}layers.{i}."
+        entries = list(_COMMON)
+        if isinstance(block.mixer, GatedDeltaNet):
+            entries += _LINEAR
+            if any(
+                prefix + "linear_attn." + n in tensors
+                for n in ("in_proj_qkvz.weight", "in_proj_ba.weight")
+            ):
+                out += _qwen3_next_projections(prefix, i, block.mixer)
+            else:
+                entries += _QWEN3_5_PROJECTIONS
+        else:
+            entries += _ATTENTION
+        if isinstance(block.mlp, SparseMoE):
+            entries += _SPARSE_MLP
+            fused = any(
+                prefix + "mlp.experts." + n in tensors for n in ("gate_up_proj", "down_proj")
+            )
+            out += _experts(prefix, i, block.mlp, fused)
+        else:
+            entries += _DENSE_MLP
+        for suffix, get, to_hf in entries:
+            out.append(_one(prefix + suffix, _at(i, get), get(block).shape, to_hf))
     return out
 
 
@@ -163,6 +292,7 @@ def _at(i: int, get: Callable) -> Callable:
 
 def load(
     cls,
+    config_cls: type[_QwenTextConfig],
     path: str | os.PathLike,
     *,
     dtype,
@@ -177,7 +307,7 @@ def load(
             f"from_pretrained takes a checkpoint directory (config.json and safetensors); "
             f"got {str(path)!r}."
         )
-    config = Qwen3_5Config.from_json(path)
+    config = config_cls.from_json(path)
     skeleton = eqx.filter_eval_shape(
         cls,
         config,
@@ -191,16 +321,16 @@ def load(
     tensors = _tensors(path)
     nested = any(n.startswith("model.language_model.") for n in tensors)
     base = "model.language_model." if nested else "model."
-    entries = _entries(skeleton, base)
-    expected = {name for name, _, _ in entries}
+    groups = _groups(skeleton, base, tensors)
+    expected = {name for g in groups for name in g.names}
     skipped = _SKIPPED + (("lm_head.weight",) if skeleton.lm_head is None else ())
-    missing = [name for name, _, _ in entries if name not in tensors]
+    missing = [name for g in groups for name in g.names if name not in tensors]
     unexpected = sorted(n for n in tensors if n not in expected and not n.startswith(skipped))
     misshapen = []
-    for name, get, to_hf in entries:
-        if name in tensors:
-            ours = get(skeleton).shape
-            want = ours if to_hf is None else to_hf(ours)
+    for g in groups:
+        for name, want in zip(g.names, g.shapes):
+            if name not in tensors:
+                continue
             if tuple(tensors[name].shape) != tuple(want):
                 misshapen.append(f"{name}: {tuple(tensors[name].shape)}, expected {tuple(want)}")
             elif not tensors[name].dtype.startswith(("F", "BF")):
@@ -215,14 +345,14 @@ def load(
             if names:
                 lines.append(f"- {len(names)} {what}: " + "; ".join(names))
         raise ValueError("\n".join(lines))
-    values = []
-    for name, get, to_hf in entries:
-        x = _tensor(name, tensors[name])
-        if to_hf is not None:
-            x = x.reshape(get(skeleton).shape)
-        x = jnp.asarray(x)
-        values.append(x if dtype is None else x.astype(dtype))
-    model = eqx.tree_at(lambda m: [get(m) for _, get, _ in entries], skeleton, values)
+    getters, values = [], []
+    for g in groups:
+        xs = [jnp.asarray(_tensor(name, tensors[name])) for name in g.names]
+        for get, x in zip(g.params, g.convert(xs)):
+            assert x.shape == get(skeleton).shape, (g.names[0], x.shape)
+            getters.append(get)
+            values.append(x if dtype is None else x.astype(dtype))
+    model = eqx.tree_at(lambda m: [get(m) for get in getters], skeleton, values)
     left = [x for x in jax.tree.leaves(model) if isinstance(x, jax.ShapeDtypeStruct)]
     assert not left, f"{len(left)} parameters were not loaded"
     return model

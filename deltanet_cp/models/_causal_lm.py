@@ -1,0 +1,431 @@
+"""What the Qwen3.5 dense, Qwen3-Next and Qwen3.5 MoE text models share: the forward, the
+cache, prefill, decoding and greedy generation, on their common decoder layer."""
+
+from typing import Any, Generic, overload, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from .._parallel import axis_size, ContextParallel
+from .._precision import as_precision, PrecisionName
+from .._validate import as_index, as_positive_index
+from ..nn._context import layer_cp, local_positions
+from ..nn._gated_delta_net import GatedDeltaNet
+from ..nn._moe import RouterStats
+from ..nn._norm import ZeroCenteredRMSNorm
+from ..nn._schedule import KVSchedule
+from ..nn._tokens import check_tokens
+from ._cache import check_cache, concrete, Qwen3_5Cache, Qwen3_5Checkpoints, restore
+from ._config import _QwenTextConfig
+from ._decoder_layer import Qwen3_5DecoderLayer
+
+
+# The default room `prefill` leaves after the prompt for the tokens to decode.
+DECODE_ROOM = 256
+
+
+def init_model(
+    model: "_QwenForCausalLM[Any]",
+    config: _QwenTextConfig,
+    *,
+    chunk_size: int,
+    block_size: int | None,
+    tile_size: int,
+    precision: PrecisionName | None,
+    key: PRNGKeyArray,
+    dtype,
+) -> None:
+    """Set the fields of `model` (inside its `__init__`): random parameters for `config`."""
+    precision = as_precision(precision)
+    kemb, khead, *keys = jr.split(key, config.num_hidden_layers + 2)
+    model.embed = eqx.nn.Embedding(config.vocab_size, config.hidden_size, key=kemb, dtype=dtype)
+    model.layers = tuple(
+        Qwen3_5DecoderLayer(
+            config,
+            kind,
+            sparse=config.is_sparse(i),
+            chunk_size=chunk_size,
+            block_size=block_size,
+            tile_size=tile_size,
+            precision=precision,
+            key=k,
+            dtype=dtype,
+        )
+        for i, (kind, k) in enumerate(zip(config.layer_types, keys))
+    )
+    model.norm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+    model.lm_head = (
+        None
+        if config.tie_word_embeddings
+        else eqx.nn.Linear(
+            config.hidden_size, config.vocab_size, use_bias=False, key=khead, dtype=dtype
+        )
+    )
+    model.config = config
+    model.precision = precision
+
+
+_Config = TypeVar("_Config", bound=_QwenTextConfig)
+
+
+class _QwenForCausalLM(eqx.Module, Generic[_Config]):
+    """The Qwen3.5 family's causal language models: an embedding, decoder layers
+    ([`deltanet_cp.models.Qwen3_5DecoderLayer`][]), a final zero-centred RMSNorm and the LM
+    head. Each concrete model holds these fields and its `__init__` / `from_pretrained`."""
+
+    embed: eqx.AbstractVar[eqx.nn.Embedding]
+    layers: eqx.AbstractVar[tuple[Qwen3_5DecoderLayer, ...]]
+    norm: eqx.AbstractVar[ZeroCenteredRMSNorm]
+    lm_head: eqx.AbstractVar[eqx.nn.Linear | None]
+    config: eqx.AbstractVar[_Config]
+    precision: eqx.AbstractVar[PrecisionName | None]
+
+    def _logits(self, x):
+        x = self.norm(x)
+        if self.lm_head is None:
+            return x @ self.embed.weight.T
+        return jax.vmap(self.lm_head)(x)
+
+    def __call__(
+        self,
+        tokens: Int[Array, " seq"],
+        *,
+        cp: ContextParallel | None = None,
+        kv_schedule: KVSchedule = "allgather",
+    ) -> Float[Array, "seq vocab"]:
+        """**Arguments:**
+
+        - `tokens`: one sequence of token ids; with `cp`, this rank's shard of it under
+            `cp.layout`.
+        - `cp`: how the call is sharded, as in [`deltanet_cp.ContextParallel`][] (without
+            `mesh`; the logits come out in `cp.layout`'s order); `None` on one device.
+        - `kv_schedule`: how the attention layers get the other ranks' keys and values,
+            `"allgather"` or `"ring"` (see [`deltanet_cp.nn.CausalSelfAttention`][]).
+
+        **Returns:**
+
+        The next-token logits, `(seq, vocab)`, in the parameters' dtype; `(0, vocab)` for
+        an empty `tokens`.
+
+        **Raises:**
+
+        `ValueError` if `tokens` is not a 1-D integer array, or holds an id outside
+        `[0, vocab_size)` (an embedding lookup would silently clamp it). Traced ids (under
+        `jax.jit`) are checked through `equinox.error_if`: the computation fails when it
+        runs.
+        """
+        return self._forward(tokens, cp, kv_schedule)[0]
+
+    def logits_and_router_stats(
+        self,
+        tokens: Int[Array, " seq"],
+        *,
+        cp: ContextParallel | None = None,
+        kv_schedule: KVSchedule = "allgather",
+    ) -> tuple[Float[Array, "seq vocab"], RouterStats]:
+        """The forward of a mixture-of-experts model, with what its load-balancing loss
+        needs.
+
+        **Arguments:** as for `__call__`.
+
+        **Returns:**
+
+        `(logits, stats)`: the logits, as `__call__`'s, and the
+        [`deltanet_cp.nn.RouterStats`][] of this sequence summed over the sparse layers
+        (over this rank's tokens with `cp`: `jax.lax.psum` them). The training loss adds
+        `config.router_aux_loss_coef * deltanet_cp.nn.load_balancing_loss(stats)` (the
+        stats summed over the batch first), as transformers' `output_router_logits=True`
+        does.
+
+        **Raises:**
+
+        As `__call__`; and `ValueError` for a model without sparse layers.
+        """
+        if not any(self.config.is_sparse(i) for i in range(len(self.layers))):
+            raise ValueError(
+                f"This {type(self).__name__} has no mixture-of-experts layers: there is no "
+                "routing to report. Call the model itself for the logits."
+            )
+        logits, stats = self._forward(tokens, cp, kv_schedule)
+        assert stats is not None
+        return logits, stats
+
+    def _forward(self, tokens, cp, kv_schedule) -> tuple[Array, RouterStats | None]:
+        cp = layer_cp(cp, type(self).__name__)
+        tokens = check_tokens(tokens, self.config.vocab_size)
+        experts = getattr(self.config, "num_experts", None)
+        if tokens.shape[0] == 0:
+            logits = jnp.zeros((0, self.config.vocab_size), self.embed.weight.dtype)
+            if experts is None:
+                return logits, None
+            zero = jnp.zeros((experts,), jnp.float32)
+            return logits, RouterStats(zero, zero, jnp.zeros((), jnp.float32))
+        x = jax.vmap(self.embed)(tokens)
+        stats = None
+        for layer in self.layers:
+            x, s = layer(x, cp, kv_schedule)
+            if s is not None:
+                stats = s if stats is None else jax.tree.map(jnp.add, stats, s)
+        return self._logits(x), stats
+
+    def init_cache(self, capacity: int, dtype=None) -> Qwen3_5Cache:
+        """The cache before the first token, with room for `capacity` tokens.
+
+        **Arguments:**
+
+        - `capacity`: the most tokens (prompt and generated) the attention layers' caches
+            hold.
+        - `dtype`: the dtype of the conv states and keys/values; the parameters' if `None`
+            (the recurrent states are float32).
+        """
+        capacity = as_positive_index(capacity, "capacity")
+        layers = tuple(
+            layer.mixer.init_state(dtype)
+            if isinstance(layer.mixer, GatedDeltaNet)
+            else layer.mixer.init_cache(capacity, dtype)
+            for layer in self.layers
+        )
+        return Qwen3_5Cache(layers, jnp.zeros((), jnp.int32))
+
+    def _check_cache(self, cache: Any, name: str = "cache") -> None:
+        """A `ValueError` naming `name` and what differs if `cache` is not a cache of this
+        model (its layers, their kinds, shapes and dtypes)."""
+        check_cache(self, cache, name)
+
+    @overload
+    def prefill(
+        self,
+        tokens: Int[Array, " seq"],
+        cache: Qwen3_5Cache | None = None,
+        *,
+        checkpoint_every: None = None,
+        capacity: int | None = None,
+        cp: ContextParallel | None = None,
+        kv_schedule: KVSchedule = "allgather",
+    ) -> tuple[Float[Array, "seq vocab"], Qwen3_5Cache]: ...
+
+    @overload
+    def prefill(
+        self,
+        tokens: Int[Array, " seq"],
+        cache: Qwen3_5Cache | None = None,
+        *,
+        checkpoint_every: int,
+        capacity: int | None = None,
+        cp: ContextParallel | None = None,
+        kv_schedule: KVSchedule = "allgather",
+    ) -> tuple[Float[Array, "seq vocab"], Qwen3_5Cache, Qwen3_5Checkpoints]: ...
+
+    def prefill(
+        self,
+        tokens: Int[Array, " seq"],
+        cache: Qwen3_5Cache | None = None,
+        *,
+        checkpoint_every: int | None = None,
+        capacity: int | None = None,
+        cp: ContextParallel | None = None,
+        kv_schedule: KVSchedule = "allgather",
+    ) -> (
+        tuple[Float[Array, "seq vocab"], Qwen3_5Cache]
+        | tuple[Float[Array, "seq vocab"], Qwen3_5Cache, Qwen3_5Checkpoints]
+    ):
+        """Run a prompt (or the next part of one) and return the cache to continue from.
+
+        **Arguments:**
+
+        - `tokens`: the prompt's token ids; with `cp`, this rank's shard of them.
+        - `cache`: the cache after the tokens before these (replicated on every rank with
+            `cp`), or `None` to start a new sequence.
+        - `checkpoint_every`: `L`, to also return the Gated DeltaNet layers' states after
+            every `L` tokens of `tokens` (for prefix caching), computed in the same pass
+            (see [`deltanet_cp.nn.GatedDeltaNet.prefill`][] for what `L` must divide).
+        - `capacity`: with `cache=None`, the most tokens the new cache holds (prompt and
+            generated); if `None`, the whole prompt's length plus 256, room for 256 tokens
+            of `decode_step` (pass `capacity` for longer generations). Only without a
+            `cache` (whose own capacity holds).
+        - `cp`, `kv_schedule`: as for `__call__`.
+
+        **Returns:**
+
+        `(logits, cache)`, the logits `(seq, vocab)` of `tokens` (in the layout's order)
+        and the cache after them, the same on every rank; with `checkpoint_every`,
+        `(logits, cache, checkpoints)`, a [`deltanet_cp.models.Qwen3_5Checkpoints`][]
+        (under context parallelism each rank's own, in the layout's order).
+
+        **Raises:**
+
+        `ValueError` naming the argument: `tokens` empty, not a 1-D integer array or with
+        an id outside `[0, vocab_size)` (traced ids fail the computation through
+        `equinox.error_if`); a `cache` of another model or config, or without room for
+        `tokens`; `capacity` with a `cache`, or too small for the prompt;
+        `checkpoint_every` more than the tokens (no checkpoint would fall in them).
+        """
+        cp = layer_cp(cp, type(self).__name__)
+        tokens = check_tokens(tokens, self.config.vocab_size)
+        t = tokens.shape[0]
+        if t == 0:
+            raise ValueError(
+                "`tokens` is empty: `prefill` needs at least one token (the cache before the "
+                "first token is `init_cache(capacity)`)."
+            )
+        if checkpoint_every is not None:
+            checkpoint_every = as_positive_index(checkpoint_every, "checkpoint_every")
+            if checkpoint_every > t:
+                where = "" if cp is None else " on this rank"
+                raise ValueError(
+                    f"`checkpoint_every` ({checkpoint_every}) is more than the {t} tokens of "
+                    f"`tokens`{where}: no checkpoint would fall in them. Pass at most {t}, or "
+                    "`checkpoint_every=None` for no checkpoints."
+                )
+        total = t * axis_size(cp)
+        if cache is None:
+            capacity = (
+                total + DECODE_ROOM if capacity is None else as_positive_index(capacity, "capacity")
+            )
+            if capacity < total:
+                raise ValueError(
+                    f"`capacity` ({capacity}) is less than the prompt's {total} tokens; pass at "
+                    "least the prompt's length plus the tokens to generate."
+                )
+            cache = self.init_cache(capacity)
+        else:
+            if capacity is not None:
+                raise ValueError(
+                    "`capacity` is for a new cache (`cache=None`); this `cache` holds "
+                    f"{cache.capacity} tokens. Pass one or the other."
+                )
+            self._check_cache(cache)
+        length = cache.length
+        room = f"the cache holds {cache.capacity} tokens"
+        seen = concrete(length)
+        if seen is not None and int(seen) + total > cache.capacity:
+            raise ValueError(
+                f"`cache` has no room for `tokens`: {room}, {int(seen)} seen and {total} "
+                "more. Make a larger cache (`init_cache(capacity)` or `prefill(..., "
+                "capacity=...)`)."
+            )
+        if seen is None:
+            length = eqx.error_if(
+                length,
+                length + total > cache.capacity,
+                f"`cache` has no room for `tokens` ({total} tokens): {room}. Make a larger "
+                "cache (`init_cache(capacity)` or `prefill(..., capacity=...)`).",
+            )
+        x = jax.vmap(self.embed)(tokens)
+        states, saved = [], []
+        for layer, state in zip(self.layers, cache.layers):
+            x, state, ckpt = layer.prefill(x, state, length, checkpoint_every, cp, kv_schedule)
+            states.append(state)
+            saved.append(ckpt)
+        new_cache = Qwen3_5Cache(tuple(states), length + total)
+        if checkpoint_every is None:
+            return self._logits(x), new_cache
+        n = t // checkpoint_every
+        ends = local_positions(cp, t)[checkpoint_every - 1 :: checkpoint_every][:n]
+        return self._logits(x), new_cache, Qwen3_5Checkpoints(tuple(saved), length + ends + 1)
+
+    def restore(
+        self, cache: Qwen3_5Cache, checkpoints: Qwen3_5Checkpoints, index: Int[Array, ""] | int
+    ) -> Qwen3_5Cache:
+        """The cache after the prefix that checkpoint `index` ends, from a later cache of
+        the same sequence (its keys and values hold the prefix's) and the checkpoints.
+
+        **Arguments:**
+
+        - `cache`: a cache of the same sequence, at or past the checkpoint.
+        - `checkpoints`: from `prefill(..., checkpoint_every=L)` (gathered, in sequence
+            order, under context parallelism).
+        - `index`: which checkpoint, `0` to `n - 1` (the `n` of `checkpoints.lengths`;
+            negative indices are refused).
+
+        **Raises:**
+
+        `ValueError` if `index` is not one of the checkpoints (naming those there are), if
+        `cache` is before the checkpoint, or if `cache` or `checkpoints` is not of this
+        model; for a traced `index` or cache length, the computation fails through
+        `equinox.error_if`.
+        """
+        return restore(self, cache, checkpoints, index)
+
+    @eqx.filter_jit
+    def decode_step(
+        self, token: Int[Array, ""], cache: Qwen3_5Cache
+    ) -> tuple[Float[Array, " vocab"], Qwen3_5Cache]:
+        """One token of generation, compiled once per model and cache shape.
+
+        **Arguments:**
+
+        - `token`: the next token id (a scalar).
+        - `cache`: the cache after the tokens before it (from `prefill` or the last
+            `decode_step`), with room for one more.
+
+        **Returns:**
+
+        `(logits, cache)`: the next-token logits `(vocab,)` and the cache after `token`.
+
+        **Raises:**
+
+        `ValueError` if `cache` is not a cache of this model (naming what differs) or
+        `token` is not one integer id; an id outside `[0, vocab_size)` or a full cache fail
+        the computation through `equinox.error_if`.
+        """
+        self._check_cache(cache)
+        token = check_tokens(token, self.config.vocab_size, "token", ndim=0)
+        cache = eqx.error_if(
+            cache,
+            cache.length >= cache.capacity,
+            f"The cache is full: it holds {cache.capacity} tokens. Make room for the tokens "
+            "to generate: `prefill(tokens, capacity=len(tokens) + max_new_tokens)` or "
+            "`init_cache(capacity)`.",
+        )
+        x = self.embed(token)
+        states = []
+        for layer, state in zip(self.layers, cache.layers):
+            x, state = layer.step(x, state, cache.length)
+            states.append(state)
+        return self._logits(x[None])[0], Qwen3_5Cache(tuple(states), cache.length + 1)
+
+    def generate(
+        self, tokens: Int[Array, " seq"], max_new_tokens: int
+    ) -> Int[Array, " max_new_tokens"]:
+        """Greedy decoding: a prefill of `tokens`, then `max_new_tokens` tokens, each the
+        most likely after the ones before (one compiled loop).
+
+        **Arguments:**
+
+        - `tokens`: the prompt's token ids, `(seq,)`.
+        - `max_new_tokens`: how many tokens to generate.
+
+        **Returns:**
+
+        The generated token ids, `(max_new_tokens,)`.
+
+        **Raises:**
+
+        `ValueError` as for `prefill` (an empty prompt, bad ids); `TypeError` /
+        `ValueError` naming `max_new_tokens` unless it is an int at least 0.
+        """
+        max_new_tokens = as_index(max_new_tokens, "max_new_tokens")
+        if max_new_tokens < 0:
+            raise ValueError(f"`max_new_tokens` must be at least 0; got {max_new_tokens}.")
+        tokens = check_tokens(tokens, self.config.vocab_size)
+        if tokens.shape[0] == 0:
+            raise ValueError("`tokens` is empty: `generate` needs a prompt of at least one token.")
+        return _generate(self, tokens, max_new_tokens)
+
+
+@eqx.filter_jit
+def _generate(model: _QwenForCausalLM[Any], tokens, max_new_tokens: int):
+    logits, cache = model.prefill(tokens, capacity=tokens.shape[0] + max_new_tokens)
+    first = jnp.argmax(logits[-1]).astype(tokens.dtype)
+
+    def body(carry, _):
+        token, cache = carry
+        logits, cache = model.decode_step(token, cache)
+        return (jnp.argmax(logits).astype(token.dtype), cache), token
+
+    _, out = jax.lax.scan(body, (first, cache), length=max_new_tokens)
+    return out

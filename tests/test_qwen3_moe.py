@@ -1,0 +1,334 @@
+"""The mixture-of-experts models, Qwen3-Next and Qwen3.5 MoE: transformers' logits, greedy tokens
+and load-balancing loss from their checkpoints (both expert layouts, one file and sharded, the
+multimodal wrapper's names), prefill and decoding against the full forward; the MoE layer
+against a dense float64 reference; and the errors of bad inputs.
+
+The fixtures are tiny random transformers models (tests/data/make_qwen3_moe_fixtures.py):
+`qwen3_next_moe` (per-expert tensors, layer types [linear, full, linear, full], layer 1 dense
+through `mlp_only_layers`, `norm_topk_prob=False`) and `qwen3_5_moe` (fused experts, five
+shards, [linear, linear, linear, full], every layer sparse).
+"""
+
+import functools as ft
+import json
+import pathlib
+import shutil
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from deltanet_cp.models import (
+    Qwen3_5Config,
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
+from deltanet_cp.nn import load_balancing_loss, SparseMoE, SwiGLU
+
+from .helpers import rel_err
+
+
+DATA = pathlib.Path(__file__).parent / "data"
+IO = load_file(DATA / "qwen3_moe_io.safetensors")
+MODELS = {
+    "next": (Qwen3NextForCausalLM, "qwen3_next_moe"),
+    "moe": (Qwen3_5MoeForCausalLM, "qwen3_5_moe"),
+}
+CHUNK = 4  # the Gated DeltaNet chunk size: the 12 fixture tokens are three chunks
+
+
+@ft.cache
+def _model(which: str):
+    cls, folder = MODELS[which]
+    return cls.from_pretrained(DATA / folder, chunk_size=CHUNK)
+
+
+def _tokens(which: str) -> jax.Array:
+    return jnp.asarray(IO[f"{which}_tokens"])
+
+
+def _max_abs(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+@eqx.filter_jit
+def _forward(model, tokens):
+    return model.logits_and_router_stats(tokens)
+
+
+@ft.cache
+def _outputs(which: str):
+    return _forward(_model(which), _tokens(which))
+
+
+def _tensors(folder: pathlib.Path) -> dict[str, np.ndarray]:
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+def _rewrite(tmp_path, which: str, change) -> pathlib.Path:
+    """The fixture `which` rewritten into one file: `change(tensors, config)` edits both."""
+    folder = DATA / MODELS[which][1]
+    tensors = _tensors(folder)
+    config = json.loads((folder / "config.json").read_text())
+    tensors, config = change(dict(tensors), config)
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def _fuse_experts(tensors, config):
+    """Per-expert tensors as the fused layout (`gate_up_proj`, gate rows first)."""
+    e = config["num_experts"]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}.mlp.experts."
+        if p + "0.gate_proj.weight" not in tensors:
+            continue
+        stack = {
+            f: np.stack([tensors.pop(f"{p}{j}.{f}.weight") for j in range(e)])
+            for f in ("gate_proj", "up_proj", "down_proj")
+        }
+        tensors[p + "gate_up_proj"] = np.concatenate([stack["gate_proj"], stack["up_proj"]], 1)
+        tensors[p + "down_proj"] = stack["down_proj"]
+    return tensors, config
+
+
+def _split_experts(tensors, config):
+    """Fused experts as one tensor per expert."""
+    inter = config["moe_intermediate_size"]
+    for name in [n for n in tensors if n.endswith("mlp.experts.gate_up_proj")]:
+        p = name[: -len("gate_up_proj")]
+        gate_up, down = tensors.pop(name), tensors.pop(p + "down_proj")
+        for j in range(gate_up.shape[0]):
+            tensors[f"{p}{j}.gate_proj.weight"] = gate_up[j, :inter]
+            tensors[f"{p}{j}.up_proj.weight"] = gate_up[j, inter:]
+            tensors[f"{p}{j}.down_proj.weight"] = down[j]
+    return tensors, config
+
+
+# ---------------------------------------------------------------------------------------
+# Parity with transformers
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", list(MODELS))
+def test_logits_and_aux_loss_match_transformers(which):
+    model = _model(which)
+    kinds = [type(layer.mlp) for layer in model.layers]
+    if which == "next":
+        assert kinds == [SparseMoE, SwiGLU, SparseMoE, SparseMoE]  # layer 1: mlp_only_layers
+        assert model.config.norm_topk_prob is False
+    else:
+        assert kinds == [SparseMoE] * 4
+    logits, stats = _outputs(which)
+    ref = IO[f"{which}_logits"]
+    assert _max_abs(logits, ref) <= 1e-4 * np.abs(ref).max()
+    # transformers' load-balancing loss over all sparse layers' tokens (softmax once).
+    loss = load_balancing_loss(stats)
+    assert abs(float(loss) - float(IO[f"{which}_aux_loss"])) <= 1e-5
+    sparse = sum(k is SparseMoE for k in kinds)
+    assert float(stats.tokens) == sparse * 12 and float(stats.counts.sum()) == sparse * 12 * 2
+
+
+@pytest.mark.parametrize("which", list(MODELS))
+def test_greedy_generation_matches_transformers(which):
+    out = _model(which).generate(_tokens(which)[:8], 5)
+    np.testing.assert_array_equal(out, IO[f"{which}_generated"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", list(MODELS))
+def test_prefill_then_decode_equals_forward(which):
+    # Positions 0..7 from a prefill, 8..11 one token at a time: the forward's logits, and
+    # transformers' own cached decoding. Slow (about 16 s a model to compile); the default
+    # suite's greedy-generation test runs prefill and decode_step against transformers.
+    model, tokens = _model(which), _tokens(which)
+    logits, cache = eqx.filter_jit(lambda m, t: m.prefill(t, capacity=12))(model, tokens[:8])
+    rows = []
+    for token in tokens[8:]:
+        step, cache = model.decode_step(token, cache)
+        rows.append(step)
+    full, _ = _outputs(which)
+    assert rel_err(jnp.concatenate([logits, jnp.stack(rows)]), full) <= 1e-5
+    assert _max_abs(jnp.stack(rows), IO[f"{which}_decode_logits"]) <= 1e-4
+
+
+# ---------------------------------------------------------------------------------------
+# Checkpoint layouts
+# ---------------------------------------------------------------------------------------
+
+
+def test_qwen3_next_fused_experts(tmp_path):
+    # The fused layout (what `save_pretrained(..., save_original_format=False)` writes), one
+    # file, and multi-token-prediction weights, skipped.
+    def change(tensors, config):
+        tensors, config = _fuse_experts(tensors, config)
+        tensors["mtp.fc.weight"] = np.ones((2, 2), np.float32)
+        return tensors, config
+
+    path = _rewrite(tmp_path, "next", change)
+    assert eqx.tree_equal(
+        Qwen3NextForCausalLM.from_pretrained(path, chunk_size=CHUNK), _model("next")
+    )
+
+
+def test_qwen3_5_moe_per_expert_multimodal_names(tmp_path):
+    # One tensor per expert, under the multimodal wrapper's names and config (`text_config`),
+    # with a vision tower and MTP weights to skip.
+    def change(tensors, config):
+        tensors, config = _split_experts(tensors, config)
+        tensors = {n.replace("model.", "model.language_model.", 1): x for n, x in tensors.items()}
+        tensors["model.visual.patch.weight"] = np.ones(3, np.float32)
+        tensors["mtp.layers.0.mlp.experts.gate_up_proj"] = np.ones((2, 2, 2), np.float32)
+        return tensors, {"model_type": "qwen3_5_moe", "text_config": config}
+
+    path = _rewrite(tmp_path, "moe", change)
+    assert eqx.tree_equal(
+        Qwen3_5MoeForCausalLM.from_pretrained(path, chunk_size=CHUNK), _model("moe")
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# The MoE layer against a dense reference; training
+# ---------------------------------------------------------------------------------------
+
+
+def _dense_reference(moe: SparseMoE, x: np.ndarray) -> np.ndarray:
+    """Every expert on every token in float64, masked by the top-k weights (computed here
+    too: softmax, top-k, renormalised), plus the gated shared expert."""
+    w = np.asarray(moe.gate.weight, np.float64)
+    logits = x @ w.T
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    top = np.argsort(-p, axis=-1)[:, : moe.top_k]
+    weights = np.zeros_like(p)
+    np.put_along_axis(weights, top, np.take_along_axis(p, top, -1), -1)
+    if moe.norm_topk_prob:
+        weights /= weights.sum(-1, keepdims=True)
+    g, u, d = (
+        np.asarray(a, np.float64)
+        for a in (moe.experts.gate_proj, moe.experts.up_proj, moe.experts.down_proj)
+    )
+    hg, hu = np.einsum("th,eih->tei", x, g), np.einsum("th,eih->tei", x, u)
+    routed = np.einsum("tei,ehi,te->th", hg / (1 + np.exp(-hg)) * hu, d, weights)
+    s = moe.shared_expert
+    sg, su = (
+        x @ np.asarray(s.gate_proj.weight, np.float64).T,
+        x @ np.asarray(s.up_proj.weight, np.float64).T,
+    )
+    shared = (sg / (1 + np.exp(-sg)) * su) @ np.asarray(s.down_proj.weight, np.float64).T
+    gate = 1 / (1 + np.exp(-(x @ np.asarray(moe.shared_expert_gate.weight, np.float64).T)))
+    return routed + gate * shared
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_moe_layer_against_dense_reference(norm_topk_prob, getkey):
+    moe = SparseMoE(16, 6, 3, 8, 5, norm_topk_prob=norm_topk_prob, key=getkey())
+    x = jr.normal(getkey(), (20, 16))
+    y, stats = eqx.filter_jit(lambda m, x: m(x))(moe, x)
+    ref = _dense_reference(moe, np.asarray(x, np.float64))
+    assert _max_abs(y, ref) <= 1e-5 * np.abs(ref).max()
+    # The load-balancing loss from the same routing, in numpy.
+    xs = np.asarray(x, np.float64)
+    logits = xs @ np.asarray(moe.gate.weight, np.float64).T
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    chosen = np.argsort(-p, -1)[:, :3]
+    f = np.bincount(chosen.ravel(), minlength=6) / 20
+    want = 6 * np.sum(f * p.mean(0))
+    assert abs(float(load_balancing_loss(stats)) - want) <= 1e-5 * want
+
+
+def test_moe_gradients_flow_to_router_and_experts(getkey):
+    # Gradients through the grouped matmuls and the routing weights (the choice of experts
+    # is not differentiated): equal to those of the dense masked computation in JAX.
+    moe = SparseMoE(8, 4, 2, 6, 4, key=getkey())
+    x = jr.normal(getkey(), (10, 8))
+
+    def dense(m, x):
+        probs, experts, weights = m.route(x)
+        w = jnp.zeros(probs.shape).at[jnp.arange(10)[:, None], experts].set(weights)
+        e = m.experts
+        h = jax.nn.silu(jnp.einsum("th,eih->tei", x, e.gate_proj)) * jnp.einsum(
+            "th,eih->tei", x, e.up_proj
+        )
+        routed = jnp.einsum("tei,ehi,te->th", h, e.down_proj, w)
+        shared = jax.vmap(m.shared_expert)(x) * jax.nn.sigmoid(x @ m.shared_expert_gate.weight.T)
+        return jnp.sum(jnp.sin(routed + shared))
+
+    def sparse(m, x):
+        return jnp.sum(jnp.sin(m(x)[0]))
+
+    got = eqx.filter_jit(eqx.filter_grad(sparse))(moe, x)
+    want = eqx.filter_jit(eqx.filter_grad(dense))(moe, x)
+    errors = jax.tree.leaves(jax.tree.map(rel_err, got, want))
+    assert max(errors) <= 1e-5, errors
+    assert float(jnp.abs(got.gate.weight).sum()) > 0
+
+
+# ---------------------------------------------------------------------------------------
+# Bad inputs
+# ---------------------------------------------------------------------------------------
+
+
+def test_top_k_more_than_experts_is_refused(getkey):
+    with pytest.raises(ValueError, match=r"`top_k` \(5\) is more than the 4 experts"):
+        SparseMoE(8, 4, 5, 6, 4, key=getkey())
+    fields = json.loads((DATA / "qwen3_5_moe" / "config.json").read_text())
+    with pytest.raises(
+        ValueError, match=r"`num_experts_per_tok` \(9\) is more than its `num_experts` \(8\)"
+    ):
+        Qwen3_5MoeConfig.from_hf({**fields, "num_experts_per_tok": 9})
+
+
+def test_missing_expert_is_named(tmp_path):
+    def change(tensors, config):
+        del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
+        tensors["model.layers.0.mlp.experts.8.up_proj.weight"] = np.ones((8, 24), np.float32)
+        tensors["model.layers.3.mlp.gate.weight"] = tensors["model.layers.3.mlp.gate.weight"][:7]
+        return tensors, config
+
+    path = _rewrite(tmp_path, "next", change)
+    with pytest.raises(ValueError) as info:
+        Qwen3NextForCausalLM.from_pretrained(path)
+    message = str(info.value)
+    for part in (
+        "1 missing: model.layers.2.mlp.experts.5.up_proj.weight",
+        "1 unexpected: model.layers.0.mlp.experts.8.up_proj.weight",
+        "1 misshapen: model.layers.3.mlp.gate.weight: (7, 24), expected (8, 24)",
+    ):
+        assert part in message, message
+
+
+def test_configs_of_other_models_are_refused(tmp_path):
+    shutil.copytree(DATA / "qwen3_5_moe", tmp_path / "moe")
+    with pytest.raises(ValueError, match=r"model_type 'qwen3_5_moe_text'.*Qwen3_5MoeConfig"):
+        Qwen3NextForCausalLM.from_pretrained(tmp_path / "moe")
+    with pytest.raises(ValueError, match=r"model_type 'qwen3_5_moe_text'.*Qwen3_5MoeConfig"):
+        Qwen3_5ForCausalLM.from_pretrained(tmp_path / "moe")
+    with pytest.raises(ValueError, match=r"model_type 'qwen3_next'.*Qwen3NextConfig"):
+        Qwen3_5MoeForCausalLM.from_pretrained(DATA / "qwen3_next_moe")
+    with pytest.raises(ValueError, match=r"model_type 'qwen3_5_text'.*Qwen3_5Config"):
+        Qwen3NextConfig.from_json(DATA / "qwen3_5_lm")
+    with pytest.raises(ValueError, match="missing `num_experts`"):
+        fields = json.loads((DATA / "qwen3_5_lm" / "config.json").read_text())
+        del fields["model_type"]
+        Qwen3_5MoeConfig.from_hf(fields)
+    assert Qwen3_5Config.from_json(DATA / "qwen3_5_lm").intermediate_size == 32
+
+
+def test_dense_model_has_no_router_stats():
+    fields = json.loads((DATA / "qwen3_5_lm" / "config.json").read_text())
+    fields.update(num_hidden_layers=1, layer_types=["full_attention"])
+    model = Qwen3_5ForCausalLM(Qwen3_5Config.from_hf(fields), key=jr.key(0))
+    with pytest.raises(ValueError, match="has no mixture-of-experts layers"):
+        model.logits_and_router_stats(jnp.arange(3))
