@@ -25,7 +25,7 @@ ops = SimpleNamespace(
 )
 
 
-def _grad(fn, argnums=0):
+def _grad(fn, argnums: int | tuple[int, ...] = 0):
     return eqx.filter_jit(jax.grad(fn, argnums))
 
 
