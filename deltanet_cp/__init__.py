@@ -2,7 +2,13 @@
 
 from importlib import metadata as _metadata
 
-from . import chunkops as chunkops, testing as testing
+from . import (
+    chunkops as chunkops,
+    interop as interop,
+    models as models,
+    nn as nn,
+    testing as testing,
+)
 from ._affine import (
     AbstractAffineMap as AbstractAffineMap,
     AffineMap as AffineMap,
