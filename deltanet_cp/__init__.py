@@ -92,9 +92,9 @@ from .recurrences._gla import (
     recurrent_gla as recurrent_gla,
 )
 from .recurrences._kda import (
-    chunk_kimi_delta_attention as chunk_kimi_delta_attention,
+    chunk_kda as chunk_kda,
     KimiDeltaAttention as KimiDeltaAttention,
-    recurrent_kimi_delta_attention as recurrent_kimi_delta_attention,
+    recurrent_kda as recurrent_kda,
 )
 from .recurrences._momentum import (
     MomentumDeltaRule as MomentumDeltaRule,

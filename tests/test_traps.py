@@ -23,3 +23,17 @@ def test_subpackages_are_attributes():
     )
     result = _stall.run([sys.executable, "-c", code], cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_functions_have_flas_names():
+    # One name per function, FLA's: `chunk_X` here for FLA's `chunk_X`, with `recurrent_X`
+    # beside it (`help(deltanet_cp.chunk_kda)` finds the function).
+    import deltanet_cp as dcp
+    from deltanet_cp.interop import fla
+
+    chunked = [n for n in dir(dcp) if n.startswith("chunk_")]
+    assert "chunk_kda" in chunked and "recurrent_kda" in dir(dcp)
+    assert not hasattr(dcp, "chunk_kimi_delta_attention")
+    for name in chunked:
+        assert hasattr(fla, name), name
+        assert hasattr(dcp, "recurrent_" + name[len("chunk_") :]), name

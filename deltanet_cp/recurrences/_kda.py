@@ -53,7 +53,7 @@ class KimiDeltaAttention(AbstractDeltaRule):
     householder: ClassVar[bool] = False
 
 
-def chunk_kimi_delta_attention(
+def chunk_kda(
     q: QKTensor,
     k: QKTensor,
     v: ValueTensor,
@@ -102,7 +102,7 @@ def chunk_kimi_delta_attention(
     )
 
 
-def recurrent_kimi_delta_attention(
+def recurrent_kda(
     q: QKTensor,
     k: QKTensor,
     v: ValueTensor,
@@ -118,7 +118,7 @@ def recurrent_kimi_delta_attention(
 ) -> tuple[ValueTensor, States]:
     r"""Kimi Delta Attention token by token: the decoding path.
 
-    The same recurrence as [`deltanet_cp.chunk_kimi_delta_attention`][], one token per step
+    The same recurrence as [`deltanet_cp.chunk_kda`][], one token per step
     (the engine with `chunk_size=1`: a `lax.scan` over tokens); the same arguments
     (without `chunk_size`) and results.
     """
