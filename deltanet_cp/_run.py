@@ -29,6 +29,7 @@ from ._packing import (
 from ._parallel import (
     along_walks,
     axis_size,
+    check_bound,
     check_cp,
     ContextParallel,
     Contiguous,
@@ -106,6 +107,7 @@ def run(
     block_size = _check_block_size(block_size)
     if cp is not None and cp.mesh is not None:
         return _run_global(recurrence, inputs, initial_state, cu_seqlens, cp, block_size)
+    check_bound(cp, "deltanet_cp.run")
     if cu_seqlens is not None:
         batch, length = _batch_and_length(inputs)
         cu_seqlens = as_cu_seqlens(
@@ -225,6 +227,7 @@ def run_contiguous(
                 "run_contiguous runs inside jax.shard_map on this rank's slice: pass a "
                 "ContextParallel without `mesh` (deltanet_cp.run takes global arrays)."
             )
+        check_bound(cp, "run_contiguous")
     if (start := as_index(start, "start")) < 0:
         raise ValueError(f"`start` must be a non-negative int; got {start!r}.")
     block_size = _check_block_size(block_size)

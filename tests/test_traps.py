@@ -6,6 +6,12 @@ Most of these are eager checks that compile nothing.
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
+import jax.random as jr
+import pytest
+
+import deltanet_cp as dcp
+from deltanet_cp.nn import CausalConv1d
 from tests import _stall
 
 
@@ -28,7 +34,6 @@ def test_subpackages_are_attributes():
 def test_functions_have_flas_names():
     # One name per function, FLA's: `chunk_X` here for FLA's `chunk_X`, with `recurrent_X`
     # beside it (`help(deltanet_cp.chunk_kda)` finds the function).
-    import deltanet_cp as dcp
     from deltanet_cp.interop import fla
 
     chunked = [n for n in dir(dcp) if n.startswith("chunk_")]
@@ -37,3 +42,30 @@ def test_functions_have_flas_names():
     for name in chunked:
         assert hasattr(fla, name), name
         assert hasattr(dcp, "recurrent_" + name[len("chunk_") :]), name
+
+
+def _gdn_inputs(b=1, t=8, h=1, k=4, v=4):
+    q = jnp.ones((b, t, h, k)) / 2
+    return q, q, jnp.ones((b, t, h, v)), -jnp.ones((b, t, h)), jnp.full((b, t, h), 0.5)
+
+
+def test_context_parallel_without_mesh_outside_shard_map():
+    # JAX alone says `NameError: unbound axis name: cp`.
+    cp = dcp.ContextParallel("cp")
+    match = r"no `mesh`.*inside `jax.shard_map`.*mesh=mesh"
+    with pytest.raises(ValueError, match=match):
+        dcp.chunk_gated_delta_rule(*_gdn_inputs(), cp=cp)
+    with pytest.raises(ValueError, match=match):
+        dcp.recurrent_gated_delta_rule(*_gdn_inputs(), cp=cp)
+    recurrence, inputs = dcp.GatedDeltaRule(), dcp.DeltaInputs(*_gdn_inputs())
+    with pytest.raises(ValueError, match=match):
+        dcp.run_contiguous(recurrence, inputs, cp=cp)
+    conv = CausalConv1d(4, 3, key=jr.key(0))
+    with pytest.raises(ValueError, match=match):
+        conv(jnp.ones((8, 4)), cp=cp)
+
+
+def test_context_parallel_init_documents_its_arguments():
+    doc = dcp.ContextParallel.__init__.__doc__ or ""
+    for name in ("axis_name", "layout", "exchange", "mesh", "batch_axis"):
+        assert f"- `{name}`:" in doc, name
