@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 import pytest
 
 import deltanet_cp as dcp
@@ -69,3 +70,29 @@ def test_context_parallel_init_documents_its_arguments():
     doc = dcp.ContextParallel.__init__.__doc__ or ""
     for name in ("axis_name", "layout", "exchange", "mesh", "batch_axis"):
         assert f"- `{name}`:" in doc, name
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(bandwidth=0.0),
+        dict(bandwidth=-1e9),
+        dict(bandwidth=float("inf")),
+        dict(bandwidth=float("nan")),
+        dict(bandwidth="50e9"),
+        dict(latency=-1e-6),
+        dict(latency=float("nan")),
+        dict(latency=True),
+    ],
+)
+def test_auto_parameters(kwargs, without_runtime_typecheck):
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=f"`{name}` must be a finite number"):
+        dcp.Auto(**kwargs)
+    with pytest.raises(ValueError, match=f"`{name}` must be a finite number"):
+        dcp.AllGather().estimated_seconds(4, map_elements=16, state_elements=4, **kwargs)
+
+
+def test_auto_accepts_numbers(without_runtime_typecheck):
+    auto = dcp.Auto(latency=0, bandwidth=np.float32(1e9))
+    assert auto.choose(4, map_elements=16, state_elements=4)
