@@ -94,5 +94,5 @@ def test_auto_parameters(kwargs, without_runtime_typecheck):
 
 
 def test_auto_accepts_numbers(without_runtime_typecheck):
-    auto = dcp.Auto(latency=0, bandwidth=np.float32(1e9))
+    auto = dcp.Auto(latency=0, bandwidth=np.float32(1e9))  # pyright: ignore[reportArgumentType]
     assert auto.choose(4, map_elements=16, state_elements=4)
