@@ -74,6 +74,17 @@ def run(
     three phases again, the exchange walking the ranks the other way (see the concept
     page "The three phases").
 
+    Gate ranges are checked where the values are concrete (an eager call, or arrays a
+    traced function closes over): a finite log decay above 0 (an inputs field declared
+    `eqx.field(metadata={"log_decay": True})`: `g`, `gk`, `log_alpha`, ...), and a delta
+    rule's step size `beta` outside $[0, 2]$, are a `ValueError`. That costs one small
+    reduction per gate, compiled once per shape, and a wait for the gate's values. Traced
+    values (under `jax.jit`, `grad`, `vmap` or `shard_map`) are not checked, which would
+    add a callback to every call: there a positive log decay or a step size outside
+    $[0, 2]$ makes the state grow without bound. Non-finite values are not range errors:
+    they make the outputs non-finite from their token on (`-inf` in a log decay is a
+    decay of zero).
+
     **Arguments:**
 
     - `recurrence`: the configuration, an [`deltanet_cp.AbstractRecurrence`][].

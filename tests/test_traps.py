@@ -6,6 +6,7 @@ Most of these are eager checks that compile nothing.
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
@@ -96,3 +97,49 @@ def test_auto_parameters(kwargs, without_runtime_typecheck):
 def test_auto_accepts_numbers(without_runtime_typecheck):
     auto = dcp.Auto(latency=0, bandwidth=np.float32(1e9))  # pyright: ignore[reportArgumentType]
     assert auto.choose(4, map_elements=16, state_elements=4)
+
+
+def _family_args(name):
+    # Small valid inputs of each kind, from the library's own input makers.
+    from tests import helpers
+
+    return {
+        "gated_delta_rule": helpers.make_gated_delta_inputs,
+        "kda": helpers.make_kda_inputs,
+        "gla": helpers.make_gla_inputs,
+        "precond_gated_delta_rule": helpers.make_precond_gdn_inputs,
+        "momentum_delta_rule": helpers.make_momentum_inputs,
+    }[name](0, t=8, dk=4, dv=4)[0]
+
+
+@pytest.mark.parametrize(
+    "fn, index, name, value",
+    [
+        ("gated_delta_rule", 3, "g", 0.5),  # a positive log decay: the state grows
+        ("gated_delta_rule", 4, "beta", 3.0),  # |o| up to 4e34
+        ("gated_delta_rule", 4, "beta", -0.5),
+        ("kda", 3, "g", 0.5),
+        ("kda", 4, "beta", 3.0),  # NaN
+        ("gla", 3, "g", 0.5),
+        ("precond_gated_delta_rule", 3, "g_atk", 0.5),
+        ("precond_gated_delta_rule", 4, "g", 0.5),
+        ("precond_gated_delta_rule", 5, "beta_atk", -1.0),
+        ("precond_gated_delta_rule", 6, "beta", 3.0),
+        ("momentum_delta_rule", 3, "log_alpha", 0.5),
+    ],
+)
+@pytest.mark.parametrize("entry", ["chunk", "recurrent"])
+def test_gate_ranges_of_concrete_values(fn, index, name, value, entry):
+    args = list(_family_args(fn))
+    args[index] = args[index].at[0, 5].set(value)
+    with pytest.raises(ValueError, match=f"`{name}` must be"):
+        getattr(dcp, f"{entry}_{fn}")(*args)
+
+
+def test_gate_ranges_accept_the_edges_and_leave_traced_values():
+    q, k, v, g, beta = _family_args("gated_delta_rule")
+    edges = dict(g=g.at[0, 1].set(0.0).at[0, 2].set(-jnp.inf), beta=beta.at[0, 1].set(2.0))
+    dcp.chunk_gated_delta_rule(q, k, v, edges["g"], edges["beta"].at[0, 2].set(0.0))
+    # Traced: not checked (documented), no callback in the program.
+    o, _ = jax.jit(dcp.chunk_gated_delta_rule)(q, k, v, g.at[0, 5].set(0.5), beta)
+    assert o.shape == v.shape

@@ -87,7 +87,7 @@ def chunk_gdn2(
     - `v`: values, shape `(B, T, HV, V)`; `HV` must be a multiple of `H` and value head `j`
         reads key head `j // (HV // H)`.
     - `g`: natural-log decays per key channel, $\le 0$, shape `(B, T, HV, K)`.
-    - `b`: the erase gate, one per key channel (typically in $[0, 2]$), `(B, T, HV, K)`.
+    - `b`: the erase gate, one per key channel, in $[0, 2]$, `(B, T, HV, K)`.
     - `w`: the write gate, one per value channel (typically in $[0, 1]$), `(B, T, HV, V)`.
     - `scale`, `initial_state`, `use_qk_l2norm`, `cu_seqlens`, `chunk_size`, `cp`,
         `precision`: as in

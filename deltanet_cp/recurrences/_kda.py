@@ -79,7 +79,8 @@ def chunk_kda(
     - `v`: values, shape `(B, T, HV, V)`; `HV` must be a multiple of `H` and value head `j`
         reads key head `j // (HV // H)`.
     - `g`: natural-log decays per key channel, $\le 0$, shape `(B, T, HV, K)`.
-    - `beta`: step sizes in $[0, 1]$, shape `(B, T, HV)`.
+    - `beta`: step sizes in $[0, 1]$ ($[0, 2]$ for negative eigenvalues), shape
+        `(B, T, HV)`.
     - `scale`, `initial_state`, `use_qk_l2norm`, `cu_seqlens`, `chunk_size`, `cp`,
         `precision`: as in
         [`deltanet_cp.chunk_gated_delta_rule`][].

@@ -33,6 +33,7 @@ from .._mesh import mesh_to_run_on
 from .._parallel import ContextParallel
 from .._precision import accumulation_dtype, as_precision, PrecisionName, resolve_precision
 from .._run import run
+from .._validate import check_log_decay, check_range, check_step_sizes
 from ..chunkops import l2norm
 from ._delta_family import AbstractDeltaRule, DeltaInputs
 from ._gla import GatedLinearAttention, GLAInputs
@@ -124,6 +125,17 @@ def _precond(
             "beta": (beta, ("batch", "seq", "value_heads")),
         }
     )
+    where = type(main).__name__
+    check_log_decay(g_atk, "g_atk", where)
+    check_range(
+        beta_atk,
+        "beta_atk",
+        where,
+        low=0.0,
+        hint="the preconditioner's step sizes: its state sums beta_atk k^2 and must stay >= 0",
+    )
+    check_log_decay(g, "g", where)
+    check_step_sizes(beta, "beta", where)
     heads, dk = sizes["heads"], sizes["K"]
     if initial_A_state is not None:
         shape = getattr(initial_A_state, "shape", None)
@@ -295,8 +307,10 @@ def chunk_precond_gated_delta_rule(
         head `j // (HV // H)` and its preconditioner.
     - `g_atk`: the preconditioner's log decays $\le 0$, one per key head, `(B, T, H)`.
     - `g`: the main log decays $\le 0$, `(B, T, HV)`.
-    - `beta_atk`: the preconditioner's step sizes, `(B, T, H)`.
-    - `beta`: the main step sizes in $[0, 1]$, `(B, T, HV)`.
+    - `beta_atk`: the preconditioner's step sizes $\ge 0$, `(B, T, H)`.
+    - `beta`: the main step sizes in $[0, 1]$ ($[0, 2]$ for negative eigenvalues),
+        `(B, T, HV)`. The four gates' ranges are checked where the values are concrete
+        (see [`deltanet_cp.run`][]).
     - `chunk_size`: tokens per chunk (both stages).
     - `scale`: query scale, default `K ** -0.5` (a Python float).
     - `initial_state`: the main state before the first token, `(B, HV, K, V)`; zeros if
@@ -435,8 +449,10 @@ def chunk_precond_kda(
     - `v`: values, shape `(B, T, HV, V)`; `HV` a multiple of `H`.
     - `g`: the main log decays per key channel, $\le 0$, `(B, T, HV, K)`.
     - `g_atk`: the preconditioner's log decays $\le 0$, one per key head, `(B, T, H)`.
-    - `beta_atk`: the preconditioner's step sizes, `(B, T, H)`.
-    - `beta`: the main step sizes in $[0, 1]$, `(B, T, HV)`.
+    - `beta_atk`: the preconditioner's step sizes $\ge 0$, `(B, T, H)`.
+    - `beta`: the main step sizes in $[0, 1]$ ($[0, 2]$ for negative eigenvalues),
+        `(B, T, HV)`. The four gates' ranges are checked where the values are concrete
+        (see [`deltanet_cp.run`][]).
     - `scale`, `initial_state`, `initial_A_state`, `use_qk_l2norm`, `cu_seqlens`,
         `chunk_size`, `cp`, `precision`, `x`, `eps`, `log_atk_scale`: as in
         [`deltanet_cp.chunk_precond_gated_delta_rule`][].
