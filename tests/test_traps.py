@@ -3,6 +3,7 @@
 Most of these are eager checks that compile nothing.
 """
 
+import functools as ft
 import sys
 from pathlib import Path
 
@@ -143,3 +144,57 @@ def test_gate_ranges_accept_the_edges_and_leave_traced_values():
     # Traced: not checked (documented), no callback in the program.
     o, _ = jax.jit(dcp.chunk_gated_delta_rule)(q, k, v, g.at[0, 5].set(0.5), beta)
     assert o.shape == v.shape
+
+
+def _fla_gdn_args():
+    return _family_args("gated_delta_rule")  # K == V: a transposed state has the same shape
+
+
+@pytest.mark.parametrize("flag", ["state_v_first", "output_final_state"])
+@pytest.mark.parametrize("fn", ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"])
+def test_fla_adapters_refuse_non_bool_flags(fn, flag, without_runtime_typecheck):
+    from deltanet_cp.interop import fla
+
+    q, k, v, g, beta = _fla_gdn_args()
+    h0 = jnp.zeros((1, 2, 4, 4))
+    with pytest.raises(ValueError, match=f"`{flag}` must be True or False; got 'no'"):
+        getattr(fla, fn)(q, k, v, g=g, beta=beta, initial_state=h0, **{flag: "no"})
+
+
+@pytest.mark.parametrize("flag", ["transpose_state_layout", "output_final_state"])
+@pytest.mark.parametrize(
+    "fn, maker",
+    [
+        ("chunk_precond_gated_delta_rule", "make_precond_gdn_inputs"),
+        ("fused_recurrent_precond_gated_delta_rule", "make_precond_gdn_inputs"),
+        ("chunk_precond_kda", "make_precond_kda_inputs"),
+        ("fused_recurrent_precond_kda", "make_precond_kda_inputs"),
+    ],
+)
+def test_fla_precond_adapters_refuse_non_bool_flags(fn, maker, flag, without_runtime_typecheck):
+    from deltanet_cp.interop import fla
+    from tests import helpers
+
+    args = getattr(helpers, maker)(0, t=8, dk=4, dv=4)[0]
+    if fn == "fused_recurrent_precond_gated_delta_rule":  # FLA's order: q k v g gk gv beta
+        q, k, v, g_atk, g, beta_atk, beta = args
+        call = ft.partial(getattr(fla, fn), q, k, v, g, None, None, beta, g_atk, beta_atk)
+    else:
+        call = ft.partial(getattr(fla, fn), *args)
+    with pytest.raises(ValueError, match=f"`{flag}` must be True or False; got 'no'"):
+        call(initial_state=jnp.zeros((1, 2, 4, 4)), **{flag: "no"})
+
+
+def test_fla_chunk_precond_kda_takes_use_qk_l2norm_in_kernel(without_runtime_typecheck):
+    # FLA's function takes it (in its **kwargs) and always normalises q and k.
+    from deltanet_cp.interop import fla
+    from tests import helpers
+
+    args = helpers.make_precond_kda_inputs(0, t=8, dk=4, dv=4)[0]
+    o, _, _ = fla.chunk_precond_kda(*args, chunk_size=4)
+    o_true, _, _ = fla.chunk_precond_kda(*args, use_qk_l2norm_in_kernel=True, chunk_size=4)
+    assert np.array_equal(o, o_true)
+    with pytest.raises(ValueError, match="always L2-normalises"):
+        fla.chunk_precond_kda(*args, use_qk_l2norm_in_kernel=False)
+    with pytest.raises(ValueError, match="`use_qk_l2norm_in_kernel` must be True or False"):
+        fla.chunk_precond_kda(*args, use_qk_l2norm_in_kernel="no")  # pyright: ignore[reportArgumentType]
