@@ -198,3 +198,24 @@ def test_fla_chunk_precond_kda_takes_use_qk_l2norm_in_kernel(without_runtime_typ
         fla.chunk_precond_kda(*args, use_qk_l2norm_in_kernel=False)
     with pytest.raises(ValueError, match="`use_qk_l2norm_in_kernel` must be True or False"):
         fla.chunk_precond_kda(*args, use_qk_l2norm_in_kernel="no")  # pyright: ignore[reportArgumentType]
+
+
+@pytest.mark.parametrize("fn", ["chunk_precond_gated_delta_rule", "chunk_precond_kda"])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(log_atk_scale=1e39), "`log_atk_scale` must be finite"),  # inf in float32
+        (dict(log_atk_scale=float("inf")), "`log_atk_scale` must be finite"),
+        (dict(log_atk_scale=float("nan")), "`log_atk_scale` must be finite"),
+        (dict(log_atk_scale=jnp.array([0.0, jnp.nan])), "`log_atk_scale` must be finite"),
+        (dict(eps=1e-39), "`eps` must be between float32's smallest normal"),
+        (dict(eps=1e-45), "`eps` must be between float32's smallest normal"),
+    ],
+)
+def test_precond_center_and_eps(fn, kwargs, match, without_runtime_typecheck):
+    maker = "gdn" if fn == "chunk_precond_gated_delta_rule" else "kda"
+    from tests import helpers
+
+    args = getattr(helpers, f"make_precond_{maker}_inputs")(0, b=1, t=8, h=2, hv=2, dk=4, dv=4)[0]
+    with pytest.raises(ValueError, match=match):
+        getattr(dcp, fn)(*args, **kwargs)
