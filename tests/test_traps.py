@@ -219,3 +219,42 @@ def test_precond_center_and_eps(fn, kwargs, match, without_runtime_typecheck):
     args = getattr(helpers, f"make_precond_{maker}_inputs")(0, b=1, t=8, h=2, hv=2, dk=4, dv=4)[0]
     with pytest.raises(ValueError, match=match):
         getattr(dcp, fn)(*args, **kwargs)
+
+
+def _gdn_check_case(b=1):
+    q, k, v, g, beta = _family_args("gated_delta_rule")
+    inputs = dcp.DeltaInputs(q[:b], k[:b], v[:b], g[:b], beta[:b])
+    return dcp.GatedDeltaRule(chunk_size=4), inputs
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(cp=(0,)), r"`cp` must hold device counts, ints >= 1"),
+        (dict(cp=(2, True)), r"`cp` must hold device counts"),
+        (dict(cp=2), r"`cp` must be a sequence of device counts"),
+        (dict(layouts=()), r"layouts=\(\) with cp=\(2, 4\) would check no context parallelism"),
+        (dict(layouts=("zigzag",)), r"`layouts` must hold deltanet_cp.AbstractLayout"),
+        (dict(gradients="no"), r"`gradients` must be True or False"),
+        (dict(rtol=float("nan")), r"`rtol` must be a finite number >= 0"),
+        (dict(atol=float("inf")), r"`atol` must be a finite number >= 0"),
+        (dict(rtol=-1e-4), r"`rtol` must be a finite number >= 0"),
+        (dict(seed=-1), r"`seed` must be an int >= 0"),
+        (dict(exchange="rings"), r"Unknown exchange 'rings'"),
+        (dict(unchunked=dcp.GatedDeltaRule(chunk_size=4)), r"`unchunked` must be .* chunk_size=1"),
+    ],
+)
+def test_check_recurrence_arguments(kwargs, match, without_runtime_typecheck):
+    from deltanet_cp.testing import check_recurrence
+
+    recurrence, inputs = _gdn_check_case()
+    with pytest.raises(ValueError, match=match):
+        check_recurrence(recurrence, inputs, **kwargs)
+
+
+def test_check_recurrence_refuses_an_empty_batch():
+    from deltanet_cp.testing import check_recurrence
+
+    recurrence, inputs = _gdn_check_case(b=0)
+    with pytest.raises(ValueError, match="at least one batch row"):
+        check_recurrence(recurrence, inputs, cp=())
