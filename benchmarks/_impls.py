@@ -352,7 +352,7 @@ def _family_inputs(kind: str, b: int, t: int, h: int, hv: int, d: int) -> list:
 def family(*, kind: str, b, t, h, hv, d, chunk=64, passes=PASSES, **kw) -> Prepared:
     """One recurrence of the delta family on one device, float32: ours (`kind` gdn, kda,
     gdn2, dplr, precond_gdn, precond_kda or momentum: `chunk_gated_delta_rule`,
-    `chunk_kimi_delta_attention`, `chunk_gdn2`, `chunk_dplr_delta_rule` with RWKV-7-like
+    `chunk_kda`, `chunk_gdn2`, `chunk_dplr_delta_rule` with RWKV-7-like
     inputs, `chunk_precond_gated_delta_rule`, `chunk_precond_kda`,
     `chunk_momentum_delta_rule` with FLA's defaults) or jax-linear-attention's
     `jla.ops.chunked.gdn2` (`jla_gdn2`, q and k repeated to `hv` heads)."""
@@ -392,7 +392,7 @@ def family(*, kind: str, b, t, h, hv, d, chunk=64, passes=PASSES, **kw) -> Prepa
         else:
             fn = {
                 "gdn": dcp.chunk_gated_delta_rule,
-                "kda": dcp.chunk_kimi_delta_attention,
+                "kda": dcp.chunk_kda,
                 "gdn2": dcp.chunk_gdn2,
             }[kind]
 

@@ -29,7 +29,7 @@ Qwen3-Next-like heads (HV = 32 value heads, q and k with H = 16 heads where the 
 allows it, which is all of ours; jla gets them repeated to 32), T = 2048:
 
 - `GDN`: `deltanet_cp.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)`;
-- `KDA`: `deltanet_cp.chunk_kimi_delta_attention` (decays per key channel);
+- `KDA`: `deltanet_cp.chunk_kda` (decays per key channel);
 - `GDN-2`: `deltanet_cp.chunk_gdn2(q, k, v, g, b, w, use_qk_l2norm=True)`;
 - `DPLR`: `deltanet_cp.chunk_dplr_delta_rule(q, k, v, a, b, gk)`, RWKV-7-like inputs
   (`a = -kk`, `b = kk * sigmoid(.)`, `kk` unit vectors; `gk` per value head);

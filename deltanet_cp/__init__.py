@@ -2,7 +2,13 @@
 
 from importlib import metadata as _metadata
 
-from . import chunkops as chunkops, testing as testing
+from . import (
+    chunkops as chunkops,
+    interop as interop,
+    models as models,
+    nn as nn,
+    testing as testing,
+)
 from ._affine import (
     AbstractAffineMap as AbstractAffineMap,
     AffineMap as AffineMap,
@@ -86,9 +92,9 @@ from .recurrences._gla import (
     recurrent_gla as recurrent_gla,
 )
 from .recurrences._kda import (
-    chunk_kimi_delta_attention as chunk_kimi_delta_attention,
+    chunk_kda as chunk_kda,
     KimiDeltaAttention as KimiDeltaAttention,
-    recurrent_kimi_delta_attention as recurrent_kimi_delta_attention,
+    recurrent_kda as recurrent_kda,
 )
 from .recurrences._momentum import (
     MomentumDeltaRule as MomentumDeltaRule,

@@ -9,6 +9,8 @@ Payloads are counted as elements *received* per rank.
 """
 
 import abc
+import math
+import numbers
 from typing import Literal, TypeAlias
 
 import equinox as eqx
@@ -165,10 +167,33 @@ class AbstractCostedExchange(AbstractExchange):
         - `latency`: seconds per communication round ($\alpha$).
         - `bandwidth`: bytes per second into one rank ($1/\beta$).
         """
+        check_cost_model(latency, bandwidth, "estimated_seconds")
         payload = self.payload_elements(
             cp, map_elements=map_elements, state_elements=state_elements, layout=layout
         )
         return self.rounds(cp, layout=layout) * latency + payload * itemsize / bandwidth
+
+
+def _finite(value: object) -> float | None:
+    """`value` as a finite Python float if it is a real number (not a bool), else `None`."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        if math.isfinite(value := float(value)):
+            return value
+    return None
+
+
+def check_cost_model(latency: object, bandwidth: object, where: str) -> None:
+    """A `ValueError` naming `where` unless `latency` is a finite number at least 0 and
+    `bandwidth` a finite number above 0 (Python or NumPy, not a bool)."""
+    if (seconds := _finite(latency)) is None or seconds < 0:
+        raise ValueError(
+            f"{where}: `latency` must be a finite number of seconds, at least 0; got {latency!r}."
+        )
+    if (rate := _finite(bandwidth)) is None or rate <= 0:
+        raise ValueError(
+            f"{where}: `bandwidth` must be a finite number of bytes per second, above 0; got "
+            f"{bandwidth!r}."
+        )
 
 
 def _directions(cp: int, layout: AbstractLayout | None) -> tuple[bool, ...]:
@@ -284,12 +309,15 @@ class Auto(AbstractExchange):
 
     **Arguments:**
 
-    - `latency`: seconds per communication round.
-    - `bandwidth`: bytes per second into one rank.
+    - `latency`: seconds per communication round: a finite number, at least 0.
+    - `bandwidth`: bytes per second into one rank: a finite number above 0.
     """
 
     latency: float = 10e-6
     bandwidth: float = 50e9
+
+    def __check_init__(self):
+        check_cost_model(self.latency, self.bandwidth, "Auto")
 
     def choose(
         self,

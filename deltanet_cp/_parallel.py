@@ -35,19 +35,6 @@ class ContextParallel(eqx.Module, Generic[_L]):
         `ContextParallel` without `mesh` only.
     - The ranks exchange recurrent state by `exchange`; attention's keys and values go by
         the `kv_schedule=` of the layer's call instead.
-
-    **Arguments:**
-
-    - `axis_name`: the mesh axis the sequence is sharded over.
-    - `layout`: [`deltanet_cp.Contiguous`][] (the default), [`deltanet_cp.Zigzag`][], or
-        a layout of your own (an [`deltanet_cp.AbstractLayout`][]).
-    - `exchange`: how ranks exchange their maps: [`deltanet_cp.AllGather`][] (the
-        default), [`deltanet_cp.PPermute`][], [`deltanet_cp.Ring`][],
-        [`deltanet_cp.Auto`][], or the shorthands `"allgather"`, `"ppermute"`, `"ring"`,
-        `"auto"`.
-    - `mesh`: a `jax.sharding.Mesh` with an axis `axis_name`, for global arrays.
-    - `batch_axis`: with `mesh`, optionally a mesh axis to shard the batch over (data
-        parallelism).
     """
 
     axis_name: str = eqx.field(static=True)
@@ -86,6 +73,21 @@ class ContextParallel(eqx.Module, Generic[_L]):
         mesh: jax.sharding.Mesh | None = None,
         batch_axis: str | None = None,
     ):
+        """**Arguments:**
+
+        - `axis_name`: the mesh axis the sequence is sharded over.
+        - `layout`: [`deltanet_cp.Contiguous`][] (the default), [`deltanet_cp.Zigzag`][],
+            or a layout of your own (an [`deltanet_cp.AbstractLayout`][]).
+        - `exchange`: how ranks exchange their maps: [`deltanet_cp.AllGather`][] (the
+            default), [`deltanet_cp.PPermute`][], [`deltanet_cp.Ring`][],
+            [`deltanet_cp.Auto`][], or the shorthands `"allgather"`, `"ppermute"`,
+            `"ring"`, `"auto"`.
+        - `mesh`: a `jax.sharding.Mesh` with an axis `axis_name`, for global arrays (the
+            function does the `jax.shard_map`); `None` (the default) for a call made
+            inside your own `jax.shard_map` on each rank's shard.
+        - `batch_axis`: with `mesh`, optionally a mesh axis to shard the batch over (data
+            parallelism).
+        """
         if not isinstance(axis_name, str):
             raise TypeError(f"`axis_name` must be a mesh axis name (a str); got {axis_name!r}.")
         if not isinstance(layout, AbstractLayout):
@@ -116,9 +118,32 @@ def check_cp(cp: object, where: str) -> None:
         raise TypeError(f"{where}: `cp` must be a deltanet_cp.ContextParallel or None; got {cp!r}.")
 
 
+def check_bound(cp: "ContextParallel | None", where: str) -> None:
+    """A `ValueError` naming `where` if `cp` has no `mesh` and its axis is unbound here.
+
+    Without `mesh`, a call runs on this rank's shard inside `jax.shard_map`; outside one (or
+    inside one without the axis) JAX would only say `NameError: unbound axis name`.
+    """
+    if cp is None or cp.mesh is not None:
+        return
+    try:
+        jax.lax.axis_size(cp.axis_name)
+    except NameError:
+        raise ValueError(
+            f"{where}: cp=ContextParallel({cp.axis_name!r}) has no `mesh`, so the call must "
+            f"be made inside `jax.shard_map` over a mesh with an axis {cp.axis_name!r} (on "
+            f"each rank's shard), but no axis {cp.axis_name!r} is bound here. Either pass "
+            f"the mesh, ContextParallel({cp.axis_name!r}, mesh=mesh), and global arrays, or "
+            "make the call inside `jax.shard_map`."
+        ) from None
+
+
 def axis_size(cp: "ContextParallel | None") -> int:
     """The number of ranks of `cp` (inside `jax.shard_map`); 1 without it."""
-    return 1 if cp is None else jax.lax.axis_size(cp.axis_name)
+    if cp is None:
+        return 1
+    check_bound(cp, "deltanet_cp")
+    return jax.lax.axis_size(cp.axis_name)
 
 
 def along_walks(cp: ContextParallel) -> "ContextParallel[Contiguous]":

@@ -10,7 +10,7 @@ import jax
 from jaxtyping import Array, PyTree
 
 from ._affine import AbstractAffineMap
-from ._validate import as_positive_index
+from ._validate import as_positive_index, check_log_decay
 
 
 _Inputs = TypeVar("_Inputs")
@@ -334,7 +334,9 @@ def check_inputs(recurrence: Any, inputs: Any) -> None:
     **Raises:**
 
     `TypeError` for a wrong type of `recurrence` or `inputs`, `ValueError` naming the field
-    for a missing array or an empty head or feature axis.
+    for a missing array or an empty head or feature axis, and, where the values are
+    concrete (not traced under `jax.jit`, `grad`, `vmap` or `shard_map`), for a positive
+    finite log decay (a field declared with `eqx.field(metadata={"log_decay": True})`).
     """
     if not isinstance(recurrence, AbstractRecurrence):
         raise TypeError(
@@ -371,3 +373,8 @@ def check_inputs(recurrence: Any, inputs: Any) -> None:
                 "have at least one element."
             )
     recurrence.check(inputs)
+    if dataclasses.is_dataclass(inputs) and not isinstance(inputs, type):
+        for field in dataclasses.fields(inputs):
+            if field.metadata.get("log_decay", False):
+                for leaf in jax.tree.leaves(getattr(inputs, field.name)):
+                    check_log_decay(leaf, field.name, name)

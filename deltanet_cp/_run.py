@@ -29,6 +29,7 @@ from ._packing import (
 from ._parallel import (
     along_walks,
     axis_size,
+    check_bound,
     check_cp,
     ContextParallel,
     Contiguous,
@@ -73,6 +74,17 @@ def run(
     three phases again, the exchange walking the ranks the other way (see the concept
     page "The three phases").
 
+    Gate ranges are checked where the values are concrete (an eager call, or arrays a
+    traced function closes over): a finite log decay above 0 (an inputs field declared
+    `eqx.field(metadata={"log_decay": True})`: `g`, `gk`, `log_alpha`, ...), and a delta
+    rule's step size `beta` outside $[0, 2]$, are a `ValueError`. That costs one small
+    reduction per gate, compiled once per shape, and a wait for the gate's values. Traced
+    values (under `jax.jit`, `grad`, `vmap` or `shard_map`) are not checked, which would
+    add a callback to every call: there a positive log decay or a step size outside
+    $[0, 2]$ makes the state grow without bound. Non-finite values are not range errors:
+    they make the outputs non-finite from their token on (`-inf` in a log decay is a
+    decay of zero).
+
     **Arguments:**
 
     - `recurrence`: the configuration, an [`deltanet_cp.AbstractRecurrence`][].
@@ -106,6 +118,7 @@ def run(
     block_size = _check_block_size(block_size)
     if cp is not None and cp.mesh is not None:
         return _run_global(recurrence, inputs, initial_state, cu_seqlens, cp, block_size)
+    check_bound(cp, "deltanet_cp.run")
     if cu_seqlens is not None:
         batch, length = _batch_and_length(inputs)
         cu_seqlens = as_cu_seqlens(
@@ -225,6 +238,7 @@ def run_contiguous(
                 "run_contiguous runs inside jax.shard_map on this rank's slice: pass a "
                 "ContextParallel without `mesh` (deltanet_cp.run takes global arrays)."
             )
+        check_bound(cp, "run_contiguous")
     if (start := as_index(start, "start")) < 0:
         raise ValueError(f"`start` must be a non-negative int; got {start!r}.")
     block_size = _check_block_size(block_size)

@@ -8,7 +8,9 @@ import operator
 from typing import Any, SupportsFloat, SupportsIndex
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 
 def as_index(value: Any, name: str) -> int:
@@ -133,3 +135,68 @@ def as_scale(value: SupportsFloat | None) -> float | None:
     if not math.isfinite(scale):
         raise ValueError(f"`scale` must be finite; got {scale}.")
     return scale
+
+
+@jax.jit
+def _finite_extremes(x: jax.Array) -> jax.Array:
+    """The smallest and the largest finite value of `x` (`inf` and `-inf` if none)."""
+    finite = jnp.isfinite(x)
+    return jnp.stack(
+        [jnp.min(jnp.where(finite, x, jnp.inf)), jnp.max(jnp.where(finite, x, -jnp.inf))]
+    )
+
+
+def check_range(
+    x: Any, name: str, where: str, *, low: float | None = None, high: float | None = None, hint: str
+) -> None:
+    """A `ValueError` from `where` naming `name` if a finite value of `x` is below `low` or
+    above `high`, with `hint` (what the argument is and how to make it).
+
+    Only where the values are known now: an array that is concrete (outside `jax.jit`,
+    `grad`, `vmap` and `shard_map`: not a tracer), floating and not empty. A traced one is
+    not checked (an `eqx.error_if` would add a callback to every compiled call). Non-finite
+    values are left to the library's rule for them (they make the outputs non-finite from
+    their token on). The cost, eagerly: one small reduction, compiled once per shape and
+    dtype, and a wait for `x` to be computed (two numbers back to the host).
+    """
+    if x is None or isinstance(x, Tracer):
+        return
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or math.prod(x.shape) == 0:
+        return
+    with jax.ensure_compile_time_eval():  # a concrete array closed over by a trace: now
+        extremes = _finite_extremes(x)
+    smallest, largest = (float(v) for v in np.asarray(extremes))
+    if (low is not None and smallest < low) or (high is not None and largest > high):
+        if low is None:
+            bounds = f"<= {high:g}"
+        elif high is None:
+            bounds = f">= {low:g}"
+        else:
+            bounds = f"in [{low:g}, {high:g}]"
+        raise ValueError(
+            f"{where}: `{name}` must be {bounds} ({hint}); got values from {smallest:g} to "
+            f"{largest:g}."
+        )
+
+
+LOG_DECAY_HINT = (
+    "log decays: the state is multiplied by exp(g) <= 1 per token; make them with "
+    "`jax.nn.log_sigmoid(x)` or `-jax.nn.softplus(x)`"
+)
+
+
+def check_log_decay(x: Any, name: str, where: str) -> None:
+    """`check_range` for log decays: every finite value `<= 0`."""
+    check_range(x, name, where, high=0.0, hint=LOG_DECAY_HINT)
+
+
+STEP_SIZE_HINT = (
+    "step sizes: with unit keys each update's eigenvalue 1 - beta stays in [-1, 1]; make "
+    "them with `jax.nn.sigmoid(x)`, or `2 * jax.nn.sigmoid(x)` for negative eigenvalues"
+)
+
+
+def check_step_sizes(x: Any, name: str, where: str) -> None:
+    """`check_range` for a delta rule's step sizes: every finite value in `[0, 2]`."""
+    check_range(x, name, where, low=0.0, high=2.0, hint=STEP_SIZE_HINT)

@@ -13,6 +13,7 @@ runs, and is silently wrong under differentiation and context parallelism).
 
 import dataclasses
 import functools as ft
+import math
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from ._exchange import AbstractExchange, ExchangeName
+from ._exchange import AbstractExchange, as_exchange, ExchangeName
 from ._parallel import AbstractLayout, ContextParallel, Contiguous, Zigzag
 from ._recurrence import AbstractRecurrence, check_inputs, check_shapes, ContractError
 from ._run import run
@@ -123,13 +124,24 @@ def check_recurrence(
     **Raises:**
 
     [`deltanet_cp.testing.RecurrenceCheckError`][] (an `AssertionError`) at the first
-    broken law; `ValueError` for inputs of less than two chunks.
+    broken law; `ValueError` for inputs of less than two chunks or an empty batch, and for
+    options that would fail inside or check nothing: `cp` not a sequence of ints >= 1,
+    `layouts` empty while `cp` is not (or not layouts), `gradients` not a bool, `unchunked`
+    not at `chunk_size=1`, `rtol` or `atol` not finite and >= 0, `seed` not an int >= 0.
     """
+    cp, layouts, exchange, gradients, rtol, atol, seed = _arguments(
+        cp, layouts, exchange, gradients, unchunked, rtol, atol, seed
+    )
     errors: dict[str, float] = {}
     compare = ft.partial(_compare, errors=errors, rtol=rtol, atol=atol)
     check_inputs(recurrence, inputs)  # what `run` checks first (types, `recurrence.check`)
     name = type(recurrence).__name__
     batch, length = _batch_and_length(inputs)
+    if batch == 0:
+        raise ValueError(
+            "check_recurrence needs inputs with at least one batch row: with B = 0 every "
+            "comparison is of empty arrays and passes whatever the recurrence does."
+        )
     c = recurrence.chunk_size
     if length <= c:
         raise ValueError(
@@ -275,6 +287,83 @@ def check_recurrence(
             if gradients:
                 compare(check, what + "gradients (inputs, initial state)", grads_cp, grads)
     return errors
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
+def _arguments(
+    cp: Any,
+    layouts: Any,
+    exchange: Any,
+    gradients: Any,
+    unchunked: Any,
+    rtol: Any,
+    atol: Any,
+    seed: Any,
+) -> tuple[tuple[int, ...], tuple[AbstractLayout, ...], AbstractExchange, bool, float, float, int]:
+    """`check_recurrence`'s options, checked: a `ValueError` that names the one to change
+    (each of them would otherwise fail deep inside, or make a check pass vacuously)."""
+    if isinstance(cp, (str, bytes)) or not isinstance(cp, Sequence):
+        raise ValueError(
+            f"`cp` must be a sequence of device counts, such as (2, 4) or (2,), or () for no "
+            f"context parallelism; got {cp!r}."
+        )
+    if not all(_is_int(n) and n >= 1 for n in cp):
+        raise ValueError(f"`cp` must hold device counts, ints >= 1; got {tuple(cp)!r}.")
+    if isinstance(layouts, (str, bytes)) or not isinstance(layouts, Sequence):
+        raise ValueError(
+            "`layouts` must be a sequence of deltanet_cp.AbstractLayout instances, such as "
+            f"(Contiguous(), Zigzag()); got {layouts!r}."
+        )
+    if not all(isinstance(layout, AbstractLayout) for layout in layouts):
+        raise ValueError(
+            "`layouts` must hold deltanet_cp.AbstractLayout instances, such as Contiguous() "
+            f"or Zigzag(); got {tuple(layouts)!r}."
+        )
+    if cp and not layouts:
+        raise ValueError(
+            f"layouts=() with cp={tuple(cp)!r} would check no context parallelism at all: pass "
+            "the layouts to check (such as (Contiguous(),)), or cp=() to skip context "
+            "parallelism."
+        )
+    if not isinstance(gradients, (bool, np.bool_)):
+        raise ValueError(f"`gradients` must be True or False; got {gradients!r}.")
+    if unchunked is not None:
+        if not isinstance(unchunked, AbstractRecurrence):
+            raise ValueError(
+                "`unchunked` must be the recurrence at chunk_size=1 (a "
+                f"deltanet_cp.AbstractRecurrence) or None; got {type(unchunked).__name__}."
+            )
+        if unchunked.chunk_size != 1:
+            raise ValueError(
+                "`unchunked` must be the recurrence at chunk_size=1; got chunk_size="
+                f"{unchunked.chunk_size}."
+            )
+    for name, tolerance in (("rtol", rtol), ("atol", atol)):
+        if not (_is_real(tolerance) and math.isfinite(tolerance) and tolerance >= 0):
+            raise ValueError(
+                f"`{name}` must be a finite number >= 0 (a NaN bound fails every comparison, "
+                f"an infinite one passes them all); got {tolerance!r}."
+            )
+    if not (_is_int(seed) and seed >= 0):
+        raise ValueError(f"`seed` must be an int >= 0; got {seed!r}.")
+    return (
+        tuple(int(n) for n in cp),
+        tuple(layouts),
+        as_exchange(exchange),
+        bool(gradients),
+        float(rtol),
+        float(atol),
+        int(seed),
+    )
 
 
 def _batch_and_length(inputs: PyTree) -> tuple[int, int]:

@@ -153,8 +153,8 @@ DELTA_RULE = Family(
 
 KIMI_DELTA_ATTENTION = Family(
     name="kimi_delta_attention",
-    chunk=dcp.chunk_kimi_delta_attention,
-    recurrent=dcp.recurrent_kimi_delta_attention,
+    chunk=dcp.chunk_kda,
+    recurrent=dcp.recurrent_kda,
     recurrence=dcp.KimiDeltaAttention,
     inputs=_delta_inputs,
     make=make_kda_inputs,

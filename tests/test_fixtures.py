@@ -27,9 +27,7 @@ def test_kda_matches_transformers():
         jnp.asarray(data[n]) for n in ("q", "k", "v", "g", "beta", "initial_state")
     )
     o, h = jax.jit(
-        lambda *a: dcp.chunk_kimi_delta_attention(
-            *a[:5], initial_state=a[5], use_qk_l2norm=True, chunk_size=64
-        )
+        lambda *a: dcp.chunk_kda(*a[:5], initial_state=a[5], use_qk_l2norm=True, chunk_size=64)
     )(q, k, v, g, beta, h0)
     assert rel_err(o, data["out"]) <= 1e-5
     assert rel_err(h, data["final_state"]) <= 1e-5

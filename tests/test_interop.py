@@ -378,9 +378,7 @@ def _case_fused_recurrent_gated_delta_rule_gk(cu):
     actual = fla.fused_recurrent_gated_delta_rule(
         q, k, v, g=g, gk=gk, beta=beta, scale=SCALE, initial_state=h0, output_final_state=True
     )
-    expected = dcp.recurrent_kimi_delta_attention(
-        q, k, v, gk + g[..., None], beta, scale=SCALE, initial_state=h0
-    )
+    expected = dcp.recurrent_kda(q, k, v, gk + g[..., None], beta, scale=SCALE, initial_state=h0)
     return actual, expected
 
 
@@ -438,7 +436,7 @@ def _case_chunk_kda(cu):
     actual = fla.chunk_kda(
         q, k, v, g, beta, SCALE, h0, True, True, cu_seqlens=CU if cu else None, chunk_size=16
     )
-    expected = dcp.chunk_kimi_delta_attention(
+    expected = dcp.chunk_kda(
         q,
         k,
         v,
@@ -460,7 +458,7 @@ def _case_fused_recurrent_kda(cu):
     actual = fla.fused_recurrent_kda(
         q, k, v, g, beta, None, None, SCALE, h0, True, True, cu_seqlens=CU if cu else None
     )
-    expected = dcp.recurrent_kimi_delta_attention(
+    expected = dcp.recurrent_kda(
         q,
         k,
         v,
@@ -584,7 +582,7 @@ def _case_kimi_delta_attention(cu):
     actual = hf.chunk_kimi_delta_attention(
         q, k, v, g, beta, 16, h0, True, True, cu_seqlens=CU if cu else None
     )
-    expected = dcp.chunk_kimi_delta_attention(
+    expected = dcp.chunk_kda(
         q,
         k,
         v,
@@ -604,7 +602,7 @@ def _case_recurrent_kimi_delta_attention(cu):
     actual = hf.recurrent_kimi_delta_attention(
         q, k, v, g, beta, h0, True, True, cu_seqlens=CU if cu else None
     )
-    expected = dcp.recurrent_kimi_delta_attention(
+    expected = dcp.recurrent_kda(
         q,
         k,
         v,
@@ -1287,13 +1285,13 @@ def test_gated_delta_rule_matches_transformers(fn, suffix):
     [
         pytest.param(
             hf.chunk_kimi_delta_attention,
-            dcp.chunk_kimi_delta_attention,
+            dcp.chunk_kda,
             make_kda_inputs,
             id="chunk_kimi_delta_attention",
         ),
         pytest.param(
             hf.recurrent_kimi_delta_attention,
-            dcp.recurrent_kimi_delta_attention,
+            dcp.recurrent_kda,
             make_kda_inputs,
             id="recurrent_kimi_delta_attention",
             marks=pytest.mark.slow,

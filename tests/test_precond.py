@@ -255,7 +255,7 @@ def test_unit_range_is_the_plain_rule(kind):
     args, h0 = _make(kind, 11, **SHAPE)
     q, k, v, g_atk, g, beta_atk, beta = _loop_order(kind, args)
     o, s, _ = _chunk(kind)(*args, initial_state=h0, x=1.0, chunk_size=8)
-    plain = dcp.chunk_gated_delta_rule if kind == "gdn" else dcp.chunk_kimi_delta_attention
+    plain = dcp.chunk_gated_delta_rule if kind == "gdn" else dcp.chunk_kda
     po, ps = plain(q, k, v, g, beta, initial_state=h0, chunk_size=8)
     assert rel_err(o, po) <= 1e-6
     assert rel_err(s, ps) <= 1e-6

@@ -909,7 +909,7 @@ mesh = jax.make_mesh((4,), ("cp",))
 seq = P(None, "cp")
 
 def per_rank(cu, args):
-    return dcp.chunk_kimi_delta_attention(
+    return dcp.chunk_kda(
         *args, cu_seqlens=cu, chunk_size=4, cp=dcp.ContextParallel("cp")
     )[0]
 

@@ -13,6 +13,7 @@ from .._custom_types import CuSeqlens, GateTensor, ValueTensor
 from .._parallel import ContextParallel
 from .._recurrence import AbstractRecurrence
 from .._run import run
+from .._validate import as_flag
 
 
 # A state `(N, HV, K, V)`, or `(N, HV, V, K)` with FLA's `state_v_first=True`.
@@ -46,6 +47,8 @@ def call(
 
     `(o, final_state)`, the final state `None` unless `output_final_state`.
     """
+    output_final_state = as_flag(output_final_state, "`output_final_state`")
+    state_v_first = as_flag(state_v_first, "`state_v_first`")
     if initial_state is not None and state_v_first:
         initial_state = jnp.swapaxes(initial_state, -1, -2)
     o, h = run(config, inputs, initial_state=initial_state, cu_seqlens=cu_seqlens, cp=cp)

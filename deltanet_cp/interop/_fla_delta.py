@@ -128,7 +128,7 @@ def fused_recurrent_gated_delta_rule(
     ..., state_v_first=False, cu_seqlens=None)`. With `g` only it runs the recurrence of
     [`deltanet_cp.recurrent_gated_delta_rule`][]; with `gk` (alone or with `g`, the decays
     multiplied: $g_t + g^k_t$ per key channel) that of
-    [`deltanet_cp.recurrent_kimi_delta_attention`][]; with neither, that of
+    [`deltanet_cp.recurrent_kda`][]; with neither, that of
     [`deltanet_cp.recurrent_delta_rule`][]. The arguments after `use_qk_l2norm_in_kernel`
     are keyword-only here.
 

@@ -47,7 +47,7 @@ def chunk_kda(
     Mirrors `chunk_kda(q, k, v, g, beta, scale=None, initial_state=None,
     output_final_state=False, use_qk_l2norm_in_kernel=False, ..., state_v_first=False,
     cu_seqlens=None, ...)` and runs [`deltanet_cp.KimiDeltaAttention`][], the recurrence of
-    [`deltanet_cp.chunk_kimi_delta_attention`][]. The arguments after
+    [`deltanet_cp.chunk_kda`][]. The arguments after
     `use_qk_l2norm_in_kernel` are keyword-only here.
 
     **Arguments:**
@@ -102,7 +102,7 @@ def fused_recurrent_kda(
     Mirrors `fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None,
     initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, ...,
     state_v_first=False, cu_seqlens=None)` (`scale` is the 8th positional argument) and runs
-    the recurrence of [`deltanet_cp.recurrent_kimi_delta_attention`][]. `A_log` and
+    the recurrence of [`deltanet_cp.recurrent_kda`][]. `A_log` and
     `dt_bias` must be `None` (they serve FLA's in-kernel gate); the other arguments are as
     in [`deltanet_cp.interop.fla.chunk_kda`][]. `use_gate_in_kernel`, `lower_bound`,
     `use_beta_sigmoid_in_kernel` and `allow_neg_eigval` raise a `ValueError` unless at their

@@ -9,6 +9,7 @@ from jaxtyping import Array, Float
 from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, ValueTensor
 from .._parallel import ContextParallel
 from .._precision import PrecisionName
+from .._validate import as_flag
 from ..recurrences._precond_functions import (
     AStates,
     Center,
@@ -27,6 +28,12 @@ def _fla_results(
     if not output_final_state:
         return o, None, None
     return o, (jnp.swapaxes(state, -1, -2) if transpose_state_layout else state), a_state
+
+
+def _flags(output_final_state: object, transpose_state_layout: object) -> None:
+    """FLA's two flags as bools, before anything runs (a string such as `"no"` is true)."""
+    as_flag(output_final_state, "`output_final_state`")
+    as_flag(transpose_state_layout, "`transpose_state_layout`")
 
 
 def _state_in(initial_state: Array | None, transpose_state_layout: bool) -> Array | None:
@@ -96,6 +103,7 @@ def chunk_precond_gated_delta_rule(
     final preconditioner state `(N, H, K)`, or `None` for both.
     """
     check_options("chunk_precond_gated_delta_rule", options, ("cu_seqlens_cpu", "cp_context"))
+    _flags(output_final_state, transpose_state_layout)
     results = _chunk_gdn(
         q,
         k,
@@ -175,6 +183,7 @@ def fused_recurrent_precond_gated_delta_rule(
     `(o, final_state, final_A_state)`, as there.
     """
     check_options("fused_recurrent_precond_gated_delta_rule", {"gv": gv}, ("gv",))
+    _flags(output_final_state, transpose_state_layout)
     if g_atk is None or beta_atk is None:
         raise ValueError(
             "fused_recurrent_precond_gated_delta_rule needs the preconditioner's `g_atk` and "
@@ -220,6 +229,7 @@ def chunk_precond_kda(
     initial_A_state: AStates | None = None,
     output_final_state: bool = False,
     *,
+    use_qk_l2norm_in_kernel: bool = True,
     cu_seqlens: CuSeqlens | None = None,
     transpose_state_layout: bool = False,
     x: float = 1.5,
@@ -246,6 +256,10 @@ def chunk_precond_kda(
     - `g`: the main log decays per key channel, `(B, T, HV, K)`.
     - `g_atk`, `beta_atk`: the preconditioner's log decays and step sizes, `(B, T, H)`.
     - `beta`: the main step sizes, `(B, T, HV)`.
+    - `use_qk_l2norm_in_kernel`: accepted as FLA's function accepts it (in its `**kwargs`)
+        but must be `True`: FLA normalises `q` and `k` whatever it says, so `False`, which
+        FLA would ignore, is a `ValueError` here (for keys as given, call
+        [`deltanet_cp.chunk_precond_kda`][] with `use_qk_l2norm=False`).
     - `scale`, `initial_state`, `initial_A_state`, `output_final_state`, `cu_seqlens`,
         `transpose_state_layout`, `x`, `eps`, `log_atk_scale`, `chunk_size`, `cp`,
         `precision`: as in [`deltanet_cp.interop.fla.chunk_precond_gated_delta_rule`][].
@@ -276,6 +290,14 @@ def chunk_precond_kda(
             "disable_recompute",
         ),
     )
+    _flags(output_final_state, transpose_state_layout)
+    if not as_flag(use_qk_l2norm_in_kernel, "`use_qk_l2norm_in_kernel`"):
+        raise ValueError(
+            "chunk_precond_kda: FLA's `chunk_precond_kda` always L2-normalises `q` and `k` "
+            "(it ignores `use_qk_l2norm_in_kernel=False`), and so does this adapter: pass "
+            "`use_qk_l2norm_in_kernel=True` or leave it out, or call "
+            "`deltanet_cp.chunk_precond_kda(..., use_qk_l2norm=False)` for keys as given."
+        )
     results = _chunk_kda(
         q,
         k,
@@ -355,6 +377,7 @@ def fused_recurrent_precond_kda(
         dict(options, A_log=A_log, dt_bias=dt_bias),
         ("A_log", "dt_bias", "use_gate_in_kernel", "lower_bound"),
     )
+    _flags(output_final_state, transpose_state_layout)
     results = _chunk_kda(
         q,
         k,

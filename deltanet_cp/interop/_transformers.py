@@ -38,7 +38,7 @@ def chunk_kimi_delta_attention(
     initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False)` of
     `transformers.models.kimi_linear.modeling_kimi_linear` and runs
     [`deltanet_cp.KimiDeltaAttention`][], the recurrence of
-    [`deltanet_cp.chunk_kimi_delta_attention`][].
+    [`deltanet_cp.chunk_kda`][].
 
     **Arguments:**
 
@@ -51,7 +51,7 @@ def chunk_kimi_delta_attention(
     - `use_qk_l2norm_in_kernel`: L2-normalise `query` and `key` (eps `1e-6`) first.
     - `cu_seqlens`, `cp`: not in transformers' torch function: packed documents (batch
         size 1) and context parallelism (a [`deltanet_cp.ContextParallel`][]), as in
-        [`deltanet_cp.chunk_kimi_delta_attention`][].
+        [`deltanet_cp.chunk_kda`][].
 
     **Returns:**
 
@@ -86,7 +86,7 @@ def recurrent_kimi_delta_attention(
 
     Mirrors `recurrent_kimi_delta_attention(query, key, value, g, beta, initial_state,
     output_final_state, use_qk_l2norm_in_kernel=False)` and runs the
-    recurrence of [`deltanet_cp.recurrent_kimi_delta_attention`][]. `initial_state` and
+    recurrence of [`deltanet_cp.recurrent_kda`][]. `initial_state` and
     `output_final_state` have defaults here (`None`, `False`); arguments and results as in
     [`deltanet_cp.interop.transformers.chunk_kimi_delta_attention`][], without `chunk_size`.
     """

@@ -2,7 +2,7 @@
 
 from jaxtyping import Array, Int
 
-from .._parallel import check_cp, ContextParallel, Contiguous
+from .._parallel import check_bound, check_cp, ContextParallel, Contiguous
 
 
 def layer_cp(cp: object, where: str) -> ContextParallel | None:
@@ -19,6 +19,7 @@ def layer_cp(cp: object, where: str) -> ContextParallel | None:
             "call the layer inside `jax.shard_map` over that mesh (the time axis sharded over "
             "`axis_name`)."
         )
+    check_bound(cp, where)
     return cp
 
 

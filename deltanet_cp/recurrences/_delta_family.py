@@ -38,6 +38,7 @@ from jaxtyping import Array, Float
 from .._affine import AffineMap
 from .._precision import accumulation_dtype, PrecisionName, state_policy
 from .._recurrence import AbstractRecurrence
+from .._validate import check_step_sizes
 from ..chunkops import (
     chunk_major,
     cumulative_decays,
@@ -64,8 +65,14 @@ class DeltaInputs(eqx.Module):
     - `v`: values, `(B, T, HV, V)`; `(B, T, n_h, HV, V)` for Gated DeltaProduct.
     - `g`: log decays `<= 0`: `(B, T, HV)` per head, `(B, T, HV, K)` per key channel
         (KDA), or `None` (DeltaNet).
-    - `beta`: step sizes, `(B, T, HV)`; `(B, T, n_h, HV)` for Gated DeltaProduct. For
-        Gated DeltaNet-2, the erase gate `b`, one per key channel: `(B, T, HV, K)`.
+    - `beta`: step sizes in `[0, 2]` (`[0, 1]` usually; above 1, negative eigenvalues),
+        `(B, T, HV)`; `(B, T, n_h, HV)` for Gated DeltaProduct. For Gated DeltaNet-2, the
+        erase gate `b`, one per key channel: `(B, T, HV, K)`.
+
+    Both ranges are checked, with a `ValueError`, where the values are concrete (an eager
+    call); under `jax.jit`, `grad`, `vmap` or `shard_map` they are not (a check there
+    would add a callback to every call): there a positive log decay or a step size outside
+    `[0, 2]` makes the state grow without bound.
     - `write`: Gated DeltaNet-2's write gate `w`, one per value channel, `(B, T, HV, V)`;
         `None` for the others (the write gate is `beta`).
     - `write_key`: the preconditioned rules' write key `k^`, `(B, T, H, K)`, taken as
@@ -169,6 +176,7 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
                 "write_key": (inputs.write_key, ("batch", "seq", "heads", "K")),
             }
         )
+        check_step_sizes(inputs.beta, erase, name)
 
     def state(self, inputs: DeltaInputs) -> jax.ShapeDtypeStruct:
         b, hv, dv = inputs.v.shape[0], inputs.v.shape[-2], inputs.v.shape[-1]

@@ -77,7 +77,9 @@ def chunk_gated_delta_rule(
     - `v`: values, shape `(B, T, HV, V)`; `HV` must be a multiple of `H` and value head `j`
         reads key head `j // (HV // H)`.
     - `g`: natural-log decays $\log \alpha_t \le 0$, shape `(B, T, HV)`.
-    - `beta`: step sizes in $[0, 1]$, shape `(B, T, HV)`.
+    - `beta`: step sizes in $[0, 1]$ ($[0, 2]$ for negative eigenvalues), shape
+        `(B, T, HV)`. Both ranges are checked where the values are concrete (see
+        [`deltanet_cp.run`][]).
     - `scale`: query scale, default `K ** -0.5`: a Python float, part of the static
         configuration. The outputs are linear in it, so under `jax.jit` a traced scale is
         `scale=1.0` and `o * scale`.

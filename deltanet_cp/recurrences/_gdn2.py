@@ -78,7 +78,7 @@ def chunk_gdn2(
     $h \leftarrow h + k_t (w_t \odot v_t - h^\top (b_t \odot k_t))^\top$,
     $o_t = h^\top (s\, q_t)$: $S_t = (I - k_t (b_t \odot k_t)^\top) \mathrm{diag}(e^{g_t})
     S_{t-1} + k_t (w_t \odot v_t)^\top$. With $b_t = w_t = \beta_t$ it is
-    [`deltanet_cp.chunk_kimi_delta_attention`][]. flash-linear-attention's
+    [`deltanet_cp.chunk_kda`][]. flash-linear-attention's
     `fla.ops.gdn2.chunk_gdn2` in name, argument order and result.
 
     **Arguments:**
@@ -87,7 +87,7 @@ def chunk_gdn2(
     - `v`: values, shape `(B, T, HV, V)`; `HV` must be a multiple of `H` and value head `j`
         reads key head `j // (HV // H)`.
     - `g`: natural-log decays per key channel, $\le 0$, shape `(B, T, HV, K)`.
-    - `b`: the erase gate, one per key channel (typically in $[0, 2]$), `(B, T, HV, K)`.
+    - `b`: the erase gate, one per key channel, in $[0, 2]$, `(B, T, HV, K)`.
     - `w`: the write gate, one per value channel (typically in $[0, 1]$), `(B, T, HV, V)`.
     - `scale`, `initial_state`, `use_qk_l2norm`, `cu_seqlens`, `chunk_size`, `cp`,
         `precision`: as in

@@ -53,7 +53,7 @@ class KimiDeltaAttention(AbstractDeltaRule):
     householder: ClassVar[bool] = False
 
 
-def chunk_kimi_delta_attention(
+def chunk_kda(
     q: QKTensor,
     k: QKTensor,
     v: ValueTensor,
@@ -79,7 +79,8 @@ def chunk_kimi_delta_attention(
     - `v`: values, shape `(B, T, HV, V)`; `HV` must be a multiple of `H` and value head `j`
         reads key head `j // (HV // H)`.
     - `g`: natural-log decays per key channel, $\le 0$, shape `(B, T, HV, K)`.
-    - `beta`: step sizes in $[0, 1]$, shape `(B, T, HV)`.
+    - `beta`: step sizes in $[0, 1]$ ($[0, 2]$ for negative eigenvalues), shape
+        `(B, T, HV)`.
     - `scale`, `initial_state`, `use_qk_l2norm`, `cu_seqlens`, `chunk_size`, `cp`,
         `precision`: as in
         [`deltanet_cp.chunk_gated_delta_rule`][].
@@ -102,7 +103,7 @@ def chunk_kimi_delta_attention(
     )
 
 
-def recurrent_kimi_delta_attention(
+def recurrent_kda(
     q: QKTensor,
     k: QKTensor,
     v: ValueTensor,
@@ -118,7 +119,7 @@ def recurrent_kimi_delta_attention(
 ) -> tuple[ValueTensor, States]:
     r"""Kimi Delta Attention token by token: the decoding path.
 
-    The same recurrence as [`deltanet_cp.chunk_kimi_delta_attention`][], one token per step
+    The same recurrence as [`deltanet_cp.chunk_kda`][], one token per step
     (the engine with `chunk_size=1`: a `lax.scan` over tokens); the same arguments
     (without `chunk_size`) and results.
     """

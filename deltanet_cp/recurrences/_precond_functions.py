@@ -26,6 +26,8 @@ from typing import Any, TypeAlias
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
 from jaxtyping import Array, Float
 
 from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, States, ValueTensor
@@ -33,6 +35,7 @@ from .._mesh import mesh_to_run_on
 from .._parallel import ContextParallel
 from .._precision import accumulation_dtype, as_precision, PrecisionName, resolve_precision
 from .._run import run
+from .._validate import check_log_decay, check_range, check_step_sizes
 from ..chunkops import l2norm
 from ._delta_family import AbstractDeltaRule, DeltaInputs
 from ._gla import GatedLinearAttention, GLAInputs
@@ -62,11 +65,42 @@ def _as_positive_float(value: Any, name: str, *, low: float, strict: bool) -> fl
     return number
 
 
+# float32's smallest normal number: a smaller `eps` is flushed to zero there (log(0 + eps)).
+_TINY = float(np.finfo(np.float32).tiny)
+_HUGE = float(np.finfo(np.float32).max)
+
+
+def _as_eps(eps: Any) -> float:
+    eps = _as_positive_float(eps, "eps", low=0.0, strict=True)
+    if not _TINY <= eps <= _HUGE:
+        raise ValueError(
+            f"`eps` must be between float32's smallest normal number ({_TINY:.6g}) and its "
+            f"largest ({_HUGE:.6g}): a smaller one is flushed to zero there, and log(A + eps) "
+            f"is -inf where the preconditioner's state A is 0; got {eps!r}."
+        )
+    return eps
+
+
+def _check_finite_center(log_atk_scale: Any, dtype: Any) -> None:
+    """A `ValueError` if the centre, where it is concrete, is not finite in `dtype`."""
+    if isinstance(log_atk_scale, Tracer):
+        return  # traced (a differentiated centre, say): not checked
+    with np.errstate(over="ignore", invalid="ignore"):
+        values = np.asarray(log_atk_scale).astype(np.dtype(dtype))
+    if not np.all(np.isfinite(values)):
+        raise ValueError(
+            f"`log_atk_scale` must be finite (in the computation's {np.dtype(dtype).name}); "
+            f"got {log_atk_scale!r}. It is the squash's centre in log space: a value near "
+            "the log of the preconditioner's typical state (default -0.2)."
+        )
+
+
 def _center(log_atk_scale: Center, heads: int, dtype: Any) -> Array:
     """The squash's centre as an array that broadcasts against `(B, T, H, K)`."""
     if log_atk_scale is None:
         return jnp.asarray(-0.2, dtype)
     if isinstance(log_atk_scale, (int, float)) and not isinstance(log_atk_scale, bool):
+        _check_finite_center(log_atk_scale, dtype)
         return jnp.asarray(log_atk_scale, dtype)
     shape = getattr(log_atk_scale, "shape", None)
     dt = getattr(log_atk_scale, "dtype", None)
@@ -75,6 +109,7 @@ def _center(log_atk_scale: Center, heads: int, dtype: Any) -> Array:
             "`log_atk_scale` must be None, a float, or a floating-point array of shape "
             f"(H,) = ({heads},), one centre per key head; got {log_atk_scale!r}."
         )
+    _check_finite_center(log_atk_scale, dtype)
     if tuple(shape) == ():
         return jnp.asarray(log_atk_scale, dtype)
     if tuple(shape) != (heads,):
@@ -124,6 +159,17 @@ def _precond(
             "beta": (beta, ("batch", "seq", "value_heads")),
         }
     )
+    where = type(main).__name__
+    check_log_decay(g_atk, "g_atk", where)
+    check_range(
+        beta_atk,
+        "beta_atk",
+        where,
+        low=0.0,
+        hint="the preconditioner's step sizes: its state sums beta_atk k^2 and must stay >= 0",
+    )
+    check_log_decay(g, "g", where)
+    check_step_sizes(beta, "beta", where)
     heads, dk = sizes["heads"], sizes["K"]
     if initial_A_state is not None:
         shape = getattr(initial_A_state, "shape", None)
@@ -187,7 +233,7 @@ def write_keys(
     `dtype` and the preconditioner's final state `(B, H, K)` (per document with
     `cu_seqlens`). `k`, `g_atk`, `beta_atk` and `initial_A_state` checked by the caller."""
     x = _as_positive_float(x, "x", low=1.0, strict=False)
-    eps = _as_positive_float(eps, "eps", low=0.0, strict=True)
+    eps = _as_eps(eps)
     center = _center(log_atk_scale, k.shape[2], dtype)
     k_erase = k.astype(dtype)
     if use_qk_l2norm:
@@ -295,8 +341,10 @@ def chunk_precond_gated_delta_rule(
         head `j // (HV // H)` and its preconditioner.
     - `g_atk`: the preconditioner's log decays $\le 0$, one per key head, `(B, T, H)`.
     - `g`: the main log decays $\le 0$, `(B, T, HV)`.
-    - `beta_atk`: the preconditioner's step sizes, `(B, T, H)`.
-    - `beta`: the main step sizes in $[0, 1]$, `(B, T, HV)`.
+    - `beta_atk`: the preconditioner's step sizes $\ge 0$, `(B, T, H)`.
+    - `beta`: the main step sizes in $[0, 1]$ ($[0, 2]$ for negative eigenvalues),
+        `(B, T, HV)`. The four gates' ranges are checked where the values are concrete
+        (see [`deltanet_cp.run`][]).
     - `chunk_size`: tokens per chunk (both stages).
     - `scale`: query scale, default `K ** -0.5` (a Python float).
     - `initial_state`: the main state before the first token, `(B, HV, K, V)`; zeros if
@@ -314,10 +362,11 @@ def chunk_precond_gated_delta_rule(
     - `precision`: the products' policy, as in [`deltanet_cp.chunk_gated_delta_rule`][].
     - `x`: the squash's range: the write key is `k` times a scale in $(1/x, x)$; a Python
         float $\ge 1$ ($x = 1$: no preconditioning). Default `1.5`.
-    - `eps`: added to the preconditioner's state before the log, a Python float $> 0$.
-        Default `1e-6`.
+    - `eps`: added to the preconditioner's state before the log, a Python float at least
+        float32's smallest normal number (about `1.2e-38`). Default `1e-6`.
     - `log_atk_scale`: the squash's centre in log space: a float (default `-0.2`) or an
-        array of shape `(H,)`, one per key head (differentiable).
+        array of shape `(H,)`, one per key head (differentiable); finite (in float32 for
+        float32 inputs), checked where it is concrete.
 
     **Returns:**
 
@@ -435,8 +484,10 @@ def chunk_precond_kda(
     - `v`: values, shape `(B, T, HV, V)`; `HV` a multiple of `H`.
     - `g`: the main log decays per key channel, $\le 0$, `(B, T, HV, K)`.
     - `g_atk`: the preconditioner's log decays $\le 0$, one per key head, `(B, T, H)`.
-    - `beta_atk`: the preconditioner's step sizes, `(B, T, H)`.
-    - `beta`: the main step sizes in $[0, 1]$, `(B, T, HV)`.
+    - `beta_atk`: the preconditioner's step sizes $\ge 0$, `(B, T, H)`.
+    - `beta`: the main step sizes in $[0, 1]$ ($[0, 2]$ for negative eigenvalues),
+        `(B, T, HV)`. The four gates' ranges are checked where the values are concrete
+        (see [`deltanet_cp.run`][]).
     - `scale`, `initial_state`, `initial_A_state`, `use_qk_l2norm`, `cu_seqlens`,
         `chunk_size`, `cp`, `precision`, `x`, `eps`, `log_atk_scale`: as in
         [`deltanet_cp.chunk_precond_gated_delta_rule`][].
