@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._parallel import ContextParallel
-from .._precision import accumulation_dtype, PrecisionName
+from .._precision import accumulation_dtype, as_precision, PrecisionName
 from .._run import run
 from .._validate import as_positive_index
 from ..recurrences._delta_family import AbstractDeltaRule, DeltaInputs
@@ -22,6 +22,21 @@ from ._conv import CausalConv1d
 
 
 _State = TypeVar("_State")
+
+
+def check_sizes(sizes: dict[str, Any], block_size: Any, precision: Any) -> tuple:
+    """The layer's sizes (each a positive int), `block_size` (also `None`) and `precision`,
+    checked: `(*sizes, block_size, precision)`."""
+    checked = [as_positive_index(value, name) for name, value in sizes.items()]
+    if block_size is not None:
+        block_size = as_positive_index(block_size, "block_size")
+    return (*checked, block_size, as_precision(precision))
+
+
+def no_bias_linear(dtype):
+    """`eqx.nn.Linear(in, out, key)` without bias, in `dtype` (the default if `None`)."""
+    dtype = jnp.zeros(()).dtype if dtype is None else dtype
+    return lambda i, o, key: eqx.nn.Linear(i, o, use_bias=False, key=key, dtype=dtype)
 
 
 def project(x: Array, *linears: eqx.nn.Linear) -> tuple[Array, ...]:

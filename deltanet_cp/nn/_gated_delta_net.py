@@ -6,11 +6,18 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._precision import as_precision, PrecisionName
-from .._validate import as_positive_index
+from .._precision import PrecisionName
 from ..recurrences._gated_delta import GatedDeltaRule
 from ._conv import CausalConv1d
-from ._delta_layer import AbstractDeltaLayer, finish, log_decay, project, split_qkv
+from ._delta_layer import (
+    AbstractDeltaLayer,
+    check_sizes,
+    finish,
+    log_decay,
+    no_bias_linear,
+    project,
+    split_qkv,
+)
 from ._norm import GatedRMSNorm
 
 
@@ -129,30 +136,38 @@ class GatedDeltaNet(AbstractDeltaLayer[GatedDeltaNetState]):
         is not positive (`block_size` may also be `None`) or if `num_value_heads` is not a
         multiple of `num_key_heads`.
         """
-        hidden_size = as_positive_index(hidden_size, "hidden_size")
-        num_key_heads = as_positive_index(num_key_heads, "num_key_heads")
-        num_value_heads = as_positive_index(num_value_heads, "num_value_heads")
-        key_head_dim = as_positive_index(key_head_dim, "key_head_dim")
-        value_head_dim = as_positive_index(value_head_dim, "value_head_dim")
-        conv_kernel_size = as_positive_index(conv_kernel_size, "conv_kernel_size")
-        chunk_size = as_positive_index(chunk_size, "chunk_size")
-        if block_size is not None:
-            block_size = as_positive_index(block_size, "block_size")
-        precision = as_precision(precision)
+        sizes = dict(
+            hidden_size=hidden_size,
+            num_key_heads=num_key_heads,
+            num_value_heads=num_value_heads,
+            key_head_dim=key_head_dim,
+            value_head_dim=value_head_dim,
+            conv_kernel_size=conv_kernel_size,
+            chunk_size=chunk_size,
+        )
+        (
+            hidden_size,
+            num_key_heads,
+            num_value_heads,
+            key_head_dim,
+            value_head_dim,
+            conv_kernel_size,
+            chunk_size,
+            block_size,
+            precision,
+        ) = check_sizes(sizes, block_size, precision)
         if num_value_heads % num_key_heads != 0:
             raise ValueError(
                 f"`num_value_heads` ({num_value_heads}) must be a multiple of "
                 f"`num_key_heads` ({num_key_heads}): value head j reads key head "
                 "j // (num_value_heads // num_key_heads)."
             )
+        linear = no_bias_linear(dtype)
         dtype = jnp.zeros(()).dtype if dtype is None else dtype
         kqkv, kz, kb, ka, kconv, kA, kout = jr.split(key, 7)
         key_dim = num_key_heads * key_head_dim
         value_dim = num_value_heads * value_head_dim
         conv_dim = 2 * key_dim + value_dim
-
-        def linear(i, o, k):
-            return eqx.nn.Linear(i, o, use_bias=False, key=k, dtype=dtype)
 
         self.in_proj_qkv = linear(hidden_size, conv_dim, kqkv)
         self.in_proj_z = linear(hidden_size, value_dim, kz)

@@ -8,11 +8,18 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._precision import as_precision, PrecisionName
-from .._validate import as_positive_index
+from .._precision import PrecisionName
 from ..recurrences._kda import KimiDeltaAttention as KimiDeltaRule
 from ._conv import CausalConv1d
-from ._delta_layer import AbstractDeltaLayer, finish, log_decay, project, split_qkv
+from ._delta_layer import (
+    AbstractDeltaLayer,
+    check_sizes,
+    finish,
+    log_decay,
+    no_bias_linear,
+    project,
+    split_qkv,
+)
 from ._norm import SigmoidGatedRMSNorm
 
 
@@ -124,20 +131,20 @@ class KimiDeltaAttention(AbstractDeltaLayer[KimiDeltaAttentionState]):
         `TypeError` if a size is not an int, `ValueError` if it is not positive
         (`block_size` may also be `None`).
         """
-        hidden_size = as_positive_index(hidden_size, "hidden_size")
-        num_heads = as_positive_index(num_heads, "num_heads")
-        head_dim = as_positive_index(head_dim, "head_dim")
-        conv_kernel_size = as_positive_index(conv_kernel_size, "conv_kernel_size")
-        chunk_size = as_positive_index(chunk_size, "chunk_size")
-        if block_size is not None:
-            block_size = as_positive_index(block_size, "block_size")
-        precision = as_precision(precision)
+        sizes = dict(
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            conv_kernel_size=conv_kernel_size,
+            chunk_size=chunk_size,
+        )
+        checked = check_sizes(sizes, block_size, precision)
+        hidden_size, num_heads, head_dim, conv_kernel_size, chunk_size = checked[:5]
+        block_size, precision = checked[5:]
+        linear = no_bias_linear(dtype)
         dtype = jnp.zeros(()).dtype if dtype is None else dtype
         keys = jr.split(key, 10)
         width = num_heads * head_dim
-
-        def linear(i, o, k):
-            return eqx.nn.Linear(i, o, use_bias=False, key=k, dtype=dtype)
 
         self.in_proj_qkv = linear(hidden_size, 3 * width, keys[0])
         self.conv1d = CausalConv1d(3 * width, conv_kernel_size, key=keys[1], dtype=dtype)

@@ -42,15 +42,16 @@ after the first chunk changes when that chunk is dropped.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import transformers
+
+# The environment guards and helpers of the other fixtures (this script's folder is on the path).
+from make_hf_fixtures import _check_env, _rel, _versions
 from safetensors.torch import save_file
 
 
@@ -58,7 +59,6 @@ OUT_DIR = Path(__file__).resolve().parent
 NAME = "kimi_kda"
 PREFIX = "model.layers.0.self_attn."
 SEED = 20241038
-EXPECTED_TORCH = "2.13.0"
 CHUNK = 64
 T = 70
 PREFILL, STEPS = 25, 6
@@ -71,28 +71,6 @@ TINY: dict = dict(
     rms_norm_eps=1e-5,
     hidden_act="silu",
 )
-
-
-def _check_env() -> None:
-    if not torch.__version__.startswith(EXPECTED_TORCH):
-        raise SystemExit(f"expected torch {EXPECTED_TORCH} (CPU), found {torch.__version__}")
-    for pkg in ("fla", "causal_conv1d", "kernels"):
-        if importlib.util.find_spec(pkg) is not None:
-            raise SystemExit(
-                f"`{pkg}` is importable: transformers would route around its pure-torch "
-                "reference path. Use a virtualenv without it."
-            )
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-
-
-def _versions() -> dict:
-    return {
-        "transformers": transformers.__version__,
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "python": sys.version.split()[0],
-    }
 
 
 class _Trace:
@@ -146,11 +124,6 @@ def _randomize(layer, gen) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) / np.sqrt(p.shape[1]))
             else:
                 raise AssertionError(f"unhandled parameter {name} {tuple(p.shape)}")
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
 def make_fixture(seed: int) -> dict:
