@@ -179,8 +179,7 @@ def test_block_size_reaches_the_engine(getkey):
 def test_precision_policy(getkey, monkeypatch, without_runtime_typecheck):
     """`precision` reaches the gated delta rule in the chunked pass and in `step`; on
     float32 parameters the default (`None`) is `"highest"`, bit for bit."""
-    from deltanet_cp.nn import _gated_delta_net
-    from deltanet_cp.recurrences import _gated_delta
+    from deltanet_cp.nn import _delta_layer
 
     key, x = getkey(), jr.normal(getkey(), (40, SIZES[0]))
     outs, steps = {}, {}
@@ -196,14 +195,13 @@ def test_precision_policy(getkey, monkeypatch, without_runtime_typecheck):
         np.testing.assert_array_equal(a, b)
 
     seen = []
-    for module in (_gated_delta_net, _gated_delta):
-        real = module.run
+    real = _delta_layer.run
 
-        def spy(recurrence, *args, _real=real, **kwargs):
-            seen.append(recurrence.precision)
-            return _real(recurrence, *args, **kwargs)
+    def spy(recurrence, *args, **kwargs):
+        seen.append(recurrence.precision)
+        return real(recurrence, *args, **kwargs)
 
-        monkeypatch.setattr(module, "run", spy)
+    monkeypatch.setattr(_delta_layer, "run", spy)
     layer = GatedDeltaNet(*SIZES, chunk_size=8, precision="bfloat16", key=key)
     jax.eval_shape(layer, x)
     jax.eval_shape(layer.step, x[0], layer.init_state())

@@ -1,7 +1,8 @@
 """Other libraries' formats and call shapes.
 
 - Hugging Face `transformers` weights for [`deltanet_cp.nn.GatedDeltaNet`][], from
-    safetensors only: `gated_delta_net_from_hf`, `gated_delta_net_to_hf`.
+    safetensors only: `gated_delta_net_from_hf`, `gated_delta_net_to_hf`; and for
+    [`deltanet_cp.nn.KimiDeltaAttention`][]: `kimi_delta_attention_from_hf`.
 - [`deltanet_cp.interop.fla`][]: flash-linear-attention's `fla.ops` signatures.
 - [`deltanet_cp.interop.transformers`][]: transformers' torch kernels for Kimi Linear and
     Qwen3-Next.
@@ -12,3 +13,4 @@ from ._hf import (
     gated_delta_net_from_hf as gated_delta_net_from_hf,
     gated_delta_net_to_hf as gated_delta_net_to_hf,
 )
+from ._hf_kimi import kimi_delta_attention_from_hf as kimi_delta_attention_from_hf

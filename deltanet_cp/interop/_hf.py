@@ -196,19 +196,30 @@ def _read_index(index: Path) -> dict[str, list[Path]]:
     return files
 
 
-def _find_prefix(reader: _Reader, prefix: str | None) -> str:
+def _find_prefix(
+    reader: _Reader,
+    prefix: str | None,
+    markers: tuple[str, ...] = ("A_log",),
+    what: str = "Gated DeltaNet",
+) -> str:
+    """`prefix`, or the one prefix in front of a tensor named by one of `markers`."""
     if prefix is not None:
         return prefix
-    candidates = sorted({name[: -len("A_log")] for name in reader.keys() if name.endswith("A_log")})
+    found = set()
+    for name in reader.keys():
+        marker = next((m for m in markers if name.endswith(m)), None)
+        if marker is not None:
+            found.add(name[: -len(marker)])
+    candidates = sorted(found)
     if len(candidates) == 1:
         return candidates[0]
     if not candidates:
         raise ValueError(
-            "No Gated DeltaNet weights found: expected a tensor named `A_log` (optionally "
+            f"No {what} weights found: expected a tensor named `{markers[0]}` (optionally "
             "behind a prefix such as `model.layers.0.linear_attn.`)."
         )
     raise ValueError(
-        f"The weights hold {len(candidates)} Gated DeltaNet layers ({candidates[:4]}"
+        f"The weights hold {len(candidates)} {what} layers ({candidates[:4]}"
         f"{' ...' if len(candidates) > 4 else ''}); pass `prefix=` to choose one."
     )
 
@@ -237,6 +248,66 @@ def split_qwen3_next_projections(
         ba = jnp.asarray(ba).reshape(h, 2 * r, hidden)
         b, a = ba[:, :r].reshape(hv, hidden), ba[:, r:].reshape(hv, hidden)
     return qkv, z, b, a
+
+
+def _check_dtype(dtype) -> None:
+    """A `ValueError` naming `dtype` unless it is `None` or a floating-point dtype."""
+    if dtype is None:
+        return
+    try:
+        floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:
+        floating = False
+    if not floating:
+        raise ValueError(
+            f"`dtype` must be a floating-point dtype (jnp.float32, jnp.bfloat16, ...) or "
+            f"None; got {dtype!r}."
+        )
+
+
+def _check_unexpected(reader: _Reader, prefix: str, allowed: tuple[str, ...], what: str) -> None:
+    """A `ValueError` naming the tensors behind `prefix` that are not in `allowed`."""
+    names = [n for n in reader.keys() if n.startswith(prefix)]
+    unexpected = sorted(n for n in names if n[len(prefix) :] not in allowed)
+    if unexpected:
+        raise ValueError(
+            f"Unexpected tensor(s) {unexpected} for a {what} layer with prefix "
+            f"{prefix!r}; expected only {list(allowed)} (in one of the two layouts)."
+        )
+
+
+def _read_tensors(
+    reader: _Reader,
+    prefix: str,
+    shorts: tuple[str, ...],
+    expected: Mapping[str, tuple[tuple[int, ...], ...]],
+    layout: str,
+    sizes: str,
+    dtype,
+) -> dict[str, Any]:
+    """The tensors `prefix + short` for each of `shorts`, as JAX arrays in `dtype` (their own
+    if `None`); a `ValueError` naming one that is missing, misshapen (its shape not one of
+    `expected[short]`) or not floating-point."""
+    tensors = {}
+    for short in shorts:
+        name = prefix + short
+        if name not in reader:
+            raise ValueError(f"Missing tensor {name!r} ({layout} layout: {', '.join(shorts)}).")
+        x = reader[name]
+        if tuple(x.shape) not in expected[short]:
+            shapes = " or ".join(str(e) for e in expected[short])
+            raise ValueError(
+                f"Tensor {name!r} has shape {tuple(x.shape)}; expected {shapes} for this "
+                f"config ({sizes})."
+            )
+        x = jnp.asarray(x)
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(
+                f"Tensor {name!r} has dtype {x.dtype}; the layer's weights must be "
+                "floating-point (is the checkpoint quantised?)."
+            )
+        tensors[short] = x if dtype is None else x.astype(dtype)
+    return tensors
 
 
 def gated_delta_net_from_hf(
@@ -304,16 +375,7 @@ def gated_delta_net_from_hf(
     dk = _config_int(config, "linear_key_head_dim")
     dv = _config_int(config, "linear_value_head_dim")
     width = _config_int(config, "linear_conv_kernel_dim")
-    if dtype is not None:
-        try:
-            floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
-        except TypeError:
-            floating = False
-        if not floating:
-            raise ValueError(
-                f"`dtype` must be a floating-point dtype (jnp.float32, jnp.bfloat16, ...) or "
-                f"None; got {dtype!r}."
-            )
+    _check_dtype(dtype)
     eps = _config_float(config, "rms_norm_eps", 1e-6)
     if hv % h != 0:
         raise ValueError(
@@ -322,13 +384,7 @@ def gated_delta_net_from_hf(
 
     reader = _Reader(weights)
     prefix = _find_prefix(reader, prefix)
-    names = [n for n in reader.keys() if n.startswith(prefix)]
-    unexpected = sorted(n for n in names if n[len(prefix) :] not in _ALL)
-    if unexpected:
-        raise ValueError(
-            f"Unexpected tensor(s) {unexpected} for a Gated DeltaNet layer with prefix "
-            f"{prefix!r}; expected only {list(_ALL)} (in one of the two layouts)."
-        )
+    _check_unexpected(reader, prefix, _ALL, "Gated DeltaNet")
     if prefix + "in_proj_qkvz.weight" in reader or prefix + "in_proj_ba.weight" in reader:
         layout, layout_names = "Qwen3-Next", _QWEN3_NEXT
     else:
@@ -347,27 +403,9 @@ def gated_delta_net_from_hf(
         "norm.weight": (dv,),
         "out_proj.weight": (hidden, hv * dv),
     }
-    tensors = {}
-    for short in layout_names + _COMMON:
-        name = prefix + short
-        if name not in reader:
-            raise ValueError(
-                f"Missing tensor {name!r} ({layout} layout: {', '.join(layout_names + _COMMON)})."
-            )
-        x = reader[name]
-        if tuple(x.shape) != expected[short]:
-            raise ValueError(
-                f"Tensor {name!r} has shape {tuple(x.shape)}; expected {expected[short]} for "
-                f"this config (hidden_size={hidden}, H={h}, HV={hv}, K={dk}, V={dv}, "
-                f"conv kernel {width})."
-            )
-        x = jnp.asarray(x)
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ValueError(
-                f"Tensor {name!r} has dtype {x.dtype}; the layer's weights must be "
-                "floating-point (is the checkpoint quantised?)."
-            )
-        tensors[short] = x if dtype is None else x.astype(dtype)
+    sizes = f"hidden_size={hidden}, H={h}, HV={hv}, K={dk}, V={dv}, conv kernel {width}"
+    shapes = {name: (shape,) for name, shape in expected.items()}
+    tensors = _read_tensors(reader, prefix, layout_names + _COMMON, shapes, layout, sizes, dtype)
 
     if layout == "Qwen3-Next":
         qkv, z, b, a = split_qwen3_next_projections(

@@ -1,5 +1,5 @@
-"""Equinox layers: the Gated DeltaNet layer of Qwen3-Next / Qwen3.5, attention, a sparse
-mixture-of-experts block and a small hybrid model."""
+"""Equinox layers: the Gated DeltaNet layer of Qwen3-Next / Qwen3.5, the Kimi Delta Attention
+layer of Kimi Linear, attention, a sparse mixture-of-experts block and a small hybrid model."""
 
 from ._attention import CausalSelfAttention as CausalSelfAttention, KVCache as KVCache
 from ._conv import CausalConv1d as CausalConv1d
@@ -8,10 +8,18 @@ from ._gated_delta_net import (
     GatedDeltaNetState as GatedDeltaNetState,
 )
 from ._hybrid import HybridBlock as HybridBlock, HybridLM as HybridLM, SwiGLU as SwiGLU
+from ._kimi_delta_attention import (
+    KimiDeltaAttention as KimiDeltaAttention,
+    KimiDeltaAttentionState as KimiDeltaAttentionState,
+)
 from ._moe import (
     load_balancing_loss as load_balancing_loss,
     RouterStats as RouterStats,
     SparseMoE as SparseMoE,
     SwiGLUExperts as SwiGLUExperts,
 )
-from ._norm import GatedRMSNorm as GatedRMSNorm, ZeroCenteredRMSNorm as ZeroCenteredRMSNorm
+from ._norm import (
+    GatedRMSNorm as GatedRMSNorm,
+    SigmoidGatedRMSNorm as SigmoidGatedRMSNorm,
+    ZeroCenteredRMSNorm as ZeroCenteredRMSNorm,
+)

@@ -1,4 +1,5 @@
-"""RMSNorms: the gated one of the Gated DeltaNet layer, and the zero-centred one of Qwen3.5."""
+"""RMSNorms: the gated ones of the Gated DeltaNet and Kimi Delta Attention layers, and the
+zero-centred one of Qwen3.5."""
 
 import equinox as eqx
 import jax
@@ -6,6 +7,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._precision import accumulation_dtype
+
+
+def _normalise(x: Array, eps: float) -> Array:
+    """`x / rms(x)` over the last axis, in float32 (float64 for float64 `x`)."""
+    h = x.astype(accumulation_dtype(x))
+    return h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
 
 
 class GatedRMSNorm(eqx.Module):
@@ -44,8 +51,7 @@ class GatedRMSNorm(eqx.Module):
         """
         dtype = x.dtype
         ct = accumulation_dtype(dtype)
-        h = x.astype(ct)
-        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        h = _normalise(x, self.eps)
         w = self.weight.reshape((1,) * (h.ndim - 1) + self.weight.shape)
         # The reference rounds to x's dtype before the weight, then gates in float32 (torch
         # promotes each product; here the casts are explicit).
@@ -53,6 +59,46 @@ class GatedRMSNorm(eqx.Module):
         h = w.astype(wt) * h.astype(dtype).astype(wt)
         h = h.astype(ct) * jax.nn.silu(gate.astype(ct))
         return h.astype(dtype)
+
+
+class SigmoidGatedRMSNorm(eqx.Module):
+    r"""RMSNorm over the last axis, then a sigmoid gate: $w \, \mathrm{rms}(x) \, \sigma(z)$.
+
+    Everything runs in float32 (float64 for float64 inputs), the weight included, and the
+    result has `x`'s dtype. This is Kimi Linear's output norm, `KimiLinearRMSNormGated`
+    (flash-linear-attention's `FusedRMSNormGated` with `activation="sigmoid"`; weight
+    initialised to ones).
+    """
+
+    weight: Float[Array, " dim"]
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, dim: int, *, eps: float = 1e-5, dtype=None):
+        """**Arguments:**
+
+        - `dim`: the size of the normalised (last) axis.
+        - `eps`: added to the mean square before the reciprocal square root.
+        - `dtype`: the parameter dtype; the default floating dtype if `None`.
+        """
+        dtype = jnp.zeros(()).dtype if dtype is None else dtype
+        self.weight = jnp.ones((dim,), dtype)
+        self.eps = eps
+
+    def __call__(
+        self, x: Float[Array, "*batch dim"], gate: Float[Array, "*batch dim"]
+    ) -> Float[Array, "*batch dim"]:
+        """**Arguments:**
+
+        - `x`: the values to normalise over the last axis.
+        - `gate`: the gate, same shape as `x`.
+
+        **Returns:**
+
+        An array of `x`'s shape and dtype.
+        """
+        h = _normalise(x, self.eps)
+        w = self.weight.astype(h.dtype).reshape((1,) * (h.ndim - 1) + self.weight.shape)
+        return (w * h * jax.nn.sigmoid(gate.astype(h.dtype))).astype(x.dtype)
 
 
 class ZeroCenteredRMSNorm(eqx.Module):
@@ -87,7 +133,6 @@ class ZeroCenteredRMSNorm(eqx.Module):
         An array of `x`'s shape and dtype.
         """
         ct = accumulation_dtype(x)
-        h = x.astype(ct)
-        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        h = _normalise(x, self.eps)
         w = (1 + self.weight.astype(ct)).reshape((1,) * (h.ndim - 1) + self.weight.shape)
         return (h * w).astype(x.dtype)

@@ -1,0 +1,338 @@
+"""What the delta-rule token mixers share: projections into a short causal convolution, a
+chunked delta rule, an output gate and projection; the state carried from one segment to the
+next; prefill, checkpoints and decoding; context parallelism."""
+
+import abc
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from .._parallel import ContextParallel
+from .._precision import accumulation_dtype, as_precision, PrecisionName
+from .._run import run
+from .._validate import as_positive_index
+from ..recurrences._delta_family import AbstractDeltaRule, DeltaInputs
+from ._checkpointed import Checkpointed, checkpoints
+from ._context import layer_cp
+from ._conv import CausalConv1d
+
+
+_State = TypeVar("_State")
+
+
+def check_sizes(sizes: dict[str, Any], block_size: Any, precision: Any) -> tuple:
+    """The layer's sizes (each a positive int), `block_size` (also `None`) and `precision`,
+    checked: `(*sizes, block_size, precision)`."""
+    checked = [as_positive_index(value, name) for name, value in sizes.items()]
+    if block_size is not None:
+        block_size = as_positive_index(block_size, "block_size")
+    return (*checked, block_size, as_precision(precision))
+
+
+def no_bias_linear(dtype):
+    """`eqx.nn.Linear(in, out, key)` without bias, in `dtype` (the default if `None`)."""
+    dtype = jnp.zeros(()).dtype if dtype is None else dtype
+    return lambda i, o, key: eqx.nn.Linear(i, o, use_bias=False, key=key, dtype=dtype)
+
+
+def project(x: Array, *linears: eqx.nn.Linear) -> tuple[Array, ...]:
+    """Each linear layer over `x: (seq, in)`, in the parameters' dtype."""
+    x = x.astype(linears[0].weight.dtype)
+    return tuple(jax.vmap(linear)(x) for linear in linears)
+
+
+def split_qkv(mixed: Array, heads: int, key_dim: int, value_dim: int) -> tuple[Array, Array, Array]:
+    """`concat(q, k, v)`, `(seq, 2 H K + HV V)`, into `q, k: (seq, H, K)` and
+    `v: (seq, HV, V)`."""
+    t, hk = mixed.shape[0], heads * key_dim
+    q = mixed[:, :hk].reshape(t, heads, key_dim)
+    k = mixed[:, hk : 2 * hk].reshape(t, heads, key_dim)
+    return q, k, mixed[:, 2 * hk :].reshape(t, -1, value_dim)
+
+
+def finish(norm: Callable[[Array, Array], Array], out_proj: eqx.nn.Linear, o, gate) -> Array:
+    """The gated norm per head of `o: (seq, heads, V)`, then the output projection:
+    `(seq, hidden)`."""
+    o = norm(o, gate)
+    return jax.vmap(out_proj)(o.reshape(o.shape[0], -1))
+
+
+def log_decay(a: Array, a_log: Array, dt_bias: Array) -> Array:
+    r"""The log decays $-e^{A_{\log}} \, \mathrm{softplus}(a + \Delta_b)$ in float32
+    (float64 for float64 `a`), the arrays broadcast together."""
+    dtype = accumulation_dtype(a)
+    return -jnp.exp(a_log.astype(dtype)) * jax.nn.softplus(a.astype(dtype) + dt_bias.astype(dtype))
+
+
+class AbstractDeltaLayer(eqx.Module, Generic[_State]):
+    """A token mixer built around a delta rule (Gated DeltaNet, Kimi Delta Attention).
+
+    For an input `x` of shape `(seq, hidden)`: projections, of which `concat(q, k, v)` goes
+    through a depthwise causal convolution and SiLU; gates from the input; the chunked delta
+    rule with q/k L2 normalisation through [`deltanet_cp.run`][]; a gated norm per head and
+    the output projection. A concrete layer says how it projects (`_project`), what it hands
+    the delta rule (`_split`), which delta rule (`_recurrence`) and how it finishes
+    (`_finish`); everything else, the state, `prefill`, `step` and context parallelism, is
+    here.
+
+    Its state is a module with `conv`, the last `conv_kernel_size - 1` inputs of the
+    convolution, and `recurrent`, the delta rule's state (`_state` builds it).
+    """
+
+    conv1d: eqx.AbstractVar[CausalConv1d]
+    out_proj: eqx.AbstractVar[eqx.nn.Linear]
+    hidden_size: eqx.AbstractVar[int]
+    chunk_size: eqx.AbstractVar[int]
+    block_size: eqx.AbstractVar[int | None]
+    precision: eqx.AbstractVar[PrecisionName | None]
+
+    @abc.abstractmethod
+    def _state(self, conv: Array, recurrent: Array) -> _State:
+        """The layer's state type holding `conv` and `recurrent`."""
+
+    @abc.abstractmethod
+    def _project(self, x: Array) -> tuple[Array, Any]:
+        """`(mixed, rest)`: `concat(q, k, v)` before the convolution, `(seq, conv_dim)` in
+        the parameters' dtype, and whatever else `_split` needs from `x`."""
+
+    @abc.abstractmethod
+    def _split(self, mixed: Array, rest: Any) -> tuple[Array, Array, Array, Array, Array, Array]:
+        """`(q, k, v, gate, g, beta)`: the delta rule's inputs for one sequence (no batch
+        axis) from the convolution's output after SiLU, and the output gate for `_finish`."""
+
+    @abc.abstractmethod
+    def _finish(self, o: Array, gate: Array) -> Array:
+        """The gated norm and output projection of the delta rule's output (`finish`)."""
+
+    @property
+    @abc.abstractmethod
+    def _recurrent_shape(self) -> tuple[int, int, int]:
+        """`(HV, K, V)`: the shape of the delta rule's state."""
+
+    @abc.abstractmethod
+    def _recurrence(self, chunk_size: int) -> AbstractDeltaRule:
+        """The delta rule, in chunks of `chunk_size` tokens."""
+
+    @property
+    def conv_dim(self) -> int:
+        """The channels of the convolution: `2 H K + HV V` (q, k and v)."""
+        return self.conv1d.channels
+
+    @property
+    def conv_kernel_size(self) -> int:
+        """The length of the causal convolution (the current token and the ones before it)."""
+        return self.conv1d.kernel_size
+
+    def init_state(self, dtype=None) -> _State:
+        """The state before the first token: zeros.
+
+        **Arguments:**
+
+        - `dtype`: the dtype of the convolution state; the parameters' dtype if `None`.
+            The recurrent state is float32 (float64 for float64 parameters).
+        """
+        dtype = self.out_proj.weight.dtype if dtype is None else dtype
+        return self._state(
+            jnp.zeros((self.conv1d.history, self.conv_dim), dtype),
+            jnp.zeros(self._recurrent_shape, accumulation_dtype(dtype)),
+        )
+
+    def _check_input(self, x, *, one_token: bool = False) -> None:
+        """A `ValueError` naming `x` unless it is floating, `(seq, hidden)` or `(hidden,)`."""
+        layout = "(hidden,)" if one_token else "(seq, hidden)"
+        dtype = getattr(x, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(
+                f"`x` must be a floating-point array {layout}; got "
+                f"{type(x).__name__ if dtype is None else dtype}. Cast it with `.astype(...)`."
+            )
+        if x.ndim != (1 if one_token else 2) or x.shape[-1] != self.hidden_size:
+            batched = "" if one_token else " It takes one sequence: `jax.vmap` it over a batch."
+            raise ValueError(
+                f"`x` must have shape {layout} with hidden = {self.hidden_size}; got "
+                f"{tuple(x.shape)}.{batched}"
+            )
+
+    def _inputs(self, x, conv_state, cp):
+        """`(mixed, conv output after SiLU, new conv state, rest)` of `x: (seq, hidden)`."""
+        mixed, rest = self._project(x)
+        conv_out, new_conv = self.conv1d(mixed, conv_state, cp=cp)
+        return mixed, jax.nn.silu(conv_out), new_conv, rest
+
+    def recurrence_inputs(
+        self,
+        x: Float[Array, "seq hidden"],
+        state: _State | None = None,
+        *,
+        cp: ContextParallel | None = None,
+    ) -> tuple[Array, Array, Array, Array, Array, Array]:
+        """Everything the layer computes before the delta rule (for inspection).
+
+        **Arguments:** as for `__call__`.
+
+        **Returns:**
+
+        `(q, k, v, gate, g, beta)`: `q, k: (seq, H, K)` and `v: (seq, HV, V)` after the
+        convolution and SiLU (before L2 normalisation and head repetition), the gate of the
+        output norm, `(seq, HV, V)`, and the log decays `g` and step sizes `beta` of the
+        delta rule.
+        """
+        cp = layer_cp(cp, type(self).__name__)
+        self._check_input(x)
+        conv_state = None if state is None else state.conv  # pyright: ignore[reportAttributeAccessIssue]
+        _, conv, _, rest = self._inputs(x, conv_state, cp)
+        return self._split(conv, rest)
+
+    def _run(self, recurrence, split, h0, cp=None):
+        """The delta rule over `split = (q, k, v, gate, g, beta)` of one sequence:
+        `(outputs, final state)` with a batch axis of one."""
+        q, k, v, _, g, beta = split
+        return run(
+            recurrence,
+            DeltaInputs(q[None], k[None], v[None], g[None], beta[None]),
+            initial_state=None if h0 is None else h0[None],
+            cp=cp,
+            block_size=self.block_size,
+        )
+
+    def __call__(
+        self,
+        x: Float[Array, "seq hidden"],
+        state: _State | None = None,
+        *,
+        cp: ContextParallel | None = None,
+    ) -> Float[Array, "seq hidden"]:
+        """**Arguments:**
+
+        - `x`: one sequence, `(seq, hidden)`; with `cp`, this rank's shard of it under
+            `cp.layout` (each of its pieces at least `conv_kernel_size - 1` tokens).
+        - `state`: the state before the first token (a prefix already processed), or `None`
+            to start from zeros. With `cp`, replicated on every rank.
+        - `cp`: how the call is sharded, as in [`deltanet_cp.ContextParallel`][] (without
+            `mesh`; the convolution's halo and the recurrence follow the layout's pieces);
+            `None` on one device.
+
+        **Returns:**
+
+        The output, `(seq, hidden)`, in `x`'s dtype (computed in the parameters' dtype).
+        For the state after the last token as well, call `prefill`.
+
+        **Raises:**
+
+        `ValueError` naming `x` if it is not a floating-point `(seq, hidden)` array (a
+        batch: `jax.vmap` the layer over it).
+        """
+        return self._forward(x, state, None, cp)[0]
+
+    def prefill(
+        self,
+        x: Float[Array, "seq hidden"],
+        state: _State | None = None,
+        *,
+        checkpoint_every: int | None = None,
+        cp: ContextParallel | None = None,
+    ) -> tuple[Float[Array, "seq hidden"], _State, _State | None]:
+        """`__call__`, the state after the last token, and the states at fixed token
+        boundaries.
+
+        With `checkpoint_every = L`, the recurrence runs in chunks of `L` tokens and the
+        engine's pass also emits the state after each of them (no extra pass, no extra
+        collective under context parallelism): for prefix caching, the state after
+        tokens `[0, L)`, `[0, 2 L)`, ... of `x` (counted from the first token of `x`).
+
+        **Arguments:**
+
+        - `x`, `state`, `cp`: as for `__call__`.
+        - `checkpoint_every`: `L`, a multiple of `chunk_size` and at least
+            `conv_kernel_size - 1`; with `cp` it must divide each contiguous piece of this
+            rank's shard (the shard under `Contiguous`, each half under `Zigzag`), so that
+            the boundaries fall at multiples of `L` of the whole sequence. `None` for no
+            checkpoints.
+
+        **Returns:**
+
+        `(output, new_state, checkpoints)`. `new_state` is the state after the last token
+        (replicated on every rank with `cp`), the convolution state in the given one's
+        dtype (the parameters' without one). `checkpoints` is `None` without
+        `checkpoint_every`; else the layer's state type with a leading axis over the
+        boundaries: `conv (n, conv_kernel_size - 1, conv_dim)` and `recurrent (n, HV, K,
+        V)`, the state after `L`, `2 L`, ... tokens of this rank's tokens in the order
+        they are laid out (`n = len(x) // L`; on one device, a last partial chunk has no
+        checkpoint). Under context parallelism each rank holds the checkpoints of its own
+        pieces: sharded over `cp.axis_name` they are in the layout's order (put them in
+        sequence order with `cp.layout.from_layout` on axis 0).
+        """
+        return self._forward(x, state, checkpoint_every, cp)
+
+    def _check_checkpoints(self, every: int, length: int, cp: ContextParallel | None) -> None:
+        if every % self.chunk_size or every < self.conv1d.history:
+            raise ValueError(
+                f"`checkpoint_every` ({every}) must be a multiple of the layer's chunk_size "
+                f"({self.chunk_size}) and at least conv_kernel_size - 1 "
+                f"({self.conv1d.history})."
+            )
+        if cp is None:
+            return
+        piece = cp.layout.piece_length(length, jax.lax.axis_size(cp.axis_name))
+        if piece % every:
+            raise ValueError(
+                f"Under context parallelism `checkpoint_every` ({every}) must divide each "
+                f"contiguous piece of a rank's shard ({piece} tokens under {cp.layout!r}), so "
+                "that the checkpoints fall at multiples of it in the whole sequence."
+            )
+
+    def _forward(self, x, state, checkpoint_every, cp) -> tuple[Array, _State, _State | None]:
+        cp = layer_cp(cp, type(self).__name__)
+        self._check_input(x)
+        if checkpoint_every is not None:
+            checkpoint_every = as_positive_index(checkpoint_every, "checkpoint_every")
+            self._check_checkpoints(checkpoint_every, x.shape[0], cp)
+        conv_state, h0 = (None, None) if state is None else (state.conv, state.recurrent)
+        mixed, conv, new_conv, rest = self._inputs(x, conv_state, cp)
+        split = self._split(conv, rest)
+        recurrence = self._recurrence(self.chunk_size)
+        if checkpoint_every is not None:
+            recurrence = Checkpointed(inner=recurrence, chunk_size=checkpoint_every)
+        o, h = self._run(recurrence, split, h0, cp)
+        saved = None
+        if checkpoint_every is not None:
+            o, spread = o
+            n, w = x.shape[0] // checkpoint_every, self.conv1d.history
+            ends = checkpoint_every * jnp.arange(1, n + 1)
+            shape = h.shape[1:]
+            saved = self._state(
+                mixed[ends[:, None] - w + jnp.arange(w)[None, :]],
+                checkpoints(spread, checkpoint_every, shape)[0],
+            )
+        out = self._finish(o[0], split[3]).astype(x.dtype)
+        if conv_state is not None:
+            new_conv = new_conv.astype(conv_state.dtype)
+        return out, self._state(new_conv, h[0]), saved
+
+    def step(
+        self, x: Float[Array, " hidden"], state: _State
+    ) -> tuple[Float[Array, " hidden"], _State]:
+        """One token of generation: the token-by-token form of `__call__`.
+
+        **Arguments:**
+
+        - `x`: the new token's input, `(hidden,)`.
+        - `state`: the state before it (from `init_state`, a `prefill`, or the previous
+            `step`).
+
+        **Returns:**
+
+        `(y, new_state)`: the output `(hidden,)` in `x`'s dtype and the state after the
+        token, in the dtypes of `state`.
+        """
+        self._check_input(x, one_token=True)
+        conv_state, h0 = state.conv, state.recurrent  # pyright: ignore[reportAttributeAccessIssue]
+        _, conv, new_conv, rest = self._inputs(x[None], conv_state, None)
+        split = self._split(conv, rest)
+        o, h = self._run(self._recurrence(1), split, h0)
+        y = self._finish(o[0], split[3])[0].astype(x.dtype)
+        return y, self._state(new_conv.astype(conv_state.dtype), h[0].astype(h0.dtype))
