@@ -64,15 +64,15 @@ def test_layer_pattern(getkey):
 
 def _spy_block_sizes(monkeypatch) -> list:
     """The `block_size` of every `deltanet_cp.run` call a Gated DeltaNet layer makes."""
-    from deltanet_cp.nn import _gated_delta_net
+    from deltanet_cp.nn import _delta_layer
 
-    seen, real = [], _gated_delta_net.run
+    seen, real = [], _delta_layer.run
 
     def spy(*args, **kwargs):
         seen.append(kwargs["block_size"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_gated_delta_net, "run", spy)
+    monkeypatch.setattr(_delta_layer, "run", spy)
     return seen
 
 
