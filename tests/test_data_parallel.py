@@ -276,9 +276,9 @@ _DEFAULT = {
     "gated_delta_rule": Config("dp"),  # the report: shard_map over "dp", no state
     "delta_rule": Config("dpcp", "zeros", _C, _AG, packed=True),
     "kimi_delta_attention": Config("mesh", "zeros", _C, _AG),
-    "gla": Config("mesh", "zeros", _Z, _RING),
+    "gla": Config("dpcp", "sharded", _Z, _AG, packed=True),
     "gla_per_head": Config("dpcp", "replicated", _C, _AUTO, packed=True),
-    "gated_delta_product": Config("dpcp", "sharded", _Z, _AG, packed=True),
+    "gated_delta_product": Config("mesh", "zeros", _Z, _RING),
     "gdn2": Config("dp", "replicated"),
     "dplr": Config("dpcp", "zeros", _Z, _RING),
     "precond_gated_delta_rule": Config("dpcp", "zeros", _Z, _AUTO),
