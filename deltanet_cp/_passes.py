@@ -32,7 +32,7 @@ from jaxtyping import PyTree
 from ._affine import AbstractAffineMap
 from ._exchange import AbstractExchange
 from ._recurrence import AbstractRecurrence
-from ._sharding import summed_like, varying
+from ._sharding import cotangent_like, summed_like, varying
 
 
 class Blocks(eqx.Module):
@@ -263,6 +263,8 @@ def forward(recurrence, blocks, diff, static, h0, marks, doc_states, poison, *, 
     if marks is not None:
         empty = marks[2].reshape((-1,) + (1,) * (doc_states.ndim - 1))
         finals = jnp.where(empty, doc_states, jnp.zeros((), doc_states.dtype))
+        # A scan carry updated from per-rank states (`doc_states` may be replicated).
+        finals = varying(finals, diff)
 
     def body(carry, i):
         h, finals = carry
@@ -385,28 +387,29 @@ def local(engine: Engine, diff, static, h0, marks, doc_states, poison):
 
 
 def _local_fwd(engine: Engine, diff, static, h0, marks, doc_states, poison, *, keep=True):
-    h0 = varying(h0, diff)
     (h, finals, outputs), states = forward(
         engine.recurrence,
         engine.blocks,
         diff,
         static,
-        h0,
+        varying(h0, diff),
         marks,
         doc_states,
         poison,
         keep_states=keep,
     )
-    return (outputs, h, finals), (diff, static, states, marks, doc_states, poison)
+    # `h0` is kept for its type only: its cotangent must vary over the mesh axes it does.
+    return (outputs, h, finals), (diff, static, states, marks, doc_states, poison, h0)
 
 
 def _local_bwd(engine: Engine, res, cts):
-    diff, static, states, marks, doc_states, poison = res
+    diff, static, states, marks, doc_states, poison, h0 = res
     d_outputs, d_h, d_finals = cts
     cts = (d_outputs, varying(d_h, diff), d_finals)
     d_diff, dh0, d_docs = backward(
         engine.recurrence, engine.blocks, diff, static, states, marks, doc_states, poison, cts
     )
+    dh0, d_docs = cotangent_like((dh0, d_docs), (h0, doc_states))
     return d_diff, None, dh0, None, d_docs, None
 
 
@@ -446,8 +449,7 @@ def _identity(recurrence, blocks, diff, static) -> AbstractAffineMap:
 
 def _context_parallel_fwd(engine: Engine, diff, static, h0, marks, doc_states, poison):
     out, (mine, states) = _three_phases(engine, diff, static, h0, marks, doc_states, poison)
-    # `h0` stays among the residuals though the backward does not read it: without it XLA
-    # fuses the forward differently on CPU, and a few outputs change in their last bit.
+    # `h0` is kept for its type only: its cotangent must vary over the mesh axes it does.
     return out, (diff, static, states, marks, doc_states, poison, mine, h0)
 
 
@@ -459,7 +461,7 @@ def _context_parallel_bwd(engine: Engine, res, cts):
     # the states of phase 3.
     recurrence, blocks, exchange = engine.recurrence, engine.blocks, engine.exchange
     assert exchange is not None and engine.axis_name is not None
-    diff, static, states, marks, doc_states, poison, mine, _ = res
+    diff, static, states, marks, doc_states, poison, mine, h0 = res
     d_outputs, d_final, d_finals = cts
     g = state_cotangent_in(
         recurrence, blocks, diff, static, states, marks, poison, d_outputs, d_finals
@@ -472,6 +474,7 @@ def _context_parallel_bwd(engine: Engine, res, cts):
         recurrence, blocks, diff, static, states, marks, doc_states, poison, cts
     )
     d_docs = None if d_docs is None else jax.lax.psum(d_docs, engine.axis_name)
+    lam0, d_docs = cotangent_like((lam0, d_docs), (h0, doc_states))
     return d_diff, None, lam0, None, d_docs, None
 
 

@@ -38,6 +38,7 @@ from ._parallel import (
 )
 from ._passes import Blocks, context_parallel, Engine, local, non_finite
 from ._recurrence import AbstractRecurrence, check_inputs, check_shapes
+from ._sharding import varying
 from ._validate import as_index, as_positive_index
 
 
@@ -292,6 +293,8 @@ def _run(
     c = min(recurrence.chunk_size, 1 << max(0, length - 1).bit_length())
     state = check_shapes(recurrence, inputs, c)  # `state`, `step`: named errors, at trace time
     h0 = _initial_state(state, initial_state)
+    if initial_state is None:  # per rank wherever the inputs are but along the walk
+        h0 = varying(h0, inputs, but=axis_name)
     per_block = _chunks_per_block(block_size, c)
     # A non-finite input must not reach earlier tokens through the chunk's products (a zero
     # times NaN is NaN): the chunk is formed from zeros there, and NaN is added back to the
@@ -308,6 +311,8 @@ def _run(
     else:
         seg = segments(cu_seqlens, length, c, walk.first_token(axis_name))
         doc_states = _doc_states(state, seg.num_docs, document_states)
+        if document_states is None:
+            doc_states = varying(doc_states, inputs, but=axis_name)
         blocks = Blocks.of(seg.num_chunks, c, per_block, log_decays)
         chunks = _split(jax.tree.map(lambda x: pack(x, seg), inputs), blocks.padded, c)
         bad, bad_out = _split((pack(bad, seg), pack(bad_out, seg)), blocks.padded, c)
