@@ -48,7 +48,7 @@ def inputs(family, seed, t, h, hv, k, v):
         return q, kk, vv, gate(1, t, hv), unit(1, t, hv)
     if family == "delta_rule":
         return q, kk, vv, unit(1, t, hv)
-    if family == "kimi_delta_attention":
+    if family == "kda":
         return q, kk, vv, gate(1, t, hv, k), unit(1, t, hv)
     if family == "gla":
         return q, normal(1, t, h, k, s=k**-0.5), vv, gate(1, t, hv, k)
@@ -56,7 +56,7 @@ def inputs(family, seed, t, h, hv, k, v):
         return q, normal(1, t, 2, h, k), normal(1, t, 2, hv, v), gate(1, t, hv), unit(1, t, 2, hv)
     raise ValueError(family)
 
-FAMILIES = ["gated_delta_rule", "delta_rule", "kimi_delta_attention", "gla",
+FAMILIES = ["gated_delta_rule", "delta_rule", "kda", "gla",
             "gated_delta_product"]
 REPEATS = int(sys.argv[1])
 FULL = sys.argv[2] == "full"
@@ -66,7 +66,7 @@ FULL = sys.argv[2] == "full"
 # three that used the triangular solve (DeltaNet, KDA, DeltaProduct; between them every
 # gate kind of the delta-rule path they now share with the gated delta rule).
 _ONE_DEVICE = """
-QUICK = ["delta_rule", "kimi_delta_attention", "gated_delta_product"]
+QUICK = ["delta_rule", "kda", "gated_delta_product"]
 assert len(jax.devices()) == 1, jax.devices()
 for family in FAMILIES if FULL else QUICK:
     chunk = getattr(dcp, f"chunk_{family}")
@@ -93,7 +93,7 @@ assert len(jax.devices()) == 4, jax.devices()
 mesh = jax.make_mesh((4,), ("cp",))
 seq = P(None, "cp")
 cu = jnp.asarray([0, 100, 700, 1024], jnp.int32)
-QUICK = [("gated_delta_rule", False), ("delta_rule", True), ("kimi_delta_attention", True),
+QUICK = [("gated_delta_rule", False), ("delta_rule", True), ("kda", True),
          ("gla", False), ("gated_delta_product", True)]
 for family in FAMILIES:
     chunk = getattr(dcp, f"chunk_{family}")
