@@ -14,7 +14,7 @@ from .._precision import as_precision, PrecisionName
 from .._validate import as_index, as_positive_index
 from ..nn._context import layer_cp, local_positions
 from ..nn._gated_delta_net import GatedDeltaNet
-from ..nn._moe import RouterStats
+from ..nn._moe import ExpertAxis, RouterStats
 from ..nn._norm import ZeroCenteredRMSNorm
 from ..nn._schedule import KVSchedule
 from ..nn._tokens import check_tokens
@@ -95,6 +95,7 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
         *,
         cp: ContextParallel | None = None,
         kv_schedule: KVSchedule = "allgather",
+        expert_axis: ExpertAxis = None,
     ) -> Float[Array, "seq vocab"]:
         """**Arguments:**
 
@@ -104,6 +105,11 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
             `mesh`; the logits come out in `cp.layout`'s order); `None` on one device.
         - `kv_schedule`: how the attention layers get the other ranks' keys and values,
             `"allgather"` or `"ring"` (see [`deltanet_cp.nn.CausalSelfAttention`][]).
+        - `expert_axis`: for a mixture-of-experts model inside `jax.shard_map`, the mesh
+            axis (or tuple of axes) its routed experts are split over, `None` for every
+            expert on every rank (see [`deltanet_cp.nn.SparseMoE`][]; the parameters'
+            `in_specs` from [`deltanet_cp.nn.expert_partition_specs`][]). The tokens must
+            be split over the same axes: the context axis, a data axis or both.
 
         **Returns:**
 
@@ -115,9 +121,10 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
         `ValueError` if `tokens` is not a 1-D integer array, or holds an id outside
         `[0, vocab_size)` (an embedding lookup would silently clamp it). Traced ids (under
         `jax.jit`) are checked through `equinox.error_if`: the computation fails when it
-        runs.
+        runs. `ValueError` for an `expert_axis` on a model without experts, or one that
+        does not split them evenly (naming the axis).
         """
-        return self._forward(tokens, cp, kv_schedule)[0]
+        return self._forward(tokens, cp, kv_schedule, expert_axis)[0]
 
     def logits_and_router_stats(
         self,
@@ -125,6 +132,7 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
         *,
         cp: ContextParallel | None = None,
         kv_schedule: KVSchedule = "allgather",
+        expert_axis: ExpertAxis = None,
     ) -> tuple[Float[Array, "seq vocab"], RouterStats]:
         """The forward of a mixture-of-experts model, with what its load-balancing loss
         needs.
@@ -149,12 +157,22 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
                 f"This {type(self).__name__} has no mixture-of-experts layers: there is no "
                 "routing to report. Call the model itself for the logits."
             )
-        logits, stats = self._forward(tokens, cp, kv_schedule)
+        logits, stats = self._forward(tokens, cp, kv_schedule, expert_axis)
         assert stats is not None
         return logits, stats
 
-    def _forward(self, tokens, cp, kv_schedule) -> tuple[Array, RouterStats | None]:
+    def _check_expert_axis(self, expert_axis: ExpertAxis) -> None:
+        if expert_axis is not None and getattr(self.config, "num_experts", None) is None:
+            raise ValueError(
+                f"`expert_axis={expert_axis!r}` is for a mixture-of-experts model; this "
+                f"{type(self).__name__} has no experts to split. Pass `expert_axis=None`."
+            )
+
+    def _forward(
+        self, tokens, cp, kv_schedule, expert_axis: ExpertAxis = None
+    ) -> tuple[Array, RouterStats | None]:
         cp = layer_cp(cp, type(self).__name__)
+        self._check_expert_axis(expert_axis)
         tokens = check_tokens(tokens, self.config.vocab_size)
         experts = getattr(self.config, "num_experts", None)
         if tokens.shape[0] == 0:
@@ -166,7 +184,7 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
         x = jax.vmap(self.embed)(tokens)
         stats = None
         for layer in self.layers:
-            x, s = layer(x, cp, kv_schedule)
+            x, s = layer(x, cp, kv_schedule, expert_axis)
             if s is not None:
                 stats = s if stats is None else jax.tree.map(jnp.add, stats, s)
         return self._logits(x), stats
@@ -205,6 +223,7 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
         capacity: int | None = None,
         cp: ContextParallel | None = None,
         kv_schedule: KVSchedule = "allgather",
+        expert_axis: ExpertAxis = None,
     ) -> tuple[Float[Array, "seq vocab"], Qwen3_5Cache]: ...
 
     @overload
@@ -217,6 +236,7 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
         capacity: int | None = None,
         cp: ContextParallel | None = None,
         kv_schedule: KVSchedule = "allgather",
+        expert_axis: ExpertAxis = None,
     ) -> tuple[Float[Array, "seq vocab"], Qwen3_5Cache, Qwen3_5Checkpoints]: ...
 
     def prefill(
@@ -228,6 +248,7 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
         capacity: int | None = None,
         cp: ContextParallel | None = None,
         kv_schedule: KVSchedule = "allgather",
+        expert_axis: ExpertAxis = None,
     ) -> (
         tuple[Float[Array, "seq vocab"], Qwen3_5Cache]
         | tuple[Float[Array, "seq vocab"], Qwen3_5Cache, Qwen3_5Checkpoints]
@@ -246,7 +267,7 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
             generated); if `None`, the whole prompt's length plus 256, room for 256 tokens
             of `decode_step` (pass `capacity` for longer generations). Only without a
             `cache` (whose own capacity holds).
-        - `cp`, `kv_schedule`: as for `__call__`.
+        - `cp`, `kv_schedule`, `expert_axis`: as for `__call__`.
 
         **Returns:**
 
@@ -264,6 +285,7 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
         `checkpoint_every` more than the tokens (no checkpoint would fall in them).
         """
         cp = layer_cp(cp, type(self).__name__)
+        self._check_expert_axis(expert_axis)
         tokens = check_tokens(tokens, self.config.vocab_size)
         t = tokens.shape[0]
         if t == 0:
@@ -317,7 +339,9 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
         x = jax.vmap(self.embed)(tokens)
         states, saved = [], []
         for layer, state in zip(self.layers, cache.layers):
-            x, state, ckpt = layer.prefill(x, state, length, checkpoint_every, cp, kv_schedule)
+            x, state, ckpt = layer.prefill(
+                x, state, length, checkpoint_every, cp, kv_schedule, expert_axis
+            )
             states.append(state)
             saved.append(ckpt)
         new_cache = Qwen3_5Cache(tuple(states), length + total)

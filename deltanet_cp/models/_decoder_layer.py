@@ -10,7 +10,7 @@ from .._parallel import ContextParallel
 from ..nn._attention import CausalSelfAttention, KVCache
 from ..nn._gated_delta_net import GatedDeltaNet, GatedDeltaNetState
 from ..nn._hybrid import SwiGLU
-from ..nn._moe import RouterStats, SparseMoE
+from ..nn._moe import ExpertAxis, RouterStats, SparseMoE
 from ..nn._norm import ZeroCenteredRMSNorm
 from ..nn._schedule import KVSchedule
 from ._config import _QwenTextConfig, Qwen3_5Config, Qwen3_5MoeConfig, Qwen3NextConfig
@@ -92,24 +92,37 @@ class Qwen3_5DecoderLayer(eqx.Module):
             assert isinstance(c, (Qwen3_5Config, Qwen3NextConfig))
             self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, key=kmlp, dtype=dtype)
 
-    def _mlp(self, x) -> tuple[jax.Array, RouterStats | None]:
+    def _mlp(self, x, expert_axis: ExpertAxis = None) -> tuple[jax.Array, RouterStats | None]:
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, SparseMoE):
-            h, stats = self.mlp(h)
+            h, stats = self.mlp(h, expert_axis=expert_axis)
             return x + h, stats
         return x + jax.vmap(self.mlp)(h), None
 
     def __call__(
-        self, x, cp: ContextParallel | None, kv_schedule: KVSchedule
+        self,
+        x,
+        cp: ContextParallel | None,
+        kv_schedule: KVSchedule,
+        expert_axis: ExpertAxis = None,
     ) -> tuple[jax.Array, RouterStats | None]:
         h = self.input_layernorm(x)
         if isinstance(self.mixer, GatedDeltaNet):
             h = self.mixer(h, cp=cp)
         else:
             h = self.mixer(h, cp=cp, kv_schedule=kv_schedule)
-        return self._mlp(x + h)
+        return self._mlp(x + h, expert_axis)
 
-    def prefill(self, x, cache, length, checkpoint_every, cp, kv_schedule: KVSchedule):
+    def prefill(
+        self,
+        x,
+        cache,
+        length,
+        checkpoint_every,
+        cp,
+        kv_schedule: KVSchedule,
+        expert_axis: ExpertAxis = None,
+    ):
         h = self.input_layernorm(x)
         saved = None
         if isinstance(self.mixer, GatedDeltaNet):
@@ -118,7 +131,7 @@ class Qwen3_5DecoderLayer(eqx.Module):
         else:
             assert isinstance(cache, KVCache)
             h, cache = self.mixer.prefill(h, cache, length, cp=cp, kv_schedule=kv_schedule)
-        return self._mlp(x + h)[0], cache, saved
+        return self._mlp(x + h, expert_axis)[0], cache, saved
 
     def step(self, x, cache, position):
         h = self.input_layernorm(x)

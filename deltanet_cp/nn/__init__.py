@@ -13,6 +13,7 @@ from ._kimi_delta_attention import (
     KimiDeltaAttentionState as KimiDeltaAttentionState,
 )
 from ._moe import (
+    expert_partition_specs as expert_partition_specs,
     load_balancing_loss as load_balancing_loss,
     RouterStats as RouterStats,
     SparseMoE as SparseMoE,

@@ -1,14 +1,23 @@
 """A sparse mixture-of-experts feed-forward layer (Qwen3-Next / Qwen3.5 MoE): a softmax top-k
 router, SwiGLU experts run dropless as grouped matmuls, and a gated shared expert."""
 
+import functools as ft
+from typing import cast
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
+from .._sharding import cotangent_like, varying
 from .._validate import as_positive_index
 from ._hybrid import SwiGLU
+
+
+# The mesh axis (or axes) a layer's experts are split over inside `jax.shard_map`.
+ExpertAxis = str | tuple[str, ...] | None
 
 
 class RouterStats(eqx.Module):
@@ -57,15 +66,118 @@ def load_balancing_loss(stats: RouterStats) -> Float[Array, ""]:
     return stats.counts.shape[-1] * jnp.sum((stats.counts / n) * (stats.probabilities / n))
 
 
-def _grouped(x, w, group_sizes):
-    """`x[rows of group e] @ w[e].T` for every group `e`: `x` `(m, in)` sorted by group, `w`
-    `(groups, out, in)` (torch's layout); `(m, out)`."""
-    dims = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(([1], [2]), ([], [])),
-        lhs_ragged_dimensions=[0],
-        rhs_group_dimensions=[0],
+def _tile_rows(active_pairs: int, num_experts: int) -> int:
+    """Rows per tile of the routed experts' loop: the largest power of two up to 128 with
+    every expert's padding (less than one tile each) at most a quarter of the active
+    pairs, so the rows computed are at most 1.25x the routed ones; at least 8."""
+    tile = 128
+    while tile > 8 and 4 * num_experts * tile > active_pairs:
+        tile //= 2
+    return tile
+
+
+def _tile(n, group_sizes, tile: int):
+    """Tile `n` of the loop: its expert, first row (of the pairs sorted by expert) and how
+    many of its `tile` rows are that expert's."""
+    per = (group_sizes + tile - 1) // tile  # tiles per expert
+    ends = jnp.cumsum(per)
+    e = jnp.minimum(jnp.searchsorted(ends, n, side="right"), group_sizes.shape[0] - 1)
+    group_start = jnp.cumsum(group_sizes) - group_sizes
+    start = group_start[e] + (n - (ends[e] - per[e])) * tile
+    return e, start, group_start[e] + group_sizes[e] - start, ends[-1]
+
+
+def _rows(token, weight, x, start, valid, tile: int):
+    """The `tile` pairs from `start`: their tokens, weights, which are valid, and the
+    tokens' rows of `x` (zero where not valid)."""
+    idx = jax.lax.dynamic_slice_in_dim(token, start, tile)
+    wt = jax.lax.dynamic_slice_in_dim(weight, start, tile)
+    ok = jnp.arange(tile) < valid
+    return idx, wt, ok, jnp.where(ok[:, None], x[idx], 0)
+
+
+def _swiglu(xs, gate, up, down):
+    a, b = xs @ gate.T, xs @ up.T
+    return a, b, (jax.nn.silu(a) * b) @ down.T
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _routed(tile: int, x, token, weight, group_sizes, gate, up, down):
+    """`y[t] = sum_p weight[p] * expert_{e(p)}(x[t])` over the pairs `p` of token `t`.
+
+    `token` and `weight` hold the `(token, expert)` pairs sorted by expert, `group_sizes`
+    how many pairs each expert has (pairs after them are not computed), both padded by
+    `tile` at the end. A loop over tiles of `tile` pairs of one expert each: the rows
+    computed are the routed ones plus under one tile per expert (no product over every
+    expert, as XLA:CPU's `ragged_dot` lowering forms). float32 accumulation; `x`'s dtype out.
+    """
+    return _routed_fwd(tile, x, token, weight, group_sizes, gate, up, down)[0]
+
+
+def _routed_fwd(tile, x, token, weight, group_sizes, gate, up, down):
+    primals = (x, token, weight, group_sizes, gate, up, down)
+    total = _tile(0, group_sizes, tile)[3]
+
+    def body(n, y):
+        e, start, valid, _ = _tile(n, group_sizes, tile)
+        idx, wt, ok, xs = _rows(token, weight, x, start, valid, tile)
+        ys = _swiglu(xs, gate[e], up[e], down[e])[2].astype(jnp.float32)
+        return y.at[idx].add(jnp.where(ok[:, None], ys * wt[:, None].astype(jnp.float32), 0))
+
+    y = varying(jnp.zeros(x.shape, jnp.float32), primals)
+    y = jax.lax.fori_loop(0, total, body, y)
+    return y.astype(x.dtype), primals
+
+
+def _routed_bwd(tile, primals, dy):
+    x, token, weight, group_sizes, gate, up, down = primals
+    f32 = jnp.float32
+    total = _tile(0, group_sizes, tile)[3]
+
+    def body(n, acc):
+        dx, dw, dg, du, dd = acc
+        e, start, valid, _ = _tile(n, group_sizes, tile)
+        idx, wt, ok, xs = _rows(token, weight, x, start, valid, tile)
+        g, u, d = gate[e], up[e], down[e]
+        a, b, ys = _swiglu(xs, g, u, d)
+        s = jax.nn.silu(a)
+        dys = jnp.where(ok[:, None], dy[idx], 0)
+        old = jax.lax.dynamic_slice_in_dim(dw, start, tile)
+        dwt = jnp.sum(dys.astype(f32) * ys.astype(f32), axis=-1)
+        dw = jax.lax.dynamic_update_slice_in_dim(dw, jnp.where(ok, dwt, old), start, 0)
+        dyw = dys * wt[:, None].astype(dys.dtype)  # the cotangent of the expert's output
+        dh = dyw @ d
+        sig = jax.nn.sigmoid(a)
+        da = dh * b * (sig * (1 + a * (1 - sig)))
+        db = dh * s
+        dd = dd.at[e].add((dyw.T @ (s * b)).astype(f32))
+        dg = dg.at[e].add((da.T @ xs).astype(f32))
+        du = du.at[e].add((db.T @ xs).astype(f32))
+        dx = dx.at[idx].add(jnp.where(ok[:, None], da @ g + db @ u, 0).astype(f32))
+        return dx, dw, dg, du, dd
+
+    acc = (
+        jnp.zeros(x.shape, f32),
+        jnp.zeros(weight.shape, f32),
+        jnp.zeros(gate.shape, f32),
+        jnp.zeros(up.shape, f32),
+        jnp.zeros(down.shape, f32),
     )
-    return jax.lax.ragged_dot_general(x, w, group_sizes, dims)
+    acc = jax.lax.fori_loop(0, total, body, varying(acc, (*primals, dy)))
+    dx, dw, dg, du, dd = acc
+    cts = (
+        dx.astype(x.dtype),
+        None,
+        dw.astype(weight.dtype),
+        None,
+        dg.astype(gate.dtype),
+        du.astype(up.dtype),
+        dd.astype(down.dtype),
+    )
+    return cotangent_like(cts, primals)
+
+
+_routed.defvjp(_routed_fwd, _routed_bwd)
 
 
 class SwiGLUExperts(eqx.Module):
@@ -73,9 +185,17 @@ class SwiGLUExperts(eqx.Module):
     goes through the experts it is routed to.
 
     Dropless and at the routed FLOPs: the `(token, expert)` pairs are sorted by expert and
-    each projection is one grouped matmul (`jax.lax.ragged_dot_general`) over the sorted rows;
-    gradients flow to the weights, the tokens and the routing weights (not the choice of
-    experts, an integer).
+    a loop runs over tiles of one expert's pairs (up to 128 rows, fewer when the experts
+    are many for the tokens), so the rows computed are the routed ones plus under one tile
+    per expert, at most 1.25x the routed ones when the tokens times `top_k` are at least
+    32 per expert. Gradients (a hand-written backward over the same tiles) flow to the
+    weights, the tokens and the routing weights (not to the choice of experts, an integer);
+    forward-mode differentiation is not supported.
+
+    With `expert_axis`, the experts are split over the ranks of that mesh axis (or axes)
+    inside `jax.shard_map`: this module holds the rank's slice of them (`E / ranks`
+    experts, rank `r` the `r`-th, as `jax.shard_map` hands out a leaf sharded over the
+    axis on its first dimension: see [`deltanet_cp.nn.expert_partition_specs`][]).
     """
 
     gate_proj: Float[Array, "experts intermediate hidden"]
@@ -126,12 +246,19 @@ class SwiGLUExperts(eqx.Module):
         x: Float[Array, "seq hidden"],
         experts: Int[Array, "seq k"],
         weights: Float[Array, "seq k"],
+        *,
+        expert_axis: ExpertAxis = None,
     ) -> Float[Array, "seq hidden"]:
         """**Arguments:**
 
-        - `x`: the tokens.
-        - `experts`: the experts each token goes to, ids in `[0, E)`.
+        - `x`: the tokens (this rank's, with `expert_axis`).
+        - `experts`: the experts each token goes to, ids in `[0, E)` of all the experts.
         - `weights`: the weight of each of those experts' outputs.
+        - `expert_axis`: `None` (this module holds every expert), or the name (or a tuple
+            of names) of the mesh axes inside `jax.shard_map` the experts are split over:
+            the tokens of all those ranks are gathered, each rank runs its experts' pairs,
+            and the outputs are summed back onto the ranks of their tokens
+            (`jax.lax.all_gather`, then `jax.lax.psum_scatter`).
 
         **Returns:**
 
@@ -139,17 +266,29 @@ class SwiGLUExperts(eqx.Module):
         in `x`'s dtype.
         """
         t, k = experts.shape
-        flat = experts.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
-        rows = x[order // k]
-        h = jax.nn.silu(_grouped(rows, self.gate_proj, group_sizes)) * _grouped(
-            rows, self.up_proj, group_sizes
-        )
-        out = _grouped(h.astype(x.dtype), self.down_proj, group_sizes).astype(x.dtype)
-        out = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
-        out = out.reshape(t, k, -1) * weights.astype(x.dtype)[..., None]
-        return jnp.sum(out, axis=1)
+        held = self.num_experts
+        if expert_axis is None:
+            rank = 0
+        else:
+            x, experts, weights = (
+                jax.lax.all_gather(a, expert_axis, tiled=True) for a in (x, experts, weights)
+            )
+            rank = jax.lax.axis_index(expert_axis)
+        local = experts.reshape(-1) - rank * held
+        mine = (local >= 0) & (local < held)
+        local = jnp.where(mine, local, held)  # other ranks' pairs sort last, uncomputed
+        order = jnp.argsort(local, stable=True)
+        group_sizes = jnp.bincount(local, length=held + 1)[:held].astype(jnp.int32)
+        tile = _tile_rows(t * k, held)
+        token = jnp.pad((order // k).astype(jnp.int32), (0, tile))
+        weight = jnp.pad(jnp.where(mine, weights.reshape(-1), 0)[order], (0, tile))
+        y = cast(Array, _routed(tile, x, token, weight, group_sizes, *self._weights()))
+        if expert_axis is not None:
+            y = jax.lax.psum_scatter(y, expert_axis, tiled=True)
+        return y
+
+    def _weights(self):
+        return self.gate_proj, self.up_proj, self.down_proj
 
 
 class SparseMoE(eqx.Module):
@@ -235,19 +374,34 @@ class SparseMoE(eqx.Module):
         return probs, experts, top.astype(logits.dtype)
 
     def __call__(
-        self, x: Float[Array, "seq hidden"]
+        self, x: Float[Array, "seq hidden"], *, expert_axis: ExpertAxis = None
     ) -> tuple[Float[Array, "seq hidden"], RouterStats]:
         """**Arguments:**
 
-        - `x`: one sequence of tokens.
+        - `x`: one sequence of tokens (this rank's shard of it inside `jax.shard_map`).
+        - `expert_axis`: `None`, or the mesh axis (or tuple of axes) inside `jax.shard_map`
+            the routed experts are split over, `E / ranks` per rank (see
+            [`deltanet_cp.nn.SwiGLUExperts`][] and
+            [`deltanet_cp.nn.expert_partition_specs`][]). The tokens must be split over the
+            same axes (a context or a data axis, or both): each rank routes its own
+            tokens, the tokens of every rank of the axes are gathered, each rank runs its
+            experts' pairs and the outputs are summed back onto their ranks. The router
+            and the shared expert are whole on every rank.
 
         **Returns:**
 
         `(y, stats)`: the block's output, `x`'s shape and dtype, and the routing's
-        [`deltanet_cp.nn.RouterStats`][] over these tokens.
+        [`deltanet_cp.nn.RouterStats`][] over these tokens (this rank's).
+
+        **Raises:**
+
+        `ValueError` if `expert_axis` names no axis of the enclosing `jax.shard_map`, or if
+        its ranks times the experts this module holds are not the router's experts.
         """
+        if expert_axis is not None:
+            self._check_split(expert_axis)
         probs, experts, weights = self.route(x)
-        routed = self.experts(x, experts, weights)
+        routed = self.experts(x, experts, weights, expert_axis=expert_axis)
         shared = jax.vmap(self.shared_expert)(x)
         gate = jax.nn.sigmoid(x @ self.shared_expert_gate.weight.T)
         stats = RouterStats(
@@ -256,3 +410,55 @@ class SparseMoE(eqx.Module):
             tokens=jnp.asarray(x.shape[0], jnp.float32),
         )
         return routed + gate * shared, stats
+
+    def _check_split(self, expert_axis: str | tuple[str, ...]) -> None:
+        try:
+            ranks = jax.lax.axis_size(expert_axis)
+        except NameError:
+            raise ValueError(
+                f"`expert_axis={expert_axis!r}` names a mesh axis of an enclosing "
+                "`jax.shard_map`, and there is none of that name here. Call the layer inside "
+                "`jax.shard_map` over a mesh with that axis, or pass `expert_axis=None`."
+            ) from None
+        total, held = self.gate.weight.shape[0], self.experts.num_experts
+        if held * ranks != total:
+            hint = (
+                f"{total} experts cannot be split evenly over {ranks} ranks: use an expert "
+                f"axis whose size divides {total}"
+                if total % ranks
+                else f"pass the experts' weights sharded over {expert_axis!r} on their first "
+                "dimension (`in_specs` from `deltanet_cp.nn.expert_partition_specs`), "
+                f"{total // ranks} per rank"
+            )
+            raise ValueError(
+                f"The router has {total} experts and this rank holds {held}, over the "
+                f"{ranks} ranks of `expert_axis={expert_axis!r}`: {hint}."
+            )
+
+
+def expert_partition_specs(tree: PyTree, expert_axis: str | tuple[str, ...]) -> PyTree:
+    """The `jax.sharding.PartitionSpec` of every leaf of `tree` for experts split over
+    `expert_axis`: `P(expert_axis)` (the first dimension, the experts, sharded) for the
+    arrays of every [`deltanet_cp.nn.SwiGLUExperts`][] in `tree`, `P()` (replicated) for
+    every other leaf.
+
+    For `jax.shard_map`'s `in_specs` of a model's parameters (and `out_specs` of their
+    gradients), and to place them on a mesh so that no device holds every expert
+    (`jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))`).
+
+    **Arguments:**
+
+    - `tree`: a model, layer or its parameters (`equinox.partition(model, eqx.is_array)[0]`).
+    - `expert_axis`: the mesh axis (or tuple of axes) the experts are split over, as passed
+        to the layers and models.
+
+    **Returns:**
+
+    A pytree of `PartitionSpec`s with `tree`'s structure.
+    """
+
+    def spec(sub):
+        axis = expert_axis if isinstance(sub, SwiGLUExperts) else None
+        return jax.tree.map(lambda _: P() if axis is None else P(axis), sub)
+
+    return jax.tree.map(spec, tree, is_leaf=lambda x: isinstance(x, SwiGLUExperts))
