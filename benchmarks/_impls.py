@@ -13,9 +13,11 @@ K)`, `v: (B, T, HV, V)`, `g, beta: (B, T, HV)`):
 - `transformers`: Hugging Face's `torch_chunk_gated_delta_rule` (eager PyTorch, the raw
   function, not the hub-kernel wrapper);
 - `fla`: flash-linear-attention's Triton `chunk_gated_delta_rule` (CUDA only);
-- `family`: our other delta-family recurrences (Gated DeltaNet-2, the generalized delta
-  rule, Kimi Delta Attention) and jax-linear-attention's plain-JAX `gdn2`, on their own
-  inputs.
+- `family`: our other recurrences (Gated DeltaNet-2, the generalized delta rule, Kimi
+  Delta Attention, gated linear attention / Mamba-2, ...) and jax-linear-attention's
+  plain-JAX `gdn2`, on their own inputs;
+- `square_rates`: the machine's float32 matmul rate on large square products, through
+  XLA and through numpy's BLAS (the yardstick beside the implementations' rates).
 
 MaxText and jla take q and k with as many heads as v: they get them repeated (value head
 `j` reads key head `j // (HV / H)`, as Qwen3-Next does); the others broadcast themselves.
@@ -297,6 +299,55 @@ def matmul_rate(d: int, dtype, *, batch: int = 512, rows: int = 64, calls: int =
     return 2.0 * batch * rows * d * d / best
 
 
+def square_rates(backend: str, sizes, *, calls: int = 3) -> dict:
+    """This process's float32 FLOP/s on large square products `(n, n) x (n, n)`: through
+    XLA (`backend="xla"`, `jax.jit` of `a @ b` at `Precision.HIGHEST`) or numpy's BLAS
+    (`"numpy"`), per `n` in `sizes` the best of `calls` timed calls after an untimed one.
+    The CPU's matmul rate where a product is large enough to reach it.
+
+    **Returns:**
+
+    `{"what": <the library and its version>, "rates": {str(n): FLOP/s}}`.
+    """
+    rng = np.random.default_rng(3)
+    if backend == "xla":
+        import jax
+        import jax.numpy as jnp
+
+        f = jax.jit(lambda a, b: jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST))
+        what = f"XLA (jaxlib {jax.__version__}, jax.jit of a @ b)"
+
+        def product(a, b):
+            return jax.block_until_ready(f(a, b))
+
+        def array(x):
+            return jnp.asarray(x)
+
+    elif backend == "numpy":
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]  # pyright: ignore
+        what = f"numpy {np.__version__} ({blas.get('name', '?')} {blas.get('version', '')})"
+
+        def product(a, b):
+            return a @ b
+
+        def array(x):
+            return x
+
+    else:
+        raise ValueError(f"no backend called {backend!r}: 'xla' or 'numpy'")
+    rates = {}
+    for n in sizes:
+        a, b = (array(rng.standard_normal((n, n), dtype=np.float32)) for _ in range(2))
+        product(a, b)
+        best = float("inf")
+        for _ in range(calls):
+            start = time.perf_counter()
+            product(a, b)
+            best = min(best, time.perf_counter() - start)
+        rates[str(n)] = 2.0 * n**3 / best
+    return {"what": what, "rates": rates}
+
+
 def ours(**case) -> Prepared:
     """Ours on one device (`deltanet_cp.chunk_gated_delta_rule`)."""
     return _jax("ours", **case)
@@ -326,6 +377,10 @@ def _family_inputs(kind: str, b: int, t: int, h: int, hv: int, d: int) -> list:
         return (-np.log1p(np.exp(normal(*shape)))).astype(np.float32)
 
     q, k, v = normal(b, t, h, d), normal(b, t, h, d), normal(b, t, hv, d)
+    if kind == "gla":  # a decay per key channel
+        return [q, k, v, log_decay(b, t, hv, d)]
+    if kind == "mamba2":  # a decay per head
+        return [q, k, v, log_decay(b, t, hv)]
     if kind == "gdn":
         return [q, k, v, log_decay(b, t, hv), sigmoid(normal(b, t, hv))]
     if kind == "kda":
@@ -350,10 +405,11 @@ def _family_inputs(kind: str, b: int, t: int, h: int, hv: int, d: int) -> list:
 
 
 def family(*, kind: str, b, t, h, hv, d, chunk=64, passes=PASSES, **kw) -> Prepared:
-    """One recurrence of the delta family on one device, float32: ours (`kind` gdn, kda,
-    gdn2, dplr, precond_gdn, precond_kda or momentum: `chunk_gated_delta_rule`,
-    `chunk_kda`, `chunk_gdn2`, `chunk_dplr_delta_rule` with RWKV-7-like
-    inputs, `chunk_precond_gated_delta_rule`, `chunk_precond_kda`,
+    """One of our recurrences on one device, float32: ours (`kind` gdn, kda, gdn2, dplr,
+    gla, mamba2, precond_gdn, precond_kda or momentum: `chunk_gated_delta_rule`,
+    `chunk_kda`, `chunk_gdn2`, `chunk_dplr_delta_rule` with RWKV-7-like inputs,
+    `chunk_gla` with a decay per key channel or per head,
+    `chunk_precond_gated_delta_rule`, `chunk_precond_kda`,
     `chunk_momentum_delta_rule` with FLA's defaults) or jax-linear-attention's
     `jla.ops.chunked.gdn2` (`jla_gdn2`, q and k repeated to `hv` heads)."""
     import jax.numpy as jnp
@@ -394,6 +450,8 @@ def family(*, kind: str, b, t, h, hv, d, chunk=64, passes=PASSES, **kw) -> Prepa
                 "gdn": dcp.chunk_gated_delta_rule,
                 "kda": dcp.chunk_kda,
                 "gdn2": dcp.chunk_gdn2,
+                "gla": dcp.chunk_gla,
+                "mamba2": dcp.chunk_gla,
             }[kind]
 
             def forward(*args):

@@ -19,9 +19,14 @@ Prints, per shape: medians (ms) and our speedup over each peer; each implementat
 forward+backward / forward; the matmul FLOPs of each JAX implementation's compiled program
 (every `dot`, loop bodies times their trips) and the rate it achieves, beside the machine's
 float32 matmul rate on the same kind of products measured in the same worker (the CPU's
-limit for this work); the largest relative difference of each peer's outputs from ours; and
-the machine's load; then the compiled temporaries per token. Needs the environment of
-`make bench`.
+limit for this work) and as a share of the machine's rate on large square products; the
+largest relative difference of each peer's outputs from ours; and the machine's load; then
+the compiled temporaries per token. Needs the environment of `make bench`.
+
+The yardstick: after the implementations, in the same run, this CPU's float32 matmul rate
+on large square products (2048 x 2048 and 4096 x 4096; 512 and 1024 with `--quick`), through
+XLA (`jax.jit` of `a @ b`) and through numpy's BLAS, each in a process of its own with
+nothing else of the run alive: what a matmul can reach here when it is large.
 
 With `--family`, the same tables for our other recurrences against our Gated DeltaNet, and
 Gated DeltaNet-2 against jax-linear-attention's plain-JAX `gdn2` (`_impls.family`), at
@@ -33,8 +38,10 @@ allows it, which is all of ours; jla gets them repeated to 32), T = 2048:
 - `GDN-2`: `deltanet_cp.chunk_gdn2(q, k, v, g, b, w, use_qk_l2norm=True)`;
 - `DPLR`: `deltanet_cp.chunk_dplr_delta_rule(q, k, v, a, b, gk)`, RWKV-7-like inputs
   (`a = -kk`, `b = kk * sigmoid(.)`, `kk` unit vectors; `gk` per value head);
+- `GLA`: `deltanet_cp.chunk_gla(q, k, v, g, use_qk_l2norm=True)`, a decay per key channel;
+- `Mamba-2`: the same with a decay per head (Mamba-2 / SSD-like);
 - `jla GDN-2`: jax-linear-attention 0.1.0's `jla.ops.chunked.gdn2`, the same inputs as
-  ours (`--only GDN,GDN-2,DPLR` runs without the bench environment);
+  ours (`--only GDN,GDN-2,DPLR,GLA,Mamba-2` runs without the bench environment);
 - `precond GDN`, `precond KDA`: `deltanet_cp.chunk_precond_gated_delta_rule` and
   `deltanet_cp.chunk_precond_kda` (`use_qk_l2norm=True`; the preconditioner with `H` heads,
   its final state unused), two engine runs each.
@@ -49,7 +56,9 @@ allows it, which is all of ours; jla gets them repeated to 32), T = 2048:
 """
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -82,6 +91,8 @@ FAMILY = {
     "KDA": Impl("KDA", "_impls:family", {"kind": "kda"}),
     "GDN-2": Impl("GDN-2", "_impls:family", {"kind": "gdn2"}),
     "DPLR": Impl("DPLR", "_impls:family", {"kind": "dplr"}),
+    "GLA": Impl("GLA", "_impls:family", {"kind": "gla"}),
+    "Mamba-2": Impl("Mamba-2", "_impls:family", {"kind": "mamba2"}),
     "jla GDN-2": Impl("jla GDN-2", "_impls:family", {"kind": "jla_gdn2"}),
     "precond GDN": Impl("precond GDN", "_impls:family", {"kind": "precond_gdn"}),
     "precond KDA": Impl("precond KDA", "_impls:family", {"kind": "precond_kda"}),
@@ -92,6 +103,42 @@ FAMILY_QUICK = [("tiny: H=2, HV=4, K=V=32, T=256", 1, 256, 2, 4, 32, 3)]
 # Whose outputs each implementation's are compared with (the same function of the inputs).
 SAME = {"MaxText": "ours", "jla": "ours", "transformers": "ours", "jla GDN-2": "GDN-2"}
 CHUNK = 64
+SQUARES = (2048, 4096)  # the yardstick's square products, n x n times n x n
+SQUARES_QUICK = (512, 1024)
+BACKENDS = {"xla": "XLA", "numpy": "BLAS"}
+
+
+def square_rates(sizes, deadline: float) -> dict:
+    """The machine's float32 matmul rate on square products of `sizes`, per backend (`xla`,
+    `numpy`), each measured in a fresh process (`_impls.square_rates`): `{backend: {"what":
+    ..., "rates": {str(n): FLOP/s}}}`, a backend missing if its process failed or the run's
+    budget is spent."""
+    out = {}
+    for backend in BACKENDS:
+        left = deadline - time.monotonic()
+        if left < 30:
+            print(f"  {backend} squares: skipped, the run's budget is spent")
+            continue
+        code = (
+            "import json, _impls; "
+            f"print(json.dumps(_impls.square_rates({backend!r}, {list(sizes)!r})))"
+        )
+        try:
+            run = subprocess.run(
+                [sys.executable, "-c", code],
+                cwd=HERE,
+                capture_output=True,
+                text=True,
+                timeout=max(left, 30),
+            )
+        except subprocess.TimeoutExpired:
+            print(f"  {backend} squares: timeout")
+            continue
+        if run.returncode:
+            print(f"  {backend} squares failed: {run.stderr.strip().splitlines()[-1:]}")
+            continue
+        out[backend] = json.loads(run.stdout.strip().splitlines()[-1])
+    return out
 
 
 def main() -> int:
@@ -105,6 +152,9 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=900, help="seconds for the whole run")
     parser.add_argument("--hang-after", type=float, default=30, help="seconds without CPU time")
     parser.add_argument("--retries", type=int, default=1, help="restarts of a hung worker")
+    parser.add_argument(
+        "--squares", default=None, help="comma-separated sizes n of the yardstick's n x n products"
+    )
     args = parser.parse_args()
 
     impls = FAMILY if args.family else IMPLS
@@ -149,6 +199,14 @@ def main() -> int:
             loads = [x for n in names for x in res.outcomes[n].loads if x is not None]
             during = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "-"
             print(f"  done; load average during the rounds {during}; {machine_line()}")
+
+    sizes = [int(n) for n in args.squares.split(",")] if args.squares else None
+    sizes = sizes or (SQUARES_QUICK if args.quick else SQUARES)
+    print(f"square products {', '.join(f'{n}x{n}' for n in sizes)}:", flush=True)
+    squares = square_rates(sizes, start + args.budget)
+    print(f"  done; {machine_line()}")
+    # Per backend, the best rate over the sizes: what a large product reaches here.
+    peak = {b: max(squares[b]["rates"].values()) for b in squares}
 
     info = {}
     for _, res in results:
@@ -233,13 +291,31 @@ def main() -> int:
                 rate_rows.append(
                     [label, n, p, f"{flops / 1e9:.2f}", f"{sec * 1e3:.0f}", f"{achieved / 1e9:.1f}"]
                     + [f"{rate / 1e9:.1f}", f"{achieved / rate:.0%}"]
+                    + [f"{achieved / peak[b]:.0%}" if b in peak else "-" for b in BACKENDS]
                 )
     print_table(
+        ["square product", *(BACKENDS[b] + " GFLOP/s" for b in BACKENDS)],
+        [
+            [f"{n} x {n}"]
+            + [
+                f"{squares[b]['rates'][str(n)] / 1e9:.1f}" if b in squares else "-"
+                for b in BACKENDS
+            ]
+            for n in sizes
+        ],
+        title="The yardstick: this CPU's float32 matmul rate on large square products, the "
+        "best of 3 calls, each backend in a process of its own after the implementations ("
+        + "; ".join(f"{BACKENDS[b]}: {squares[b]['what']}" for b in squares)
+        + ")",
+    )
+    print_table(
         ["shape", "implementation", "pass", "matmul GFLOP", "ms", "GFLOP/s"]
-        + ["machine's matmul GFLOP/s", "of the machine's rate"],
+        + ["machine's matmul GFLOP/s", "of the machine's rate"]
+        + [f"of {BACKENDS[b]}'s square rate" for b in BACKENDS],
         rate_rows,
         title="Matmul work and the rate achieved (JAX implementations; the machine's rate: "
-        "batched float32 (64, K) x (K, K) products, HIGHEST, in the same worker)",
+        "batched float32 (64, K) x (K, K) products, HIGHEST, in the same worker; the square "
+        "rates: the best of the yardstick's sizes per backend)",
     )
     if compared:
         print_table(

@@ -15,7 +15,7 @@ import pytest
 import deltanet_cp as dcp
 
 from .helpers import rel_err
-from .registry import DELTA_FAMILIES, FAMILIES
+from .registry import FAMILIES
 
 
 def _block(family, dtype, *, n=3, c=8):
@@ -57,8 +57,10 @@ def _both_cotangents(recurrence, f, h, d_next, d_out):
 
 def _cotangent_cases():
     # float32 for every family; float64 for the gated delta rule and KDA (a decay per head
-    # and per channel), the other families' float64 cases in the slow run.
-    quick = ("gated_delta_rule", "kimi_delta_attention")
+    # and per channel), gated linear attention and the generalized delta rule (their own
+    # hand-written cotangents; about 1 s each, one program per case), the other families'
+    # float64 cases in the slow run.
+    quick = ("gated_delta_rule", "kimi_delta_attention", "gla", "dplr")
     return [
         pytest.param(
             family,
@@ -73,7 +75,7 @@ def _cotangent_cases():
 
 @pytest.mark.parametrize("family, dtype", _cotangent_cases())
 def test_factor_cotangents_match_autodiff(family, dtype):
-    # A recurrence's own `factor_cotangents` (hand-written for the delta family) against the
+    # A recurrence's own `factor_cotangents` (hand-written for the built-in ones) against the
     # default, `step`'s VJP in its factors mapped over the chunks.
     with jax.enable_x64(dtype == jnp.float64):
         recurrence, f, h, d_next, d_out = _block(family, dtype)
@@ -84,7 +86,8 @@ def test_factor_cotangents_match_autodiff(family, dtype):
             assert rel_err(g, w) <= tol
 
 
-def test_delta_family_overrides_factor_cotangents():
-    for family in DELTA_FAMILIES:
+def test_recurrences_override_factor_cotangents():
+    # Every built-in recurrence writes its factors' cotangents out (no mapped `jax.vjp`).
+    for family in FAMILIES:
         cls = type(family.configuration(8))
         assert cls.factor_cotangents is not dcp.AbstractRecurrence.factor_cotangents, family

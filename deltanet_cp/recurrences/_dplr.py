@@ -182,6 +182,31 @@ class DPLRDeltaRule(AbstractRecurrence[DPLRInputs, DPLRFactors, AffineMap]):
         h_next = f.gamma[..., None] * h + reads
         return h_next + f.U, o
 
+    def factor_cotangents(
+        self,
+        factors: DPLRFactors,
+        states: Float[Array, "n b h k v"],
+        d_next: Float[Array, "n b h k v"],
+        d_outputs: Float[Array, "n b c h v"],
+    ) -> DPLRFactors:
+        # `step`'s VJP in its factors as batched products over the block's chunks: the
+        # reads' share r = w h again, d b~^T = d_next r^T, d[w; q'] = [b~ d_next; d o] h^T,
+        # d U = d_next, d gamma = rows of d_next . h.
+        f = factors
+        p = f.precision
+        reads = einsum("nbhck,nbhkv->nbhcv", f.w, states, precision=p)
+        d_o = jnp.swapaxes(d_outputs, 2, 3)  # (N, B, HV, C, V)
+        d_reads = einsum("nbhkc,nbhkv->nbhcv", f.b_decayed_t, d_next, precision=p)
+        d_y = jnp.concatenate([d_reads, d_o], axis=-2)
+        return DPLRFactors(
+            wq=einsum("nbhcv,nbhkv->nbhck", d_y, states, precision=p),
+            o_intra=d_outputs,
+            b_decayed_t=einsum("nbhkv,nbhcv->nbhkc", d_next, reads, precision=p),
+            U=d_next,
+            gamma=jnp.sum(d_next * states, axis=-1),
+            precision=p,
+        )
+
     def chunk_map(self, factors: DPLRFactors) -> AffineMap:
         f = factors  # the maps and their composition at Precision.HIGHEST under every policy
         dk = f.wq.shape[-1]

@@ -135,6 +135,27 @@ class GatedLinearAttention(
         write = einsum("bhkc,bhcv->bhkv", f.k_decayed_t, f.v, precision=p)
         return f.gamma[..., :, None] * h + write, o + f.o_intra
 
+    def factor_cotangents(
+        self,
+        factors: GatedLinearAttentionFactors,
+        states: Float[Array, "n b h k v"],
+        d_next: Float[Array, "n b h k v"],
+        d_outputs: Float[Array, "n b c h v"],
+    ) -> GatedLinearAttentionFactors:
+        # `step`'s VJP in its factors as batched products over the block's chunks:
+        # d q_g = d o h^T, d k~^T = d_next v^T, d v = k~ d_next, d gamma = rows of d_next . h.
+        f = factors
+        p = f.precision
+        d_o = jnp.swapaxes(d_outputs, 2, 3)  # (N, B, HV, C, V)
+        return GatedLinearAttentionFactors(
+            v=einsum("nbhkc,nbhkv->nbhcv", f.k_decayed_t, d_next, precision=p),
+            o_intra=d_outputs,
+            q_decayed=einsum("nbhcv,nbhkv->nbhck", d_o, states, precision=p),
+            k_decayed_t=einsum("nbhkv,nbhcv->nbhkc", d_next, f.v, precision=p),
+            gamma=jnp.sum(d_next * states, axis=-1),
+            precision=p,
+        )
+
     def chunk_map(self, factors: GatedLinearAttentionFactors) -> DiagonalAffineMap:
         f = factors  # at Precision.HIGHEST under every policy, as the maps' composition
         return DiagonalAffineMap(f.gamma, einsum("bhkc,bhcv->bhkv", f.k_decayed_t, f.v))
