@@ -71,12 +71,15 @@ class Prepared:
 @dataclasses.dataclass(frozen=True)
 class Impl:
     """One implementation: a table label, its factory (`module:function` in `benchmarks/`),
-    keyword arguments for every call of it, and extra environment for its worker."""
+    keyword arguments for every call of it, extra environment for its worker, and the
+    Python interpreter its worker runs in (`None`: the driver's, e.g. a virtualenv with
+    torch for a PyTorch peer when the driver's has none)."""
 
     name: str
     factory: str
     kwargs: dict = dataclasses.field(default_factory=dict)
     env: dict = dataclasses.field(default_factory=dict)
+    python: str | None = None
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -178,8 +181,9 @@ class Worker:
         env.update(extra_env or {})
         env.update(impl.env)
         spec = {"factory": impl.factory, "kwargs": impl.kwargs}
+        python = impl.python or sys.executable
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
+            [python, os.path.abspath(__file__), "--worker", json.dumps(spec)],
             cwd=HERE,
             env=env,
             stdin=subprocess.PIPE,
