@@ -220,7 +220,27 @@ def ours(*, t, h, e, k, i, s) -> Prepared:
     def forward(params, x):
         return eqx.combine(params, static)(x)[0]
 
-    return _jax_prepared(forward, params, jnp.asarray(x), jnp.asarray(dy), dcp.__version__)
+    prepared = _jax_prepared(forward, params, jnp.asarray(x), jnp.asarray(dy), dcp.__version__)
+    _executed_routed_flops(prepared.info, moe, jnp.asarray(x), t=t, h=h, e=e, k=k, i=i)
+    return prepared
+
+
+def _executed_routed_flops(info: dict, moe, x, *, t, h, e, k, i, split: int = 1) -> None:
+    """Our routed experts run a loop over tiles whose trip count depends on the routing, so
+    the compiled program holds its body once and no trip count: count the tiles each rank
+    runs from the routing of `x`, times a tile's products (three forward; six more backward,
+    the forward's two projections kept). Per device: the busiest rank's."""
+    from deltanet_cp.nn._moe import _tile_rows
+
+    held = e // split
+    tile = _tile_rows(t // split * k, held)
+    experts = np.asarray(moe.route(x)[1]).ravel()
+    counts = np.bincount(experts, minlength=e).reshape(split, held)
+    tiles = int(np.max(np.sum(-(-counts // tile), axis=1)))
+    per_product = tiles * tile * 2 * h * i
+    info["routed_flops fwd"] = 3 * per_product
+    info["routed_flops fwd+bwd"] = 9 * per_product
+    info["tiles"] = f"{tiles} tiles of {tile} rows"
 
 
 def ragged_dot(*, t, h, e, k, i, s) -> Prepared:
@@ -357,4 +377,5 @@ def ours_ep(*, t, h, e, k, i, s, split: int) -> Prepared:
     def outputs():
         return {"y": np.asarray(jax.jit(forward)(place, xs), np.float32)}
 
+    _executed_routed_flops(info, moe, jnp.asarray(x), t=t, h=h, e=e, k=k, i=i, split=split)
     return Prepared(calls, outputs, info)

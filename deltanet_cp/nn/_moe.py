@@ -115,21 +115,37 @@ def _routed(tile: int, x, token, weight, group_sizes, gate, up, down):
 
 
 def _routed_fwd(tile, x, token, weight, group_sizes, gate, up, down):
+    """The output, and as residuals the inputs and every pair's two projections (`gate`
+    and `up`, in pair order): the backward then forms only the products autodiff would."""
     primals = (x, token, weight, group_sizes, gate, up, down)
     total = _tile(0, group_sizes, tile)[3]
 
-    def body(n, y):
+    def body(n, carry):
+        y, pa, pb = carry
         e, start, valid, _ = _tile(n, group_sizes, tile)
         idx, wt, ok, xs = _rows(token, weight, x, start, valid, tile)
-        ys = _swiglu(xs, gate[e], up[e], down[e])[2].astype(jnp.float32)
-        return y.at[idx].add(jnp.where(ok[:, None], ys * wt[:, None].astype(jnp.float32), 0))
+        a, b, ys = _swiglu(xs, gate[e], up[e], down[e])
+        keep = ok[:, None]
+        pa = _put_rows(pa, jnp.where(keep, a, 0), start, keep)
+        pb = _put_rows(pb, jnp.where(keep, b, 0), start, keep)
+        ys = ys.astype(jnp.float32) * wt[:, None].astype(jnp.float32)
+        return y.at[idx].add(jnp.where(keep, ys, 0)), pa, pb
 
-    y = varying(jnp.zeros(x.shape, jnp.float32), primals)
-    y = jax.lax.fori_loop(0, total, body, y)
-    return y.astype(x.dtype), primals
+    rows = (token.shape[0], gate.shape[1])
+    carry = (jnp.zeros(x.shape, jnp.float32), jnp.zeros(rows, x.dtype), jnp.zeros(rows, x.dtype))
+    y, pa, pb = jax.lax.fori_loop(0, total, body, varying(carry, primals))
+    return y.astype(x.dtype), (primals, pa, pb)
 
 
-def _routed_bwd(tile, primals, dy):
+def _put_rows(array, rows, start, keep):
+    """`array` with `rows` written from row `start` where `keep` (a tile's last rows may
+    be the next expert's, written by its own tile)."""
+    old = jax.lax.dynamic_slice_in_dim(array, start, rows.shape[0])
+    return jax.lax.dynamic_update_slice_in_dim(array, jnp.where(keep, rows, old), start, 0)
+
+
+def _routed_bwd(tile, residuals, dy):
+    primals, pa, pb = residuals
     x, token, weight, group_sizes, gate, up, down = primals
     f32 = jnp.float32
     total = _tile(0, group_sizes, tile)[3]
@@ -138,22 +154,26 @@ def _routed_bwd(tile, primals, dy):
         dx, dw, dg, du, dd = acc
         e, start, valid, _ = _tile(n, group_sizes, tile)
         idx, wt, ok, xs = _rows(token, weight, x, start, valid, tile)
-        g, u, d = gate[e], up[e], down[e]
-        a, b, ys = _swiglu(xs, g, u, d)
+        keep = ok[:, None]
+        a = jax.lax.dynamic_slice_in_dim(pa, start, tile)
+        b = jax.lax.dynamic_slice_in_dim(pb, start, tile)
         s = jax.nn.silu(a)
-        dys = jnp.where(ok[:, None], dy[idx], 0)
-        old = jax.lax.dynamic_slice_in_dim(dw, start, tile)
-        dwt = jnp.sum(dys.astype(f32) * ys.astype(f32), axis=-1)
-        dw = jax.lax.dynamic_update_slice_in_dim(dw, jnp.where(ok, dwt, old), start, 0)
-        dyw = dys * wt[:, None].astype(dys.dtype)  # the cotangent of the expert's output
-        dh = dyw @ d
+        h = s * b
+        dys = jnp.where(keep, dy[idx], 0)
+        # The cotangent of the expert's output is `wt * dys`: through the down projection,
+        # `wt * (dys @ down)`; the routing weight's, `dys . (h @ down.T) = (dys @ down) . h`.
+        back = dys @ down[e]
+        dwt = jnp.sum(back.astype(f32) * h.astype(f32), axis=-1)
+        dw = _put_rows(dw, dwt, start, ok)
+        w = wt[:, None].astype(dys.dtype)
+        dh = back * w
         sig = jax.nn.sigmoid(a)
         da = dh * b * (sig * (1 + a * (1 - sig)))
         db = dh * s
-        dd = dd.at[e].add((dyw.T @ (s * b)).astype(f32))
+        dd = dd.at[e].add(((dys * w).T @ h).astype(f32))
         dg = dg.at[e].add((da.T @ xs).astype(f32))
         du = du.at[e].add((db.T @ xs).astype(f32))
-        dx = dx.at[idx].add(jnp.where(ok[:, None], da @ g + db @ u, 0).astype(f32))
+        dx = dx.at[idx].add(jnp.where(keep, da @ gate[e] + db @ up[e], 0).astype(f32))
         return dx, dw, dg, du, dd
 
     acc = (
