@@ -50,6 +50,26 @@ class AbstractRecurrence(eqx.Module, Generic[_Inputs, _Factors, _Map]):
     The engine pads the time axis with zeros to whole chunks: a token whose inputs are all
     zero must leave the state unchanged.
 
+    **Non-finite inputs.** A NaN or infinite input must not reach earlier tokens through a
+    chunk's products (zero times NaN is NaN), so the engine forms a chunk from zeros where
+    a token's input is not finite and adds NaN back to the outputs from that token on and
+    to the state after it. Two declarations on a field of the inputs module (an
+    `eqx.Module` whose fields are arrays) refine this; the engine reads them from the
+    field's metadata:
+
+    - `eqx.field(metadata={"log_decay": True})`: a log decay. `-inf` there is a legal
+        value, a decay of zero (the state forgotten), and reaches the recurrence as it is;
+        `prepare` and `step` must take it (finite outputs), and a value above zero is
+        refused where the values are concrete. Without the declaration `-inf` is a
+        non-finite input: NaN from that token on.
+    - `eqx.field(metadata={"output_only": True})`: a value that reaches only its own
+        token's outputs, not the state or other tokens (a query): a non-finite value there
+        makes only that token's outputs NaN.
+
+    [`deltanet_cp.testing.check_recurrence`][] checks both declarations against `step`
+    (its check `"declarations"`), and tells a field whose `step` takes `-inf` but which
+    is not declared a log decay.
+
     The state is `(B, ..., K, V)`, and its row axis `K` may be any size the recurrence
     needs, not only the key size: two `K x V` matrices stacked as rows, a momentum and a
     state $[M; S]$, are one `(B, H, 2K, V)` state whose chunk maps are `(2K, 2K)`.

@@ -88,7 +88,14 @@ def check_recurrence(
         and final state through [`deltanet_cp.run`][] (whose backward the engine writes by
         hand) equals `jax.grad` through a plain `lax.scan` of `unchunked`'s `step`, token by
         token, for every floating input and the initial state.
-    8. `"cp=N, layout"`: for each `N` in `cp` and each layout, [`deltanet_cp.run`][] with
+    8. `"declarations"`: the inputs' field declarations (see
+        [`deltanet_cp.AbstractRecurrence`][], *Non-finite inputs*) agree with `step`: a
+        field declared a log decay with `-inf` at one token gives finite outputs equal to a
+        plain `lax.scan` of `step`; a floating field not declared one, whose `step` takes
+        `-inf` at that token to finite outputs, is reported (the engine would turn that
+        token's `-inf` into NaN outputs); a field declared `output_only` changed at one
+        token changes no other token's outputs and not the state.
+    9. `"cp=N, layout"`: for each `N` in `cp` and each layout, [`deltanet_cp.run`][] with
         a [`deltanet_cp.ContextParallel`][] over a mesh of `N` devices equals one device,
         outputs, final state and (if `gradients`) gradients. The inputs are zero-padded to
         a multiple of the layout's pieces. Skipped, with a warning that says how to get the
@@ -258,7 +265,10 @@ def check_recurrence(
             _scan_grads(unchunked, diff, static, h0, weights),
         )
 
-    # 8. Context parallelism against one device.
+    # 8. The inputs' declarations (log decays, output-only fields) against `step`.
+    _check_declarations(recurrence, inputs, h0, weights, compare, name)
+
+    # 9. Context parallelism against one device.
     for devices in cp:
         available = len(jax.devices())
         if available < devices:
@@ -287,6 +297,65 @@ def check_recurrence(
             if gradients:
                 compare(check, what + "gradients (inputs, initial state)", grads_cp, grads)
     return errors
+
+
+def _check_declarations(recurrence, inputs, h0, weights, compare, name: str) -> None:
+    """Check 8 of `check_recurrence`: each floating field of `inputs` changed at one token
+    (batch row 0, the first token of the second chunk), against a plain scan of `step`."""
+    if not dataclasses.is_dataclass(inputs):
+        return
+    token = recurrence.chunk_size
+    for field in dataclasses.fields(inputs):
+        x = getattr(inputs, field.name)
+        if not eqx.is_inexact_array(x):
+            continue
+        decay = bool(field.metadata.get("log_decay", False))
+        changed = _with(inputs, field.name, x.at[0, token].set(-jnp.inf))
+        diff, static = eqx.partition(changed, eqx.is_inexact_array)
+        stepped = _scan(recurrence, diff, static, h0)
+        finite = all(bool(jnp.all(jnp.isfinite(y))) for y in jax.tree.leaves(stepped))
+        if decay:
+            what = (
+                f"`{field.name}` is declared a log decay, so -inf (a decay of zero) at token "
+                f"{token} must run: deltanet_cp.run({name}(...)) must equal a plain lax.scan "
+                "of its step"
+            )
+            if not finite:
+                raise RecurrenceCheckError(
+                    "declarations",
+                    f"{what}, and the scan's outputs or final state are not finite. Make "
+                    f"step take -inf in `{field.name}` as a decay of zero, or drop the "
+                    "declaration.",
+                )
+            (o, final), _ = _engine(recurrence, diff, static, h0, weights, False)
+            compare("declarations", what + ": outputs", o, stepped[0])
+            compare("declarations", what + ": final state", final, stepped[1])
+        elif finite:
+            raise RecurrenceCheckError(
+                "declarations",
+                f"{name}.step takes -inf in `{field.name}` (at token {token}) to finite outputs, "
+                f"as a log decay, but `{field.name}` is not declared one: the engine treats "
+                "-inf there as a non-finite input and returns NaN from that token on. Declare "
+                f'it with `{field.name}: ... = eqx.field(metadata={{"log_decay": True}})`.',
+            )
+        if field.metadata.get("output_only", False):
+            moved = _with(inputs, field.name, x.at[0, token].add(1.0))
+            before = _scan(recurrence, *eqx.partition(inputs, eqx.is_inexact_array), h0)
+            after = _scan(recurrence, *eqx.partition(moved, eqx.is_inexact_array), h0)
+            what = (
+                f"`{field.name}` is declared output_only, so changing it at token {token} must "
+                "change only that token's outputs: "
+            )
+            others = jnp.arange(_batch_and_length(inputs)[1]) != token
+            for y0, y1 in zip(jax.tree.leaves(before[0]), jax.tree.leaves(after[0])):
+                compare(
+                    "declarations", what + "other tokens' outputs", y1[:, others], y0[:, others]
+                )
+            compare("declarations", what + "the final state", after[1], before[1])
+
+
+def _with(inputs: Any, name: str, value: Array) -> Any:
+    return eqx.tree_at(lambda i: getattr(i, name), inputs, value)
 
 
 def _is_int(value: Any) -> bool:

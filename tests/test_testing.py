@@ -72,7 +72,7 @@ def test_builtin_recurrences_pass(family: Family):
         cp=(2,) if fast else (2, 4),
     )
     checks = ["shapes", "zero token", "affine step", "chunk_map", "compose", "chunked"]
-    checks += ["gradients", "cp=2, Contiguous", "cp=2, Zigzag"]
+    checks += ["gradients", "declarations", "cp=2, Contiguous", "cp=2, Zigzag"]
     if not fast:
         checks += ["cp=4, Contiguous", "cp=4, Zigzag"]
     assert list(errors) == checks
@@ -215,3 +215,42 @@ def test_run_names_step_for_a_wrong_state_dtype():
 def test_run_names_state_without_the_batch():
     with pytest.raises(ValueError, match=r"state\(inputs\) must return a jax.ShapeDtypeStruct"):
         dcp.run(StateWithoutBatch(gammas=GAMMAS, chunk_size=8), _retention_inputs())
+
+
+# ---------------------------------------------------------------------------------------
+# The inputs' declarations (log decays, output-only fields) against `step`
+# ---------------------------------------------------------------------------------------
+
+
+class UndeclaredGate(dcp.GLAInputs):
+    """GLA's inputs with the log decay `g` not declared one."""
+
+    g: jax.Array = eqx.field()  # pyright: ignore[reportIncompatibleVariableOverride]
+
+
+class KeyDeclaredOutputOnly(dcp.GLAInputs):
+    """GLA's inputs with the key declared output-only (it writes the state)."""
+
+    k: jax.Array = eqx.field(metadata={"output_only": True})  # pyright: ignore[reportIncompatibleVariableOverride]
+
+
+@pytest.mark.parametrize(
+    "inputs_class, message",
+    [
+        (
+            UndeclaredGate,
+            r"takes -inf in `g` .* not declared one.*metadata=\{\"log_decay\": True\}",
+        ),
+        (KeyDeclaredOutputOnly, r"`k` is declared output_only.*other tokens' outputs"),
+    ],
+    ids=["undeclared-log-decay", "output-only-key"],
+)
+def test_wrong_declarations_fail(inputs_class, message):
+    # GLA per head (its program shared with test_builtin_recurrences_pass: values change,
+    # not shapes), its inputs re-declared wrongly.
+    args, h0 = GLA_PER_HEAD.make(3, b=1, t=20, h=1, hv=2, dk=8, dv=6)
+    good = GLA_PER_HEAD.inputs(*args)
+    inputs = inputs_class(good.q, good.k, good.v, good.g)
+    with pytest.raises(RecurrenceCheckError, match=message) as info:
+        check_recurrence(GLA_PER_HEAD.configuration(8), inputs, initial_state=h0, cp=())
+    assert info.value.check == "declarations"
