@@ -7,6 +7,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._precision import PrecisionName
+from ..recurrences._delta_family import DeltaInputs
 from ..recurrences._gated_delta import GatedDeltaRule
 from ._conv import CausalConv1d
 from ._delta_layer import (
@@ -15,6 +16,7 @@ from ._delta_layer import (
     finish,
     log_decay,
     no_bias_linear,
+    one_sequence,
     project,
     split_qkv,
 )
@@ -203,7 +205,7 @@ class GatedDeltaNet(AbstractDeltaLayer[GatedDeltaNetState]):
         q, k, v = split_qkv(mixed, self.num_key_heads, self.key_head_dim, self.value_head_dim)
         z = z.reshape(v.shape)
         g = log_decay(a, self.A_log[None], self.dt_bias[None])
-        return q, k, v, z, g, jax.nn.sigmoid(b)
+        return one_sequence(DeltaInputs, q, k, v, g, jax.nn.sigmoid(b)), z
 
     def _finish(self, o, gate):
         return finish(self.norm, self.out_proj, o, gate)

@@ -9,6 +9,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._precision import PrecisionName
+from ..recurrences._delta_family import DeltaInputs
 from ..recurrences._kda import KimiDeltaAttention as KimiDeltaRule
 from ._conv import CausalConv1d
 from ._delta_layer import (
@@ -17,6 +18,7 @@ from ._delta_layer import (
     finish,
     log_decay,
     no_bias_linear,
+    one_sequence,
     project,
     split_qkv,
 )
@@ -184,7 +186,7 @@ class KimiDeltaAttention(AbstractDeltaLayer[KimiDeltaAttentionState]):
         h, dk = self.num_heads, self.head_dim
         q, k, v = split_qkv(mixed, h, dk, dk)
         g = log_decay(f.reshape(v.shape), self.A_log[None, :, None], self.dt_bias[None])
-        return q, k, v, gate.reshape(v.shape), g, jax.nn.sigmoid(b)
+        return one_sequence(DeltaInputs, q, k, v, g, jax.nn.sigmoid(b)), gate.reshape(v.shape)
 
     def _finish(self, o, gate):
         return finish(self.norm, self.out_proj, o, gate)
