@@ -3,6 +3,7 @@ chunked recurrence, an output gate and projection; the state carried from one se
 next; prefill, checkpoints and decoding; context parallelism."""
 
 import abc
+import math
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -68,11 +69,40 @@ def one_sequence(inputs: type[_Inputs], *arrays: Array | None) -> _Inputs:
     return inputs(*(None if a is None else a[None] for a in arrays))
 
 
+def fla_decay_init(key_a, key_dt, a_shape, dt_shape, dtype) -> tuple[Array, Array]:
+    r"""`(A_log, dt_bias)` as flash-linear-attention initialises them: $A_{\log} =
+    \log U(1, 16)$ and $\Delta_b$ the inverse softplus of $e^{U(\log 10^{-3}, \log
+    10^{-1})}$."""
+    a_log = jnp.log(jax.random.uniform(key_a, a_shape, dtype, 1.0, 16.0))
+    dt = jnp.exp(jax.random.uniform(key_dt, dt_shape, dtype, math.log(1e-3), math.log(1e-1)))
+    return a_log, dt + jnp.log(-jnp.expm1(-dt))
+
+
 def log_decay(a: Array, a_log: Array, dt_bias: Array) -> Array:
     r"""The log decays $-e^{A_{\log}} \, \mathrm{softplus}(a + \Delta_b)$ in float32
     (float64 for float64 `a`), the arrays broadcast together."""
     dtype = accumulation_dtype(a)
     return -jnp.exp(a_log.astype(dtype)) * jax.nn.softplus(a.astype(dtype) + dt_bias.astype(dtype))
+
+
+class RecurrentLayerState(eqx.Module):
+    """What a recurrent token mixer of `deltanet_cp.nn` carries from one segment to the next
+    (the state of [`deltanet_cp.nn.GatedLinearAttention`][],
+    [`deltanet_cp.nn.SimpleGatedLinearAttention`][],
+    [`deltanet_cp.nn.GatedDeltaProduct`][] and [`deltanet_cp.nn.GatedDeltaNet2`][]).
+
+    **Fields:**
+
+    - `conv`: the last `conv_kernel_size - 1` inputs of the convolution (the projected
+        `concat(q, k, v)` before the convolution), `(conv_kernel_size - 1, conv_dim)`.
+    - `recurrent`: the recurrence's state, `(value_heads, K, V)`, float32 (float64 for
+        float64 parameters).
+
+    Both may carry the same leading batch axes (to be `jax.vmap`ped over with the input).
+    """
+
+    conv: Float[Array, "*batch history conv_dim"]
+    recurrent: Float[Array, "*batch vheads k v"]
 
 
 class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
@@ -83,15 +113,15 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
     through a depthwise causal convolution and SiLU; gates from the input; the chunked
     recurrence through [`deltanet_cp.run`][]; a gated norm per head and the output
     projection. A concrete layer says how it projects (`_project`), what it hands the
-    recurrence (`_split`), which recurrence (`_recurrence`) and how it finishes
-    (`_finish`); everything else, the state, `prefill`, `step` and context parallelism, is
-    here.
+    recurrence (`_split`) and which recurrence (`_recurrence`); everything else, the
+    state, `prefill`, `step` and context parallelism, is here.
 
     Its state is a module with `conv`, the last `conv_kernel_size - 1` inputs of the
     convolution, and `recurrent`, the recurrence's state (`_state` builds it).
     """
 
     conv1d: eqx.AbstractVar[CausalConv1d]
+    norm: eqx.AbstractVar[Callable[[Array, Array], Array]]
     out_proj: eqx.AbstractVar[eqx.nn.Linear]
     hidden_size: eqx.AbstractVar[int]
     chunk_size: eqx.AbstractVar[int]
@@ -113,9 +143,9 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
         one, see `one_sequence`) from the convolution's output after SiLU, and the output
         gate for `_finish`."""
 
-    @abc.abstractmethod
     def _finish(self, o: Array, gate: Array) -> Array:
-        """The gated norm and output projection of the recurrence's output (`finish`)."""
+        """The gated norm per head and the output projection of the recurrence's output."""
+        return finish(self.norm, self.out_proj, o, gate)
 
     @property
     @abc.abstractmethod

@@ -13,7 +13,6 @@ from ._conv import CausalConv1d
 from ._delta_layer import (
     AbstractDeltaLayer,
     check_sizes,
-    finish,
     log_decay,
     no_bias_linear,
     one_sequence,
@@ -206,9 +205,6 @@ class GatedDeltaNet(AbstractDeltaLayer[GatedDeltaNetState]):
         z = z.reshape(v.shape)
         g = log_decay(a, self.A_log[None], self.dt_bias[None])
         return one_sequence(DeltaInputs, q, k, v, g, jax.nn.sigmoid(b)), z
-
-    def _finish(self, o, gate):
-        return finish(self.norm, self.out_proj, o, gate)
 
     def _state(self, conv, recurrent) -> GatedDeltaNetState:
         return GatedDeltaNetState(conv=conv, recurrent=recurrent)
