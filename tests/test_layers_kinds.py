@@ -139,8 +139,8 @@ def layer_reference(name: str, layer, x, state):
     conv0 = _np(state.conv)
     conv = _silu(_conv_reference(_np(layer.conv1d.weight), mixed, conv0))
     hv, dk, dv = layer.init_state().recurrent.shape
-    h = getattr(layer, "num_key_heads", getattr(layer, "num_heads", None))
-    n = getattr(layer, "num_householder", None)
+    h: int = getattr(layer, "num_key_heads", getattr(layer, "num_heads", 0))
+    n: int | None = getattr(layer, "num_householder", None)
     q = conv[:, : h * dk].reshape(1, t, h, dk)
     if n is None:
         k = conv[:, h * dk : 2 * h * dk].reshape(1, t, h, dk)
@@ -335,10 +335,10 @@ def test_hybrid_mixers_by_name_and_factory():
     """`mixers` names a kind per block or builds one from a key; without it the default
     pattern (3 Gated DeltaNet : 1 attention) is unchanged."""
     key = jr.key(0)
-    sizes = dict(vocab_size=32, hidden_size=16, num_layers=4, key=key)
-    spelled = ["gated_delta_net"] * 3 + ["attention"]
-    assert bool(eqx.tree_equal(nn.HybridLM(**sizes), nn.HybridLM(**sizes, mixers=spelled)))
-    kinds = [
+    spelled: list[Any] = ["gated_delta_net"] * 3 + ["attention"]
+    default = nn.HybridLM(32, 16, 4, key=key)
+    assert bool(eqx.tree_equal(default, nn.HybridLM(32, 16, 4, mixers=spelled, key=key)))
+    kinds: list[Any] = [
         "kimi_delta_attention",
         "gated_linear_attention",
         "simple_gated_linear_attention",
@@ -367,7 +367,7 @@ def test_hybrid_mixers_errors(without_runtime_typecheck):
     """A wrong number of mixers or an unknown name: a `ValueError` saying what to pass."""
     key = jr.key(0)
     with pytest.raises(ValueError, match="one token mixer per block"):
-        nn.HybridLM(32, 16, 3, mixers=["attention"] * 4, key=key)
+        nn.HybridLM(32, 16, 3, mixers=["attention", "attention"], key=key)
     with pytest.raises(ValueError, match="Unknown token mixer 'mamba'"):
         nn.HybridLM(32, 16, 1, mixers=["mamba"], key=key)  # pyright: ignore[reportArgumentType]
 
@@ -376,8 +376,9 @@ def test_hybrid_mixers_errors(without_runtime_typecheck):
 def _hybrid():
     """Kimi Linear's 3 KDA : 1 attention pattern with a GLA block in place of one KDA, and
     its logits on one device."""
-    mixers = ["kimi_delta_attention", "gated_linear_attention", "kimi_delta_attention"]
-    model = nn.HybridLM(32, 16, 4, mixers=[*mixers, "attention"], chunk_size=CHUNK, key=jr.key(3))
+    mixers: list[Any] = ["kimi_delta_attention", "gated_linear_attention"]
+    mixers += ["kimi_delta_attention", "attention"]
+    model = nn.HybridLM(32, 16, 4, mixers=mixers, chunk_size=CHUNK, key=jr.key(3))
     tokens = jr.randint(jr.key(4), (32,), 0, 32)
     return model, tokens, eqx.filter_jit(lambda m, t: m(t))(model, tokens)
 

@@ -121,7 +121,8 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
     """
 
     conv1d: eqx.AbstractVar[CausalConv1d]
-    norm: eqx.AbstractVar[Callable[[Array, Array], Array]]
+    # The gated norm per head, called as `norm(o, gate)`.
+    norm: eqx.AbstractVar[Any]
     out_proj: eqx.AbstractVar[eqx.nn.Linear]
     hidden_size: eqx.AbstractVar[int]
     chunk_size: eqx.AbstractVar[int]
