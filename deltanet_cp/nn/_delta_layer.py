@@ -36,6 +36,16 @@ def check_sizes(sizes: dict[str, Any], block_size: Any, precision: Any) -> tuple
     return (*checked, block_size, as_precision(precision))
 
 
+def check_value_heads(num_value_heads: int, num_key_heads: int) -> None:
+    """A `ValueError` unless `num_value_heads` is a multiple of `num_key_heads`."""
+    if num_value_heads % num_key_heads:
+        raise ValueError(
+            f"`num_value_heads` ({num_value_heads}) must be a multiple of "
+            f"`num_key_heads` ({num_key_heads}): value head j reads key head "
+            "j // (num_value_heads // num_key_heads)."
+        )
+
+
 def no_bias_linear(dtype):
     """`eqx.nn.Linear(in, out, key)` without bias, in `dtype` (the default if `None`)."""
     dtype = jnp.zeros(()).dtype if dtype is None else dtype

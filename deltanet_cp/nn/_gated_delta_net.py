@@ -13,6 +13,7 @@ from ._conv import CausalConv1d
 from ._delta_layer import (
     AbstractDeltaLayer,
     check_sizes,
+    check_value_heads,
     log_decay,
     no_bias_linear,
     one_sequence,
@@ -157,12 +158,7 @@ class GatedDeltaNet(AbstractDeltaLayer[GatedDeltaNetState]):
             block_size,
             precision,
         ) = check_sizes(sizes, block_size, precision)
-        if num_value_heads % num_key_heads != 0:
-            raise ValueError(
-                f"`num_value_heads` ({num_value_heads}) must be a multiple of "
-                f"`num_key_heads` ({num_key_heads}): value head j reads key head "
-                "j // (num_value_heads // num_key_heads)."
-            )
+        check_value_heads(num_value_heads, num_key_heads)
         linear = no_bias_linear(dtype)
         dtype = jnp.zeros(()).dtype if dtype is None else dtype
         kqkv, kz, kb, ka, kconv, kA, kout = jr.split(key, 7)

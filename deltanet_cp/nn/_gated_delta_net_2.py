@@ -13,6 +13,7 @@ from ._conv import CausalConv1d
 from ._delta_layer import (
     AbstractRecurrentLayer,
     check_sizes,
+    check_value_heads,
     fla_decay_init,
     log_decay,
     no_bias_linear,
@@ -132,11 +133,7 @@ class GatedDeltaNet2(AbstractRecurrentLayer[RecurrentLayerState]):
         checked = check_sizes(sizes, block_size, precision)
         hidden_size, num_key_heads, num_value_heads, key_head_dim, value_head_dim = checked[:5]
         conv_kernel_size, chunk_size, block_size, precision = checked[5:]
-        if num_value_heads % num_key_heads:
-            raise ValueError(
-                f"`num_value_heads` ({num_value_heads}) must be a multiple of "
-                f"`num_key_heads` ({num_key_heads})."
-            )
+        check_value_heads(num_value_heads, num_key_heads)
         linear = no_bias_linear(dtype)
         dtype = jnp.zeros(()).dtype if dtype is None else dtype
         keys = jr.split(key, 11)
