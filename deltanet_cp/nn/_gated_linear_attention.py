@@ -180,9 +180,9 @@ class SimpleGatedLinearAttention(AbstractRecurrentLayer[RecurrentLayerState]):
     As [`deltanet_cp.nn.GatedLinearAttention`][], but the log decay is one number per
     head and token, $g = \log \sigma(x W_{g_k} + b) / n$: the state decays by the same
     factor on every key channel, the scalar-decay linear attention of Mamba-2's SSD.
-    This is flash-linear-attention's `fla.layers.SimpleGatedLinearAttention` (as many
-    key/value heads as query heads, its default short convolution and swish output
-    gate), with `q_proj`, `k_proj` and `v_proj` as one `in_proj_qkv`.
+    This is flash-linear-attention's `fla.layers.simple_gla.SimpleGatedLinearAttention`
+    (as many key/value heads as query heads, its default short convolution and swish
+    output gate), with `q_proj`, `k_proj` and `v_proj` as one `in_proj_qkv`.
 
     `__call__`, `prefill`, `step`, the precision policy and context parallelism are those
     of [`deltanet_cp.nn.GatedDeltaNet`][]; its state is a
