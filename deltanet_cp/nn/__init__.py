@@ -1,11 +1,20 @@
 """Equinox layers: the Gated DeltaNet layer of Qwen3-Next / Qwen3.5, the Kimi Delta Attention
-layer of Kimi Linear, attention, a sparse mixture-of-experts block and a small hybrid model."""
+layer of Kimi Linear, a layer for each other recurrence (gated linear attention, Gated
+DeltaProduct, Gated DeltaNet-2), attention, a sparse mixture-of-experts block and a small
+hybrid model."""
 
 from ._attention import CausalSelfAttention as CausalSelfAttention, KVCache as KVCache
 from ._conv import CausalConv1d as CausalConv1d
+from ._delta_layer import RecurrentLayerState as RecurrentLayerState
 from ._gated_delta_net import (
     GatedDeltaNet as GatedDeltaNet,
     GatedDeltaNetState as GatedDeltaNetState,
+)
+from ._gated_delta_net_2 import GatedDeltaNet2 as GatedDeltaNet2
+from ._gated_delta_product import GatedDeltaProduct as GatedDeltaProduct
+from ._gated_linear_attention import (
+    GatedLinearAttention as GatedLinearAttention,
+    SimpleGatedLinearAttention as SimpleGatedLinearAttention,
 )
 from ._hybrid import HybridBlock as HybridBlock, HybridLM as HybridLM, SwiGLU as SwiGLU
 from ._kimi_delta_attention import (

@@ -1,8 +1,9 @@
-"""What the delta-rule token mixers share: projections into a short causal convolution, a
-chunked delta rule, an output gate and projection; the state carried from one segment to the
+"""What the recurrent token mixers share: projections into a short causal convolution, a
+chunked recurrence, an output gate and projection; the state carried from one segment to the
 next; prefill, checkpoints and decoding; context parallelism."""
 
 import abc
+import math
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -13,15 +14,17 @@ from jaxtyping import Array, Float
 
 from .._parallel import ContextParallel
 from .._precision import accumulation_dtype, as_precision, PrecisionName
+from .._recurrence import AbstractRecurrence
 from .._run import run
 from .._validate import as_positive_index
-from ..recurrences._delta_family import AbstractDeltaRule, DeltaInputs
+from ..recurrences._delta_family import DeltaInputs
 from ._checkpointed import Checkpointed, checkpoints
 from ._context import layer_cp
 from ._conv import CausalConv1d
 
 
 _State = TypeVar("_State")
+_Inputs = TypeVar("_Inputs", bound=eqx.Module)
 
 
 def check_sizes(sizes: dict[str, Any], block_size: Any, precision: Any) -> tuple:
@@ -31,6 +34,16 @@ def check_sizes(sizes: dict[str, Any], block_size: Any, precision: Any) -> tuple
     if block_size is not None:
         block_size = as_positive_index(block_size, "block_size")
     return (*checked, block_size, as_precision(precision))
+
+
+def check_value_heads(num_value_heads: int, num_key_heads: int) -> None:
+    """A `ValueError` unless `num_value_heads` is a multiple of `num_key_heads`."""
+    if num_value_heads % num_key_heads:
+        raise ValueError(
+            f"`num_value_heads` ({num_value_heads}) must be a multiple of "
+            f"`num_key_heads` ({num_key_heads}): value head j reads key head "
+            "j // (num_value_heads // num_key_heads)."
+        )
 
 
 def no_bias_linear(dtype):
@@ -61,6 +74,20 @@ def finish(norm: Callable[[Array, Array], Array], out_proj: eqx.nn.Linear, o, ga
     return jax.vmap(out_proj)(o.reshape(o.shape[0], -1))
 
 
+def one_sequence(inputs: type[_Inputs], *arrays: Array | None) -> _Inputs:
+    """`inputs(*arrays)` with a batch axis of one on each array (`None` stays `None`)."""
+    return inputs(*(None if a is None else a[None] for a in arrays))
+
+
+def fla_decay_init(key_a, key_dt, a_shape, dt_shape, dtype) -> tuple[Array, Array]:
+    r"""`(A_log, dt_bias)` as flash-linear-attention initialises them: $A_{\log} =
+    \log U(1, 16)$ and $\Delta_b$ the inverse softplus of $e^{U(\log 10^{-3}, \log
+    10^{-1})}$."""
+    a_log = jnp.log(jax.random.uniform(key_a, a_shape, dtype, 1.0, 16.0))
+    dt = jnp.exp(jax.random.uniform(key_dt, dt_shape, dtype, math.log(1e-3), math.log(1e-1)))
+    return a_log, dt + jnp.log(-jnp.expm1(-dt))
+
+
 def log_decay(a: Array, a_log: Array, dt_bias: Array) -> Array:
     r"""The log decays $-e^{A_{\log}} \, \mathrm{softplus}(a + \Delta_b)$ in float32
     (float64 for float64 `a`), the arrays broadcast together."""
@@ -68,22 +95,44 @@ def log_decay(a: Array, a_log: Array, dt_bias: Array) -> Array:
     return -jnp.exp(a_log.astype(dtype)) * jax.nn.softplus(a.astype(dtype) + dt_bias.astype(dtype))
 
 
-class AbstractDeltaLayer(eqx.Module, Generic[_State]):
-    """A token mixer built around a delta rule (Gated DeltaNet, Kimi Delta Attention).
+class RecurrentLayerState(eqx.Module):
+    """What a recurrent token mixer of `deltanet_cp.nn` carries from one segment to the next
+    (the state of [`deltanet_cp.nn.GatedLinearAttention`][],
+    [`deltanet_cp.nn.SimpleGatedLinearAttention`][],
+    [`deltanet_cp.nn.GatedDeltaProduct`][] and [`deltanet_cp.nn.GatedDeltaNet2`][]).
+
+    **Fields:**
+
+    - `conv`: the last `conv_kernel_size - 1` inputs of the convolution (the projected
+        `concat(q, k, v)` before the convolution), `(conv_kernel_size - 1, conv_dim)`.
+    - `recurrent`: the recurrence's state, `(value_heads, K, V)`, float32 (float64 for
+        float64 parameters).
+
+    Both may carry the same leading batch axes (to be `jax.vmap`ped over with the input).
+    """
+
+    conv: Float[Array, "*batch history conv_dim"]
+    recurrent: Float[Array, "*batch vheads k v"]
+
+
+class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
+    """A token mixer built around a chunked linear recurrence (Gated DeltaNet, Kimi Delta
+    Attention, gated linear attention, Gated DeltaProduct, Gated DeltaNet-2).
 
     For an input `x` of shape `(seq, hidden)`: projections, of which `concat(q, k, v)` goes
-    through a depthwise causal convolution and SiLU; gates from the input; the chunked delta
-    rule with q/k L2 normalisation through [`deltanet_cp.run`][]; a gated norm per head and
-    the output projection. A concrete layer says how it projects (`_project`), what it hands
-    the delta rule (`_split`), which delta rule (`_recurrence`) and how it finishes
-    (`_finish`); everything else, the state, `prefill`, `step` and context parallelism, is
-    here.
+    through a depthwise causal convolution and SiLU; gates from the input; the chunked
+    recurrence through [`deltanet_cp.run`][]; a gated norm per head and the output
+    projection. A concrete layer says how it projects (`_project`), what it hands the
+    recurrence (`_split`) and which recurrence (`_recurrence`); everything else, the
+    state, `prefill`, `step` and context parallelism, is here.
 
     Its state is a module with `conv`, the last `conv_kernel_size - 1` inputs of the
-    convolution, and `recurrent`, the delta rule's state (`_state` builds it).
+    convolution, and `recurrent`, the recurrence's state (`_state` builds it).
     """
 
     conv1d: eqx.AbstractVar[CausalConv1d]
+    # The gated norm per head, called as `norm(o, gate)`.
+    norm: eqx.AbstractVar[Any]
     out_proj: eqx.AbstractVar[eqx.nn.Linear]
     hidden_size: eqx.AbstractVar[int]
     chunk_size: eqx.AbstractVar[int]
@@ -100,22 +149,23 @@ class AbstractDeltaLayer(eqx.Module, Generic[_State]):
         the parameters' dtype, and whatever else `_split` needs from `x`."""
 
     @abc.abstractmethod
-    def _split(self, mixed: Array, rest: Any) -> tuple[Array, Array, Array, Array, Array, Array]:
-        """`(q, k, v, gate, g, beta)`: the delta rule's inputs for one sequence (no batch
-        axis) from the convolution's output after SiLU, and the output gate for `_finish`."""
+    def _split(self, mixed: Array, rest: Any) -> tuple[eqx.Module, Array]:
+        """`(inputs, gate)`: the recurrence's inputs for one sequence (with a batch axis of
+        one, see `one_sequence`) from the convolution's output after SiLU, and the output
+        gate for `_finish`."""
 
-    @abc.abstractmethod
     def _finish(self, o: Array, gate: Array) -> Array:
-        """The gated norm and output projection of the delta rule's output (`finish`)."""
+        """The gated norm per head and the output projection of the recurrence's output."""
+        return finish(self.norm, self.out_proj, o, gate)
 
     @property
     @abc.abstractmethod
     def _recurrent_shape(self) -> tuple[int, int, int]:
-        """`(HV, K, V)`: the shape of the delta rule's state."""
+        """`(HV, K, V)`: the shape of the recurrence's state."""
 
     @abc.abstractmethod
-    def _recurrence(self, chunk_size: int) -> AbstractDeltaRule:
-        """The delta rule, in chunks of `chunk_size` tokens."""
+    def _recurrence(self, chunk_size: int) -> AbstractRecurrence:
+        """The recurrence, in chunks of `chunk_size` tokens."""
 
     @property
     def conv_dim(self) -> int:
@@ -163,37 +213,12 @@ class AbstractDeltaLayer(eqx.Module, Generic[_State]):
         conv_out, new_conv = self.conv1d(mixed, conv_state, cp=cp)
         return mixed, jax.nn.silu(conv_out), new_conv, rest
 
-    def recurrence_inputs(
-        self,
-        x: Float[Array, "seq hidden"],
-        state: _State | None = None,
-        *,
-        cp: ContextParallel | None = None,
-    ) -> tuple[Array, Array, Array, Array, Array, Array]:
-        """Everything the layer computes before the delta rule (for inspection).
-
-        **Arguments:** as for `__call__`.
-
-        **Returns:**
-
-        `(q, k, v, gate, g, beta)`: `q, k: (seq, H, K)` and `v: (seq, HV, V)` after the
-        convolution and SiLU (before L2 normalisation and head repetition), the gate of the
-        output norm, `(seq, HV, V)`, and the log decays `g` and step sizes `beta` of the
-        delta rule.
-        """
-        cp = layer_cp(cp, type(self).__name__)
-        self._check_input(x)
-        conv_state = None if state is None else state.conv  # pyright: ignore[reportAttributeAccessIssue]
-        _, conv, _, rest = self._inputs(x, conv_state, cp)
-        return self._split(conv, rest)
-
-    def _run(self, recurrence, split, h0, cp=None):
-        """The delta rule over `split = (q, k, v, gate, g, beta)` of one sequence:
-        `(outputs, final state)` with a batch axis of one."""
-        q, k, v, _, g, beta = split
+    def _run(self, recurrence, inputs, h0, cp=None):
+        """The recurrence over `inputs` of one sequence (a batch of one): `(outputs, final
+        state)` with a batch axis of one."""
         return run(
             recurrence,
-            DeltaInputs(q[None], k[None], v[None], g[None], beta[None]),
+            inputs,
             initial_state=None if h0 is None else h0[None],
             cp=cp,
             block_size=self.block_size,
@@ -293,11 +318,11 @@ class AbstractDeltaLayer(eqx.Module, Generic[_State]):
             self._check_checkpoints(checkpoint_every, x.shape[0], cp)
         conv_state, h0 = (None, None) if state is None else (state.conv, state.recurrent)
         mixed, conv, new_conv, rest = self._inputs(x, conv_state, cp)
-        split = self._split(conv, rest)
+        inputs, gate = self._split(conv, rest)
         recurrence = self._recurrence(self.chunk_size)
         if checkpoint_every is not None:
             recurrence = Checkpointed(inner=recurrence, chunk_size=checkpoint_every)
-        o, h = self._run(recurrence, split, h0, cp)
+        o, h = self._run(recurrence, inputs, h0, cp)
         saved = None
         if checkpoint_every is not None:
             o, spread = o
@@ -308,7 +333,7 @@ class AbstractDeltaLayer(eqx.Module, Generic[_State]):
                 mixed[ends[:, None] - w + jnp.arange(w)[None, :]],
                 checkpoints(spread, checkpoint_every, shape)[0],
             )
-        out = self._finish(o[0], split[3]).astype(x.dtype)
+        out = self._finish(o[0], gate).astype(x.dtype)
         if conv_state is not None:
             new_conv = new_conv.astype(conv_state.dtype)
         return out, self._state(new_conv, h[0]), saved
@@ -332,7 +357,41 @@ class AbstractDeltaLayer(eqx.Module, Generic[_State]):
         self._check_input(x, one_token=True)
         conv_state, h0 = state.conv, state.recurrent  # pyright: ignore[reportAttributeAccessIssue]
         _, conv, new_conv, rest = self._inputs(x[None], conv_state, None)
-        split = self._split(conv, rest)
-        o, h = self._run(self._recurrence(1), split, h0)
-        y = self._finish(o[0], split[3])[0].astype(x.dtype)
+        inputs, gate = self._split(conv, rest)
+        o, h = self._run(self._recurrence(1), inputs, h0)
+        y = self._finish(o[0], gate)[0].astype(x.dtype)
         return y, self._state(new_conv.astype(conv_state.dtype), h[0].astype(h0.dtype))
+
+
+class AbstractDeltaLayer(AbstractRecurrentLayer[_State]):
+    """A token mixer built around a delta rule with one step size per token and value head
+    (Gated DeltaNet, Kimi Delta Attention): an `AbstractRecurrentLayer` whose `_split`
+    hands a [`deltanet_cp.DeltaInputs`][] to the recurrence, with `recurrence_inputs` to
+    inspect them."""
+
+    def recurrence_inputs(
+        self,
+        x: Float[Array, "seq hidden"],
+        state: _State | None = None,
+        *,
+        cp: ContextParallel | None = None,
+    ) -> tuple[Array, Array, Array, Array, Array, Array]:
+        """Everything the layer computes before the delta rule (for inspection).
+
+        **Arguments:** as for `__call__`.
+
+        **Returns:**
+
+        `(q, k, v, gate, g, beta)`: `q, k: (seq, H, K)` and `v: (seq, HV, V)` after the
+        convolution and SiLU (before L2 normalisation and head repetition), the gate of the
+        output norm, `(seq, HV, V)`, and the log decays `g` and step sizes `beta` of the
+        delta rule.
+        """
+        cp = layer_cp(cp, type(self).__name__)
+        self._check_input(x)
+        conv_state = None if state is None else state.conv  # pyright: ignore[reportAttributeAccessIssue]
+        _, conv, _, rest = self._inputs(x, conv_state, cp)
+        inputs, gate = self._split(conv, rest)
+        assert isinstance(inputs, DeltaInputs)
+        q, k, v, g, beta = (a[0] for a in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta))  # pyright: ignore[reportOptionalSubscript]
+        return q, k, v, gate, g, beta

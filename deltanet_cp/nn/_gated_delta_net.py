@@ -7,14 +7,16 @@ import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._precision import PrecisionName
+from ..recurrences._delta_family import DeltaInputs
 from ..recurrences._gated_delta import GatedDeltaRule
 from ._conv import CausalConv1d
 from ._delta_layer import (
     AbstractDeltaLayer,
     check_sizes,
-    finish,
+    check_value_heads,
     log_decay,
     no_bias_linear,
+    one_sequence,
     project,
     split_qkv,
 )
@@ -156,12 +158,7 @@ class GatedDeltaNet(AbstractDeltaLayer[GatedDeltaNetState]):
             block_size,
             precision,
         ) = check_sizes(sizes, block_size, precision)
-        if num_value_heads % num_key_heads != 0:
-            raise ValueError(
-                f"`num_value_heads` ({num_value_heads}) must be a multiple of "
-                f"`num_key_heads` ({num_key_heads}): value head j reads key head "
-                "j // (num_value_heads // num_key_heads)."
-            )
+        check_value_heads(num_value_heads, num_key_heads)
         linear = no_bias_linear(dtype)
         dtype = jnp.zeros(()).dtype if dtype is None else dtype
         kqkv, kz, kb, ka, kconv, kA, kout = jr.split(key, 7)
@@ -203,10 +200,7 @@ class GatedDeltaNet(AbstractDeltaLayer[GatedDeltaNetState]):
         q, k, v = split_qkv(mixed, self.num_key_heads, self.key_head_dim, self.value_head_dim)
         z = z.reshape(v.shape)
         g = log_decay(a, self.A_log[None], self.dt_bias[None])
-        return q, k, v, z, g, jax.nn.sigmoid(b)
-
-    def _finish(self, o, gate):
-        return finish(self.norm, self.out_proj, o, gate)
+        return one_sequence(DeltaInputs, q, k, v, g, jax.nn.sigmoid(b)), z
 
     def _state(self, conv, recurrent) -> GatedDeltaNetState:
         return GatedDeltaNetState(conv=conv, recurrent=recurrent)

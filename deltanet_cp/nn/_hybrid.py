@@ -1,4 +1,8 @@
-"""A tiny hybrid language model: Gated DeltaNet layers with one softmax-attention layer in four."""
+"""A small hybrid language model: recurrent token mixers (Gated DeltaNet by default) with one
+softmax-attention layer in four, or any pattern of mixers."""
+
+from collections.abc import Callable, Sequence
+from typing import get_args, Literal
 
 import equinox as eqx
 import jax
@@ -11,9 +15,29 @@ from .._precision import as_precision, PrecisionName
 from .._validate import as_positive_index
 from ._attention import CausalSelfAttention
 from ._context import layer_cp
+from ._delta_layer import AbstractRecurrentLayer
 from ._gated_delta_net import GatedDeltaNet
+from ._gated_delta_net_2 import GatedDeltaNet2
+from ._gated_delta_product import GatedDeltaProduct
+from ._gated_linear_attention import GatedLinearAttention, SimpleGatedLinearAttention
+from ._kimi_delta_attention import KimiDeltaAttention
 from ._schedule import KVSchedule
 from ._tokens import check_tokens
+
+
+# A token mixer of a `HybridBlock`: a recurrent layer of `deltanet_cp.nn` or attention.
+Mixer = AbstractRecurrentLayer | CausalSelfAttention
+
+# The token mixers `HybridLM` builds by name.
+MixerKind = Literal[
+    "gated_delta_net",
+    "attention",
+    "kimi_delta_attention",
+    "gated_linear_attention",
+    "simple_gated_linear_attention",
+    "gated_delta_product",
+    "gated_delta_net_2",
+]
 
 
 class SwiGLU(eqx.Module):
@@ -49,18 +73,20 @@ class SwiGLU(eqx.Module):
 class HybridBlock(eqx.Module):
     """A pre-norm residual block: `x + mixer(norm(x))`, then `x + mlp(norm(x))`.
 
-    The token mixer is a [`deltanet_cp.nn.GatedDeltaNet`][] or a
+    The token mixer is one of the recurrent layers of `deltanet_cp.nn`
+    ([`deltanet_cp.nn.GatedDeltaNet`][], [`deltanet_cp.nn.KimiDeltaAttention`][],
+    [`deltanet_cp.nn.GatedLinearAttention`][], ...) or a
     [`deltanet_cp.nn.CausalSelfAttention`][].
     """
 
     mixer_norm: eqx.nn.RMSNorm
-    mixer: GatedDeltaNet | CausalSelfAttention
+    mixer: Mixer
     mlp_norm: eqx.nn.RMSNorm
     mlp: SwiGLU
 
     def __init__(
         self,
-        mixer: GatedDeltaNet | CausalSelfAttention,
+        mixer: Mixer,
         mlp: SwiGLU,
         hidden_size: int,
         *,
@@ -89,20 +115,22 @@ class HybridBlock(eqx.Module):
     ) -> Float[Array, "seq hidden"]:
         """**Arguments:** as for [`deltanet_cp.nn.HybridLM`][], on hidden states."""
         h = jax.vmap(self.mixer_norm)(x)
-        if isinstance(self.mixer, GatedDeltaNet):
-            h = self.mixer(h, cp=cp)
-        else:
+        if isinstance(self.mixer, CausalSelfAttention):
             h = self.mixer(h, cp=cp, kv_schedule=kv_schedule)
+        else:
+            h = self.mixer(h, cp=cp)
         x = x + h
         return x + jax.vmap(lambda y: self.mlp(self.mlp_norm(y)))(x)
 
 
 class HybridLM(eqx.Module):
-    """A small hybrid language model in the Qwen3-Next pattern.
+    """A small hybrid language model in the Qwen3-Next pattern, or any pattern of mixers.
 
     Embedding; `num_layers` residual blocks whose token mixer is a Gated DeltaNet, except
-    every `attention_every`-th one, which is causal softmax attention; SwiGLU MLPs; a final
-    RMSNorm; an untied LM head. Every layer is context parallel: call it inside
+    every `attention_every`-th one, which is causal softmax attention (or, with `mixers`,
+    the mixer named for each block: Kimi Linear's three Kimi Delta Attention layers to one
+    attention layer, gated linear attention, ...); SwiGLU MLPs; a final RMSNorm; an untied
+    LM head. Every layer is context parallel: call it inside
     `jax.shard_map` with a [`deltanet_cp.ContextParallel`][] `cp` and this rank's shard of
     the tokens, under either layout. With [`deltanet_cp.Zigzag`][] every layer (Gated
     DeltaNet, its convolution, attention) runs on the same zigzag shards, with no
@@ -122,6 +150,7 @@ class HybridLM(eqx.Module):
         num_layers: int,
         *,
         attention_every: int = 4,
+        mixers: Sequence[MixerKind | Callable[[PRNGKeyArray], Mixer]] | None = None,
         num_key_heads: int = 2,
         num_value_heads: int = 4,
         key_head_dim: int = 16,
@@ -144,9 +173,19 @@ class HybridLM(eqx.Module):
         - `num_layers`: the number of residual blocks.
         - `attention_every`: block `i` uses softmax attention iff
             `(i + 1) % attention_every == 0` (Qwen3-Next: 4, so 3 GDN : 1 attention).
+            Unused with `mixers`.
+        - `mixers`: the token mixer of each block, `num_layers` of them, or `None` for the
+            pattern of `attention_every`. Each is a name, built with the sizes below:
+            `"gated_delta_net"`, `"attention"`, `"kimi_delta_attention"`
+            (`num_value_heads` heads of size `key_head_dim`), `"gated_linear_attention"`
+            and `"simple_gated_linear_attention"` (`num_value_heads` heads,
+            `key_head_dim`, `value_head_dim`), `"gated_delta_product"` and
+            `"gated_delta_net_2"` (the Gated DeltaNet sizes); or a function of a PRNG key
+            returning the mixer (any layer of `deltanet_cp.nn` with other sizes).
         - `num_key_heads`, `num_value_heads`, `key_head_dim`, `value_head_dim`,
-            `conv_kernel_size`, `chunk_size`: the Gated DeltaNet sizes.
-        - `block_size`: the Gated DeltaNet layers' engine block, tokens whose chunk factors
+            `conv_kernel_size`, `chunk_size`: the Gated DeltaNet sizes (and those of the
+            other recurrent mixers named in `mixers`).
+        - `block_size`: the recurrent layers' engine block, tokens whose chunk factors
             are formed together (the `block_size` of [`deltanet_cp.run`][]); `None` takes
             [`deltanet_cp.default_block_size`][].
         - `num_attention_heads`, `attention_head_dim`: the attention sizes.
@@ -164,7 +203,8 @@ class HybridLM(eqx.Module):
         **Raises:**
 
         `TypeError` if `vocab_size`, `hidden_size`, `num_layers` or `attention_every` is not
-        an int (NumPy integers are accepted), `ValueError` if one is not positive.
+        an int (NumPy integers are accepted), `ValueError` if one is not positive, or if
+        `mixers` is not `num_layers` names or functions.
         """
         vocab_size = as_positive_index(vocab_size, "vocab_size")
         hidden_size = as_positive_index(hidden_size, "hidden_size")
@@ -172,33 +212,41 @@ class HybridLM(eqx.Module):
         attention_every = as_positive_index(attention_every, "attention_every")
         precision = as_precision(precision)
         intermediate_size = 4 * hidden_size if intermediate_size is None else intermediate_size
+        if mixers is None:
+            mixers = [
+                "attention" if (i + 1) % attention_every == 0 else "gated_delta_net"
+                for i in range(num_layers)
+            ]
+        mixers = list(mixers)
+        if len(mixers) != num_layers:
+            raise ValueError(
+                f"`mixers` must name one token mixer per block: {num_layers} of them; got "
+                f"{len(mixers)}."
+            )
+        sizes = (num_key_heads, num_value_heads, key_head_dim, value_head_dim)
+        recurrent = dict(
+            conv_kernel_size=conv_kernel_size,
+            chunk_size=chunk_size,
+            block_size=block_size,
+            precision=precision,
+            dtype=dtype,
+        )
+        attention = dict(tile_size=tile_size, precision=precision, dtype=dtype)
         kemb, khead, *kblocks = jr.split(key, num_layers + 2)
         blocks = []
-        for i, kb in enumerate(kblocks):
+        for mixer_kind, kb in zip(mixers, kblocks):
             kmix, kmlp = jr.split(kb)
-            if (i + 1) % attention_every == 0:
-                mixer = CausalSelfAttention(
-                    hidden_size,
-                    num_attention_heads,
-                    attention_head_dim,
-                    tile_size=tile_size,
-                    precision=precision,
-                    key=kmix,
-                    dtype=dtype,
-                )
+            if callable(mixer_kind):
+                mixer = mixer_kind(kmix)
             else:
-                mixer = GatedDeltaNet(
+                mixer = _mixer(
+                    mixer_kind,
                     hidden_size,
-                    num_key_heads,
-                    num_value_heads,
-                    key_head_dim,
-                    value_head_dim,
-                    conv_kernel_size=conv_kernel_size,
-                    chunk_size=chunk_size,
-                    block_size=block_size,
-                    precision=precision,
-                    key=kmix,
-                    dtype=dtype,
+                    sizes,
+                    (num_attention_heads, attention_head_dim),
+                    recurrent,
+                    attention,
+                    kmix,
                 )
             mlp = SwiGLU(hidden_size, intermediate_size, key=kmlp, dtype=dtype)
             blocks.append(HybridBlock(mixer, mlp, hidden_size, dtype=dtype))
@@ -247,3 +295,26 @@ class HybridLM(eqx.Module):
         for block in self.blocks:
             x = block(x, cp=cp, kv_schedule=kv_schedule)
         return jax.vmap(lambda y: self.lm_head(self.norm(y)))(x)
+
+
+def _mixer(kind, hidden, sizes, attention_sizes, recurrent, attention, key) -> Mixer:
+    """The token mixer named `kind`, of `HybridLM`'s sizes."""
+    h, hv, dk, dv = sizes
+    if kind == "attention":
+        return CausalSelfAttention(hidden, *attention_sizes, key=key, **attention)
+    if kind == "gated_delta_net":
+        return GatedDeltaNet(hidden, h, hv, dk, dv, key=key, **recurrent)
+    if kind == "kimi_delta_attention":
+        return KimiDeltaAttention(hidden, hv, dk, key=key, **recurrent)
+    if kind == "gated_linear_attention":
+        return GatedLinearAttention(hidden, hv, dk, dv, key=key, **recurrent)
+    if kind == "simple_gated_linear_attention":
+        return SimpleGatedLinearAttention(hidden, hv, dk, dv, key=key, **recurrent)
+    if kind == "gated_delta_product":
+        return GatedDeltaProduct(hidden, h, hv, dk, dv, key=key, **recurrent)
+    if kind == "gated_delta_net_2":
+        return GatedDeltaNet2(hidden, h, hv, dk, dv, key=key, **recurrent)
+    raise ValueError(
+        f"Unknown token mixer {kind!r} in `mixers`: pass one of {get_args(MixerKind)} or a "
+        "function of a PRNG key that returns the mixer."
+    )

@@ -1,7 +1,5 @@
 """The Kimi Delta Attention layer of Kimi Linear, with context parallelism."""
 
-import math
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -9,14 +7,16 @@ import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._precision import PrecisionName
+from ..recurrences._delta_family import DeltaInputs
 from ..recurrences._kda import KimiDeltaAttention as KimiDeltaRule
 from ._conv import CausalConv1d
 from ._delta_layer import (
     AbstractDeltaLayer,
     check_sizes,
-    finish,
+    fla_decay_init,
     log_decay,
     no_bias_linear,
+    one_sequence,
     project,
     split_qkv,
 )
@@ -150,11 +150,9 @@ class KimiDeltaAttention(AbstractDeltaLayer[KimiDeltaAttentionState]):
         self.conv1d = CausalConv1d(3 * width, conv_kernel_size, key=keys[1], dtype=dtype)
         self.f_a_proj = linear(hidden_size, head_dim, keys[2])
         self.f_b_proj = linear(head_dim, width, keys[3])
-        self.A_log = jnp.log(jr.uniform(keys[4], (num_heads,), dtype, 1.0, 16.0))
-        dt = jnp.exp(
-            jr.uniform(keys[5], (num_heads, head_dim), dtype, math.log(1e-3), math.log(1e-1))
+        self.A_log, self.dt_bias = fla_decay_init(
+            keys[4], keys[5], (num_heads,), (num_heads, head_dim), dtype
         )
-        self.dt_bias = dt + jnp.log(-jnp.expm1(-dt))
         self.b_proj = linear(hidden_size, num_heads, keys[6])
         self.g_a_proj = linear(hidden_size, head_dim, keys[7])
         self.g_b_proj = linear(head_dim, width, keys[8])
@@ -184,10 +182,7 @@ class KimiDeltaAttention(AbstractDeltaLayer[KimiDeltaAttentionState]):
         h, dk = self.num_heads, self.head_dim
         q, k, v = split_qkv(mixed, h, dk, dk)
         g = log_decay(f.reshape(v.shape), self.A_log[None, :, None], self.dt_bias[None])
-        return q, k, v, gate.reshape(v.shape), g, jax.nn.sigmoid(b)
-
-    def _finish(self, o, gate):
-        return finish(self.norm, self.out_proj, o, gate)
+        return one_sequence(DeltaInputs, q, k, v, g, jax.nn.sigmoid(b)), gate.reshape(v.shape)
 
     def _state(self, conv, recurrent) -> KimiDeltaAttentionState:
         return KimiDeltaAttentionState(conv=conv, recurrent=recurrent)
