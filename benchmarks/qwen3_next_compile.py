@@ -83,7 +83,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 dcp = import_ours()
 from deltanet_cp.models import Qwen3NextConfig, Qwen3NextForCausalLM  # noqa: E402
-from deltanet_cp.nn import load_balancing_loss, SparseMoE  # noqa: E402
+from deltanet_cp.nn import expert_partition_specs, load_balancing_loss  # noqa: E402
+from deltanet_cp.nn._moe import _tile_rows  # noqa: E402
 
 
 CP = 4
@@ -138,13 +139,15 @@ class Run:
 
     cp: int
     tokens: int
+    experts_over_cp: bool = False  # the routed experts split over the cp ranks
 
     @property
     def local(self) -> int:
         return self.tokens // self.cp
 
     def label(self) -> str:
-        return f"cp={self.cp}, T={self.tokens} ({self.local}/rank)"
+        split = ", experts over cp" if self.experts_over_cp else ""
+        return f"cp={self.cp}, T={self.tokens} ({self.local}/rank){split}"
 
 
 def is_struct(x) -> bool:
@@ -162,9 +165,11 @@ def programs(cfg: Qwen3NextConfig, run: Run, dtype):
     params, static = eqx.partition(model, is_struct)
     coef = cfg.router_aux_loss_coef
 
+    axis = "cp" if run.experts_over_cp else None
+
     def rank_loss(params, tokens, targets, cp):
         m = eqx.combine(params, static)
-        logits, stats = m.logits_and_router_stats(tokens, cp=cp)
+        logits, stats = m.logits_and_router_stats(tokens, cp=cp, expert_axis=axis)
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         nll = -jnp.sum(jnp.take_along_axis(logp, targets[:, None], axis=-1))
         return nll, stats
@@ -185,11 +190,15 @@ def programs(cfg: Qwen3NextConfig, run: Run, dtype):
             nll, stats = jax.lax.psum((nll, stats), "cp")
             return nll / run.tokens + coef * load_balancing_loss(stats)
 
-        loss = jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P("cp"), P("cp")), out_specs=P())
+        specs = (
+            expert_partition_specs(params, "cp") if axis else jax.tree.map(lambda _: P(), params)
+        )
+        loss = jax.shard_map(per_rank, mesh=mesh, in_specs=(specs, P("cp"), P("cp")), out_specs=P())
         seq = NamedSharding(mesh, P("cp"))
-        rep = NamedSharding(mesh, P())
         params = jax.tree.map(
-            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), params
+            lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, p)),
+            params,
+            specs,
         )
     tokens = jax.ShapeDtypeStruct((run.tokens,), jnp.int32, sharding=seq)
     compiled, seconds = {}, {}
@@ -325,31 +334,15 @@ def measure(compiled, run: Run, tile: int, moe_bodies: list[float]) -> dict:
     }
 
 
-def moe_routed_flops(sizes: dict, tokens: int, dtype) -> tuple[dict, dict]:
-    """The routed experts' matmul FLOPs in one `SparseMoE` on `tokens` tokens, fwd and
-    fwd+bwd (the total minus the router, shared expert and gate, counted analytically, its
-    loops of unknown trips once), beside the routed count; and per pass those loops' body
-    FLOPs (the routed experts' tile loops, whose trips depend on the routing)."""
+def moe_bodies(sizes: dict, run: Run) -> dict[str, list[float]]:
+    """Per pass, the matmul FLOPs of one trip of each loop of one MoE layer's routed experts
+    in `run`'s programs: a tile of `tile` pairs through one expert, three products forward
+    (gate, up, down), six backward (the forward's two projections kept)."""
     h, e, k = sizes["hidden_size"], sizes["num_experts"], sizes["num_experts_per_tok"]
-    i, s = sizes["moe_intermediate_size"], sizes["shared_expert_intermediate_size"]
-    moe = eqx.filter_eval_shape(lambda: SparseMoE(h, e, k, i, s, key=jr.key(0), dtype=dtype))
-    params, static = eqx.partition(moe, is_struct)
-    x = jax.ShapeDtypeStruct((tokens, h), dtype)
-
-    def fwd(p, x):
-        return eqx.combine(p, static)(x)[0]
-
-    def loss(p, x):  # the output used beyond a sum, as a model uses it
-        return jnp.sum(jnp.sin(fwd(p, x)))
-
-    out, loops = {}, {}
-    for name, fn, passes in (("fwd", fwd, 1), ("fwd+bwd", jax.grad(loss, argnums=(0, 1)), 3)):
-        total, unknown = split_flops(jax.jit(fn).lower(params, x).compile())
-        total += sum(unknown)  # counted once: flagged by the caller
-        loops[name] = unknown
-        dense = passes * 2.0 * tokens * h * (e + 3 * s + 1)
-        out[name] = (total - dense, passes * 6.0 * tokens * k * h * i)
-    return out, loops
+    held = e // run.cp if run.experts_over_cp else e
+    tile = _tile_rows(run.local * k, held)
+    product = 2.0 * tile * h * sizes["moe_intermediate_size"]
+    return {"fwd": [3 * product], "fwd+bwd": [3 * product, 6 * product]}
 
 
 def routed_count(sizes: dict, tokens: int) -> float:
@@ -376,6 +369,7 @@ def main() -> int:
     dtype = jnp.dtype(args.dtype)
     base = 1024 if args.quick else 8192
     runs = [Run(1, base), Run(CP, base), Run(CP, CP * base)]
+    runs += [Run(CP, base, True), Run(CP, CP * base, True)]
     start = time.monotonic()
     print(
         f"jax {jax.__version__}, deltanet_cp {dcp.__version__}; {len(jax.devices())} simulated "
@@ -388,26 +382,18 @@ def main() -> int:
     )
     print(f"machine: {machine_line()}", flush=True)
 
-    loops = moe_routed_flops(sizes, base, dtype)[1]
-    if not any(loops.values()):
-        raise SystemExit(
-            "This SparseMoE has no loop over tiles of routed pairs: the FLOP accounting below "
-            "assumes one (benchmarks/moe.py compares the designs)."
-        )
-    if any(loops.values()):
-        print(
-            "The MoE's routed experts run loops whose trips depend on the routing: the "
-            "FLOPs below count them at the routed count, 2 * 3 * T * top_k * H * I forward "
-            "per layer (three times that forward and backward)"
-        )
+    print(
+        "The MoE's routed experts run loops whose trips depend on the routing: the FLOPs "
+        "below count them at the routed count, 2 * 3 * T * top_k * H * I forward per layer "
+        "(three times that forward and backward)"
+    )
 
     cfg = config(sizes, 4)
     results = {}
     n_moe = 4
     for run in runs:
         compiled, seconds = programs(cfg, run, dtype)
-        # The MoE layers' loops in this run's programs: those of a MoE on a rank's tokens.
-        bodies = moe_routed_flops(sizes, run.local, dtype)[1] if run.local != base else loops
+        bodies = moe_bodies(sizes, run)
         for name, c in compiled.items():
             r = measure(c, run, min(TILE, run.local), n_moe * bodies[name])
             passes = 1 if name == "fwd" else 3
@@ -443,7 +429,7 @@ def main() -> int:
     )
 
     grad = "fwd+bwd"
-    a, b, c = (results[r, grad] for r in runs)
+    a, b, c, b_ep, c_ep = (results[r, grad] for r in runs)
 
     comparison = [
         ["FLOPs (matmul, all devices)", f"{NOTE['FLOPs'][0]:,}", f"{NOTE['FLOPs'][1]:,}"]
@@ -457,6 +443,14 @@ def main() -> int:
         + [f"{a['temp']:,}", f"{c['temp']:,}", pct(a["temp"], c["temp"])],
         ["  peak temp (per device, same global length)", "", "", ""]
         + [f"{a['temp']:,}", f"{b['temp']:,}", pct(a["temp"], b["temp"])],
+        ["experts over cp: FLOPs (matmul, all devices)", "", "", ""]
+        + [f"{a['total']:,.0f}", f"{b_ep['total']:,.0f}", pct(a["total"], b_ep["total"])],
+        ["experts over cp: HBM bytes (all devices)", "", "", ""]
+        + [f"{a['bytes']:,.0f}", f"{b_ep['bytes'] * CP:,.0f}", pct(a["bytes"], b_ep["bytes"] * CP)],
+        ["experts over cp: peak temp (same local length)", "", "", ""]
+        + [f"{a['temp']:,}", f"{c_ep['temp']:,}", pct(a["temp"], c_ep["temp"])],
+        ["experts over cp: peak temp (same global length)", "", "", ""]
+        + [f"{a['temp']:,}", f"{b_ep['temp']:,}", pct(a["temp"], b_ep["temp"])],
     ]
     print_table(
         ["forward+backward", "note: baseline", "note: cp=4", "note: delta"]
@@ -472,7 +466,7 @@ def main() -> int:
     )
 
     if not args.no_payload:
-        payload_table(sizes, dtype, runs[1:])
+        payload_table(sizes, dtype, runs[1:3])
     print(f"\nmachine after: {machine_line()}; whole run {time.monotonic() - start:.0f} s")
     return 0
 
