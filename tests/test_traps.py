@@ -4,6 +4,7 @@ Most of these are eager checks that compile nothing.
 """
 
 import functools as ft
+import re
 import sys
 from pathlib import Path
 
@@ -258,3 +259,22 @@ def test_check_recurrence_refuses_an_empty_batch():
     recurrence, inputs = _gdn_check_case(b=0)
     with pytest.raises(ValueError, match="at least one batch row"):
         check_recurrence(recurrence, inputs, cp=())
+
+
+def test_one_count_of_the_recurrences():
+    # The docs name one number of recurrences: the rows of the API overview's table ("two
+    # recurrences" is a preconditioned rule's cascade).
+    root = Path(__file__).parent.parent
+    table = (root / "docs" / "api" / "index.md").read_text()
+    rows = [ln for ln in table.splitlines() if ln.startswith("| [") and "chunk_" in ln]
+    words = {10: "ten"}
+    assert len(rows) == 10, rows
+    pages = [root / "README.md", root / "mkdocs.yml", *sorted((root / "docs").rglob("*.md"))]
+    counts = set()
+    for page in pages:
+        for word in re.findall(r"\b(\w+) recurrences\b", page.read_text(), flags=re.IGNORECASE):
+            if word.lower() in ("three", "four", "five", "six", "seven", "eight", "nine"):
+                counts.add((page.name, word.lower()))
+            if word.lower() in ("ten", "eleven", "twelve"):
+                assert word.lower() == words[len(rows)], (page, word)
+    assert not counts, f"pages counting the recurrences otherwise: {sorted(counts)}"
