@@ -50,6 +50,7 @@ from ._run import (
     run as run,
     run_contiguous as run_contiguous,
 )
+from ._shift import previous_tokens as previous_tokens
 from .recurrences._delta import (
     chunk_delta_rule as chunk_delta_rule,
     DeltaRule as DeltaRule,
