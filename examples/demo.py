@@ -2,7 +2,8 @@
 parallelism at cp = 1, 2, 4 from the same seed, on contiguous and on zigzag (load-balanced)
 shards, and show that
 
-1. the per-step losses agree across CP degrees and layouts (to float reduction-order noise);
+1. the per-step losses agree across CP degrees and layouts, and with the batch split over
+   two data-parallel ranks too (to float reduction-order noise);
 2. what each rank receives per layer, read from compiled HLO, under both layouts: the Gated
    DeltaNet layers' payload does not grow with the sequence length, the attention layers' does;
 3. the attention layers' work on the busiest rank against the causal ideal: about 2x under the
@@ -39,14 +40,23 @@ from train_hybrid import AXIS, Config, make_model, train  # noqa: E402
 
 
 OUT = Path(__file__).resolve().parent / "out"
-# (cp, layout) of each training run; cp = 1 is the single-device reference.
-RUNS = ((1, "contiguous"), (2, "contiguous"), (4, "contiguous"), (2, "zigzag"), (4, "zigzag"))
+# (cp, layout, dp) of each training run; cp = 1 is the single-device reference; the last
+# splits the batch over two data-parallel ranks too (a ("dp", "cp") mesh of 2 x 2).
+RUNS = (
+    (1, "contiguous", 1),
+    (2, "contiguous", 1),
+    (4, "contiguous", 1),
+    (2, "zigzag", 1),
+    (4, "zigzag", 1),
+    (2, "zigzag", 2),
+)
 PAYLOAD_SEQ_LENS = (256, 4096)
 LAYOUTS = {"contiguous": dcp.Contiguous(), "zigzag": dcp.Zigzag()}
 
 
-def _name(cp: int, layout: str) -> str:
-    return "cp=1" if cp == 1 else f"cp={cp} {layout[:3]}"
+def _name(cp: int, layout: str, dp: int = 1) -> str:
+    name = "cp=1" if cp == 1 else f"cp={cp} {layout[:3]}"
+    return name if dp == 1 else f"dp={dp} {name}"
 
 
 def train_all(cfg: Config) -> dict[str, list[float]]:
@@ -54,8 +64,8 @@ def train_all(cfg: Config) -> dict[str, list[float]]:
 
     losses = {}
     with tqdm(total=len(RUNS) * cfg.steps, unit="step", ncols=88) as bar:
-        for cp, layout in RUNS:
-            name = _name(cp, layout)
+        for cp, layout, dp in RUNS:
+            name = _name(cp, layout, dp)
             bar.set_description(f"{name} (compiling)")
 
             def progress(i, loss, name=name):
@@ -63,7 +73,7 @@ def train_all(cfg: Config) -> dict[str, list[float]]:
                 bar.update()
 
             run_cfg = dataclasses.replace(cfg, layout=layout)
-            losses[name] = train(run_cfg, cp, progress=progress)
+            losses[name] = train(run_cfg, cp, dp=dp, progress=progress)
     return losses
 
 

@@ -129,11 +129,12 @@ def context_parallel(cfg: Config) -> dcp.ContextParallel:
 def loss_fn(model: HybridLM, inputs, targets, mask, *, cp: int, mesh=None, cfg: Config):
     """Mean next-token cross entropy over the masked positions.
 
-    `cp == 1`: the single-device path. `cp > 1`: `jax.shard_map` over `mesh`, time sharded
-    over the `"cp"` axis (under zigzag the batch arrives in zigzag order); each rank sums its
-    own positions and one `psum` combines them.
+    Without `mesh`: the single-device path. With it: `jax.shard_map` over `mesh`, time
+    sharded over its `"cp"` axis (under zigzag the batch arrives in zigzag order) and the
+    batch over its `"dp"` axis if it has one; each rank sums its own positions and one
+    `psum` over every axis combines them.
     """
-    if cp == 1:
+    if mesh is None:
         total, count = _nll(jax.vmap(model)(inputs), targets, mask)
         return total / count
     params, static = eqx.partition(model, eqx.is_array)
@@ -143,15 +144,24 @@ def loss_fn(model: HybridLM, inputs, targets, mask, *, cp: int, mesh=None, cfg: 
         call = ft.partial(m, cp=context_parallel(cfg), kv_schedule=cfg.kv_schedule)
         logits = jax.vmap(call)(inputs)
         total, count = _nll(logits, targets, mask)
-        return jax.lax.psum(total, AXIS) / jax.lax.psum(count, AXIS)
+        return jax.lax.psum(total, mesh.axis_names) / jax.lax.psum(count, mesh.axis_names)
 
-    seq = P(None, AXIS)
+    seq = _batch_spec(mesh)
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), seq, seq, seq), out_specs=P())
     return sharded(params, inputs, targets, mask)
 
 
-def make_mesh(cp: int):
-    return jax.make_mesh((cp,), (AXIS,), devices=jax.devices()[:cp])
+def make_mesh(cp: int, dp: int = 1):
+    """The mesh: `(cp,)` over `"cp"`; with `dp > 1`, `(dp, cp)` over `("dp", "cp")`, the
+    batch split over `"dp"` too."""
+    if dp == 1:
+        return jax.make_mesh((cp,), (AXIS,), devices=jax.devices()[:cp])
+    return jax.make_mesh((dp, cp), ("dp", AXIS), devices=jax.devices()[: dp * cp])
+
+
+def _batch_spec(mesh) -> P:
+    """`(batch, seq)` arrays: time over `"cp"`, the batch over `"dp"` if the mesh has it."""
+    return P("dp" if "dp" in mesh.axis_names else None, AXIS)
 
 
 def shard_batch(batch, mesh, layout: dcp.AbstractLayout = dcp.Contiguous()):
@@ -161,13 +171,14 @@ def shard_batch(batch, mesh, layout: dcp.AbstractLayout = dcp.Contiguous()):
     if mesh is None:
         return tuple(jnp.asarray(x) for x in batch)
     batch = tuple(layout.to_layout(x, mesh.shape[AXIS], axis=1) for x in batch)
-    sharding = NamedSharding(mesh, P(None, AXIS))
+    sharding = NamedSharding(mesh, _batch_spec(mesh))
     return tuple(jax.device_put(x, sharding) for x in batch)
 
 
-def make_train_step(cfg: Config, cp: int, optimizer) -> tuple[Callable, Mesh | None]:
-    """A jitted `(model, opt_state, batch) -> (model, opt_state, loss)` and the mesh."""
-    mesh = make_mesh(cp) if cp > 1 else None
+def make_train_step(cfg: Config, cp: int, optimizer, dp: int = 1) -> tuple[Callable, Mesh | None]:
+    """A jitted `(model, opt_state, batch) -> (model, opt_state, loss)` and the mesh (`None`
+    on one device: `cp == dp == 1`)."""
+    mesh = make_mesh(cp, dp) if cp * dp > 1 else None
 
     @eqx.filter_jit
     def step(model, opt_state, inputs, targets, mask):
@@ -189,18 +200,21 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     )
 
 
-def train(cfg: Config, cp: int, *, progress: Callable | None = None) -> list[float]:
-    """Train from `cfg.seed` at context-parallel degree `cp`; the per-step losses.
+def train(cfg: Config, cp: int, *, dp: int = 1, progress: Callable | None = None) -> list[float]:
+    """Train from `cfg.seed` at context-parallel degree `cp`, the batch split over `dp`
+    data-parallel ranks; the per-step losses.
 
     `progress(step, loss)` is called after each step (e.g. a progress bar's update).
     """
+    if cfg.batch_size % dp:
+        raise ValueError(f"batch_size {cfg.batch_size} must be divisible by dp={dp}.")
     pieces = cp if cfg.layout == "contiguous" else 2 * cp
     if cfg.seq_len % pieces:
         raise ValueError(f"seq_len {cfg.seq_len} must be divisible by {pieces} ({cfg.layout}).")
     model = make_model(cfg, jr.key(cfg.seed))
     optimizer = make_optimizer(cfg)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
-    step, mesh = make_train_step(cfg, cp, optimizer)
+    step, mesh = make_train_step(cfg, cp, optimizer, dp)
     if mesh is not None:
         # Replicated from the start, as every step returns them: one compilation, not two.
         model, opt_state = eqx.filter_shard((model, opt_state), NamedSharding(mesh, P()))
@@ -218,6 +232,7 @@ def train(cfg: Config, cp: int, *, progress: Callable | None = None) -> list[flo
 def main():
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--cp", type=int, default=4)
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks (the batch)")
     parser.add_argument("--steps", type=int, default=Config.steps)
     parser.add_argument("--seq-len", type=int, default=Config.seq_len)
     parser.add_argument("--exchange", default=Config.exchange)
@@ -231,7 +246,7 @@ def main():
         layout=args.layout,
         kv_schedule=args.kv_schedule,
     )
-    for i, loss in enumerate(train(cfg, args.cp)):
+    for i, loss in enumerate(train(cfg, args.cp, dp=args.dp)):
         print(f"step {i:3d}  loss {loss:.4f}")
 
 

@@ -68,3 +68,17 @@ def test_train_moe():
     one, split = (np.asarray(v) for v in results.values())
     np.testing.assert_allclose(split, one, rtol=1e-5)
     assert one[-1] < one[0], one
+
+
+@pytest.mark.slow
+def test_train_hybrid_data_and_context_parallel():
+    # `make demo`'s last run: the batch over two "dp" ranks and time over two "cp" ranks
+    # (zigzag) trains with the losses of one device (about 40 s: two steps compiled).
+    import dataclasses
+
+    module = _load("train_hybrid")
+    cfg = dataclasses.replace(module.Config(), steps=3, layout="zigzag")
+    with jax.numpy_dtype_promotion("standard"):  # optax's step counts mix ints and floats
+        one = module.train(cfg, 1)
+        sharded = module.train(cfg, 2, dp=2)
+    np.testing.assert_allclose(sharded, one, rtol=1e-5)
