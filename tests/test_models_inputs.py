@@ -365,3 +365,27 @@ def test_corrupt_safetensors_are_named(tmp_path):
     layer.write_bytes(b"\x01\x02")
     with pytest.raises(ValueError, match=r"safetensors file '.*layer\.safetensors'"):
         gated_delta_net_from_hf(config, layer)
+
+
+def test_overlapping_safetensors_ranges_are_refused(tmp_path):
+    # Two tensors over one byte range (the `safetensors` package's loader refuses such a
+    # file; reading it would silently give both the same values).
+    import struct
+
+    from deltanet_cp.interop._safetensors import read_header
+
+    def write(offsets):
+        header = {
+            name: {"dtype": "F32", "shape": [2], "data_offsets": list(span)}
+            for name, span in offsets.items()
+        }
+        text = json.dumps(header).encode()
+        file = tmp_path / "x.safetensors"
+        file.write_bytes(struct.pack("<Q", len(text)) + text + bytes(16))
+        return file
+
+    assert set(read_header(write({"a": (0, 8), "b": (8, 16)}))) == {"a", "b"}
+    with pytest.raises(ValueError, match="'a' and 'b' share bytes"):
+        read_header(write({"a": (0, 8), "b": (4, 12)}))
+    with pytest.raises(ValueError, match="belong to no tensor"):
+        read_header(write({"a": (0, 8), "b": (12, 20)}))

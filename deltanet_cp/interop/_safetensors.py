@@ -56,7 +56,25 @@ def read_header(file: str | os.PathLike) -> dict[str, TensorInfo]:
         out[name] = TensorInfo(
             file, entry["dtype"], tuple(entry["shape"]), base + begin, base + end
         )
+    _check_ranges(out, base)
     return out
+
+
+def _check_ranges(tensors: dict[str, TensorInfo], base: int) -> None:
+    """The tensors' byte ranges tile the data from its start, in some order, as the format
+    requires (the `safetensors` package refuses the same files): no two share a byte,
+    none is reversed, no bytes are left between them."""
+    at, before = base, None
+    for name, info in sorted(tensors.items(), key=lambda item: (item[1].start, item[1].end)):
+        if info.end < info.start:
+            raise ValueError(f"tensor {name!r} has a reversed byte range")
+        if info.start < at:
+            raise ValueError(
+                f"tensors {before!r} and {name!r} share bytes: their data_offsets overlap"
+            )
+        if info.start > at:
+            raise ValueError(f"the bytes before tensor {name!r} belong to no tensor (a hole)")
+        at, before = info.end, name
 
 
 def read_tensor(info: TensorInfo) -> np.ndarray:

@@ -76,7 +76,7 @@ def _header(file: Path) -> dict[str, TensorInfo]:
         raise ValueError(f"Cannot read the safetensors file {str(file)!r}: {e}") from None
     except (ValueError, KeyError, TypeError, OverflowError, MemoryError) as e:
         raise ValueError(
-            f"The safetensors file {str(file)!r} is corrupt (its header does not parse: "
+            f"The safetensors file {str(file)!r} is corrupt (its header: "
             f"{type(e).__name__}: {e}). Download it again."
         ) from None
 
