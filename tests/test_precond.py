@@ -274,6 +274,10 @@ def test_bad_arguments(without_runtime_typecheck):
         fn(*args, log_atk_scale=jnp.zeros(4))
     with pytest.raises(ValueError, match=r"`initial_A_state` must have shape \(B, H, K\)"):
         fn(*args, initial_A_state=jnp.zeros((1, 4, 8)))
+    # With packed documents, one state per document, named as `initial_A_state`.
+    packed = [a[:1] for a in args]
+    with pytest.raises(ValueError, match=r"`initial_A_state` must have shape \(N, one per doc"):
+        fn(*packed, cu_seqlens=jnp.asarray([0, 3, 8]), initial_A_state=jnp.zeros((3, 2, 8)))
     q, k, v, g_atk, g, beta_atk, beta = args
     with pytest.raises(ValueError, match=r"`g_atk` must have shape \(batch, seq, heads\)"):
         fn(q, k, v, g, g, beta_atk, beta)  # a gate per value head, not per key head

@@ -178,12 +178,14 @@ def _precond(
             raise ValueError(
                 f"`initial_A_state` must be a floating-point array; got {initial_A_state!r}."
             )
-        batch = sizes["batch"] if cu_seqlens is None else None
-        if len(shape) != 3 or tuple(shape[1:]) != (heads, dk) or batch not in (None, shape[0]):
-            lead = "B" if cu_seqlens is None else "N (documents)"
+        if cu_seqlens is None:
+            lead, what = sizes["batch"], "B"
+        else:
+            lead, what = jnp.shape(cu_seqlens)[0] - 1, "N, one per document of `cu_seqlens`"
+        if len(shape) != 3 or tuple(shape) != (lead, heads, dk):
             raise ValueError(
-                f"`initial_A_state` must have shape ({lead}, H, K) with H = {heads} key heads "
-                f"and K = {dk} (one preconditioner state per key head); got {tuple(shape)}."
+                f"`initial_A_state` must have shape ({what}, H, K) = {(lead, heads, dk)} "
+                f"(one preconditioner state per key head); got {tuple(shape)}."
             )
     inputs = (q, k, v, g_atk, g, beta_atk, beta)
     precision = resolve_precision(main.precision, *inputs)
