@@ -58,8 +58,8 @@ def check_recurrence(
     exchange: AbstractExchange | ExchangeName = "allgather",
     gradients: bool = True,
     unchunked: AbstractRecurrence | None = None,
-    rtol: float = 1e-4,
-    atol: float = 1e-5,
+    rtol: float | None = None,
+    atol: float | None = None,
     seed: int = 0,
 ) -> dict[str, float]:
     r"""Check that a recurrence keeps the contract of [`deltanet_cp.AbstractRecurrence`][].
@@ -120,7 +120,11 @@ def check_recurrence(
     - `unchunked`: the recurrence at `chunk_size=1`; `None` takes
         `dataclasses.replace(recurrence, chunk_size=1)`, which suits a recurrence whose
         fields are its constructor's arguments (pass it yourself otherwise).
-    - `rtol`, `atol`: the tolerances of every comparison.
+    - `rtol`, `atol`: the tolerances of every comparison; if `None`, from the precision the
+        recurrence computes at: `1e-4` and `1e-5` in float32 or float64, `1e-2` and `1e-3`
+        when its products run in bfloat16 (a `precision="bfloat16"` field, or bfloat16
+        inputs under the default policy), whose 8-bit significand rounds each product by up
+        to `4e-3`.
     - `seed`: seeds the random states and loss weights.
 
     **Returns:**
@@ -136,6 +140,9 @@ def check_recurrence(
     `layouts` empty while `cp` is not (or not layouts), `gradients` not a bool, `unchunked`
     not at `chunk_size=1`, `rtol` or `atol` not finite and >= 0, `seed` not an int >= 0.
     """
+    low = _bfloat16_products(recurrence, inputs)
+    rtol = (1e-2 if low else 1e-4) if rtol is None else rtol
+    atol = (1e-3 if low else 1e-5) if atol is None else atol
     cp, layouts, exchange, gradients, rtol, atol, seed = _arguments(
         cp, layouts, exchange, gradients, unchunked, rtol, atol, seed
     )
@@ -352,6 +359,16 @@ def _check_declarations(recurrence, inputs, h0, weights, compare, name: str) -> 
                     "declarations", what + "other tokens' outputs", y1[:, others], y0[:, others]
                 )
             compare("declarations", what + "the final state", after[1], before[1])
+
+
+def _bfloat16_products(recurrence: AbstractRecurrence, inputs: PyTree) -> bool:
+    """Whether `recurrence` multiplies in bfloat16: its `precision` field says so, or it
+    follows the inputs (`None`) and one of them is bfloat16."""
+    precision = getattr(recurrence, "precision", None)
+    if precision == "bfloat16":
+        return True
+    leaves = [x for x in jax.tree.leaves(inputs) if eqx.is_inexact_array(x)]
+    return precision is None and any(x.dtype == jnp.bfloat16 for x in leaves)
 
 
 def _with(inputs: Any, name: str, value: Array) -> Any:

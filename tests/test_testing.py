@@ -3,6 +3,7 @@ the example's retention, and fails, naming the method, on recurrences that break
 engine's own shape checks name `step` and `state`.
 """
 
+import dataclasses
 import importlib.util
 import pathlib
 
@@ -254,3 +255,22 @@ def test_wrong_declarations_fail(inputs_class, message):
     with pytest.raises(RecurrenceCheckError, match=message) as info:
         check_recurrence(GLA_PER_HEAD.configuration(8), inputs, initial_state=h0, cp=())
     assert info.value.check == "declarations"
+
+
+def test_tolerances_follow_the_precision_policy():
+    # The momentum rule with bfloat16 products keeps its laws to bfloat16 rounding (the
+    # affine law's difference was 1.9e-3 of its scale, past float32's default 1e-4): the
+    # default tolerances follow the recurrence's precision (a few seconds: one device, no
+    # gradients).
+    from .registry import MOMENTUM
+
+    args, h0 = MOMENTUM.make(3, b=1, t=20, h=1, hv=2, dk=8, dv=6)
+    recurrence = dataclasses.replace(MOMENTUM.configuration(8), precision="bfloat16")
+    errors = check_recurrence(
+        recurrence, MOMENTUM.inputs(*args), initial_state=h0, cp=(), gradients=False
+    )
+    assert 1e-4 < max(errors.values()) <= 1e-2, errors
+    with pytest.raises(RecurrenceCheckError, match="affine"):
+        check_recurrence(
+            recurrence, MOMENTUM.inputs(*args), initial_state=h0, cp=(), gradients=False, rtol=1e-4
+        )
