@@ -138,6 +138,24 @@ def check_bound(cp: "ContextParallel | None", where: str) -> None:
         ) from None
 
 
+def check_global(cp: "ContextParallel | None", where: str) -> None:
+    """A `ValueError` naming `where` if `cp` has a `mesh` (global arrays, the library's own
+    `jax.shard_map`) but the call is made inside a `jax.shard_map` over its axis already
+    (where JAX would only say the mesh "should be of type Manual")."""
+    if cp is None or cp.mesh is None:
+        return
+    try:
+        jax.lax.axis_size(cp.axis_name)
+    except NameError:
+        return  # outside any shard_map over the axis: as it should be
+    raise ValueError(
+        f"{where}: cp=ContextParallel({cp.axis_name!r}, mesh=...) takes global arrays and "
+        f"runs its own `jax.shard_map`, but this call is already inside one over "
+        f"{cp.axis_name!r} (on a rank's shard). Inside your `jax.shard_map`, pass "
+        f"ContextParallel({cp.axis_name!r}, layout=...) without `mesh`."
+    )
+
+
 def axis_size(cp: "ContextParallel | None") -> int:
     """The number of ranks of `cp` (inside `jax.shard_map`); 1 without it."""
     if cp is None:

@@ -31,6 +31,7 @@ from ._parallel import (
     axis_size,
     check_bound,
     check_cp,
+    check_global,
     ContextParallel,
     Contiguous,
     contiguous,
@@ -118,6 +119,7 @@ def run(
     check_cp(cp, "deltanet_cp.run")
     block_size = _check_block_size(block_size)
     if cp is not None and cp.mesh is not None:
+        check_global(cp, "deltanet_cp.run")
         return _run_global(recurrence, inputs, initial_state, cu_seqlens, cp, block_size)
     check_bound(cp, "deltanet_cp.run")
     if cu_seqlens is not None:

@@ -278,3 +278,21 @@ def test_one_count_of_the_recurrences():
             if word.lower() in ("ten", "eleven", "twelve"):
                 assert word.lower() == words[len(rows)], (page, word)
     assert not counts, f"pages counting the recurrences otherwise: {sorted(counts)}"
+
+
+def test_mesh_context_parallel_inside_shard_map(without_runtime_typecheck):
+    # A `mesh=` ContextParallel (global arrays, its own shard_map) called inside the user's
+    # shard_map over its axis: a ValueError saying to drop the mesh there, not JAX's "should
+    # be of type Manual" (traced only).
+    from jax.sharding import AxisType, PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2], axis_types=(AxisType.Auto,))
+    cp = dcp.ContextParallel("cp", mesh=mesh)
+    x = jnp.ones((1, 16, 1, 8))
+
+    def local(q):
+        return dcp.chunk_gated_delta_rule(q, q, q, q[..., 0] * 0, q[..., 0] * 0, cp=cp)[0]
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"))
+    with pytest.raises(ValueError, match=r"already inside one over 'cp'.*without `mesh`"):
+        jax.eval_shape(f, x)
