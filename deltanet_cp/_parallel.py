@@ -84,7 +84,11 @@ class ContextParallel(eqx.Module, Generic[_L]):
             `"ring"`, `"auto"`.
         - `mesh`: a `jax.sharding.Mesh` with an axis `axis_name`, for global arrays (the
             function does the `jax.shard_map`); `None` (the default) for a call made
-            inside your own `jax.shard_map` on each rank's shard.
+            inside your own `jax.shard_map` on each rank's shard. Arrays you placed on
+            the mesh (`jax.device_put` with a `NamedSharding` of it), or a mesh context
+            (`jax.set_mesh`), make the call run on this mesh as it is, and the outputs
+            come back typed on it; unplaced arrays run on a copy with `Auto` axes (same
+            devices and names), so that eager `jax.grad` works without a mesh context.
         - `batch_axis`: with `mesh`, optionally a mesh axis to shard the batch over (data
             parallelism).
         """

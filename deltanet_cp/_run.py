@@ -452,7 +452,7 @@ def _doc_states(state: jax.ShapeDtypeStruct, num_docs: int, initial_state: Array
 def _run_global(recurrence, inputs, initial_state, cu_seqlens, cp: ContextParallel, block_size):
     """`run` on global arrays: place them, then the `shard_map` (compiled once)."""
     assert cp.mesh is not None
-    mesh = mesh_to_run_on(cp.mesh)
+    mesh = mesh_to_run_on(cp.mesh, inputs, initial_state, cu_seqlens)
     batch, length = _batch_and_length(inputs)
     n = mesh.shape[cp.axis_name]
     pieces = cp.layout.pieces(n)

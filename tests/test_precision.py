@@ -214,9 +214,7 @@ def _errors(family: Family, t: int, *, cp=None, layout=None, cu_seqlens=None, se
         o, h = family.chunk(*args, initial_state=h0, chunk_size=64, cp=ctx, **extra, **_kw(family))
         return _loss(o, h), (o, h)
 
-    if mesh is not None and cu_seqlens is None:
-        # (Packed: the engine places the arrays itself; arrays placed beforehand on the
-        # `Explicit` mesh meet its `Auto` copy of the mesh there and JAX refuses the mix.)
+    if mesh is not None:  # the caller's arrays placed on the `Explicit` mesh, packed too
         args = [jax.device_put(a, NamedSharding(mesh, P(None, "cp"))) for a in args]
     (_, (o, h)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(args, h0)
     assert o.dtype == jnp.bfloat16 and h.dtype == jnp.float32

@@ -5,6 +5,7 @@ exchange and both layouts with packed documents, and the argument checks. Everyt
 checked against the float64 token loop `precond_reference` (tests/helpers.py).
 """
 
+import functools as ft
 import inspect
 
 import jax
@@ -247,6 +248,13 @@ def test_global_arrays_eager_and_placed_on_an_explicit_mesh():
     ):
         for got, want in zip(grads, expected):
             assert rel_err(got, want) <= 1e-5
+    # Packed documents under `jit`: the outputs come back typed on the caller's mesh.
+    cu_seqlens = jnp.array([0, 5, 20, 32], jnp.int32)
+    fn = ft.partial(dcp.chunk_precond_gated_delta_rule, chunk_size=4, cu_seqlens=cu_seqlens)
+    got = jax.jit(ft.partial(fn, cp=parallel))(*placed)
+    for x, want in zip(got, fn(*args)):
+        assert x.sharding.mesh == mesh
+        assert rel_err(x, want) <= 1e-5
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -253,10 +253,12 @@ def write_keys(
         cp=cp,
     )
     if cp is not None and cp.mesh is not None:
-        # Global arrays: the preconditioner's come back on the mesh the engine ran on (its
-        # `Auto` copy of `cp.mesh`); the keys go there too before the two meet.
+        # Global arrays: the preconditioner's come back on the mesh the engine ran on
+        # (`cp.mesh`, or its `Auto` copy where the caller's arrays are not typed on it); the
+        # keys go there too before the two meet.
         spec = jax.sharding.PartitionSpec(cp.batch_axis, cp.axis_name)
-        on_mesh = jax.sharding.NamedSharding(mesh_to_run_on(cp.mesh), spec)
+        mesh = mesh_to_run_on(cp.mesh, k, g_atk, beta_atk, initial_A_state, cu_seqlens)
+        on_mesh = jax.sharding.NamedSharding(mesh, spec)
         k_erase, a = jax.device_put(k_erase, on_mesh), jax.device_put(a, on_mesh)
     # The squash: a write-key scale in (1/x, x) per key channel. Where the preconditioner's
     # state is non-finite (a non-finite input at or before the token), the write key is NaN,
