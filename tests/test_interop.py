@@ -977,6 +977,76 @@ def test_aliases():
     assert interop.fla is fla and interop.transformers is hf
 
 
+def _per_value_channel_loop(q, k, v, g, beta, h0, cu, scale):
+    """FLA's fused recurrent kernel with a beta per value channel, in float64, token by
+    token: decay, then `u = beta * (v - S^T k)` per value channel, `S += k u^T`, `o = S^T q`
+    (`g` per head, per key channel or `None`; one key head per `HV / H` value heads)."""
+    q, k, v, beta, h0 = (np.asarray(x, np.float64) for x in (q, k, v, beta, h0))
+    g = None if g is None else np.asarray(g, np.float64)
+    _, t, hv, dv = v.shape
+    group = hv // q.shape[2]
+    o, finals = np.zeros(v.shape), []
+    for n, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+        s = h0[n].copy()  # (HV, K, V)
+        for i in range(start, end):
+            for h in range(hv):
+                kk, qq = k[0, i, h // group], q[0, i, h // group] * scale
+                if g is not None:
+                    decay = np.exp(g[0, i, h])
+                    s[h] *= decay[:, None] if decay.ndim else decay
+                u = beta[0, i, h] * (v[0, i, h] - kk @ s[h])
+                s[h] += np.outer(kk, u)
+                o[0, i, h] = qq @ s[h]
+        finals.append(s)
+    return o, np.stack(finals)
+
+
+@pytest.mark.parametrize(
+    "gate", ["g", "gk", "delta_rule", pytest.param("none", marks=pytest.mark.slow)]
+)
+def test_fused_recurrent_beta_per_value_channel(gate):
+    # FLA's fused recurrent kernels take beta `(B, T, HV, V)`; the adapters refused it.
+    # Packed documents, GVA, an initial state per document, the state as (V, K) for one
+    # case; against the float64 loop of FLA's kernel. Cost: a token-loop program per case,
+    # about 10 s each cold (the ungated gated-delta call in the slow run).
+    (q, k, v, g, _), h0 = make_gated_delta_inputs(31)
+    gk = make_kda_inputs(31)[0][3]
+    beta = jnp.asarray(np.random.default_rng(31).uniform(size=v.shape), jnp.float32)
+    h0 = _per_document(h0)
+    gates = {"g": dict(g=g), "gk": dict(gk=gk), "none": {}, "delta_rule": {}}[gate]
+    v_first = gate == "gk"
+    state = jnp.swapaxes(h0, -1, -2) if v_first else h0
+    if gate == "delta_rule":
+        o, h = fla.fused_recurrent_delta_rule(
+            q, k, v, beta, SCALE, state, True, cu_seqlens=jnp.array(CU)
+        )
+    else:
+        o, h = fla.fused_recurrent_gated_delta_rule(
+            q,
+            k,
+            v,
+            beta=beta,
+            scale=SCALE,
+            initial_state=state,
+            output_final_state=True,
+            state_v_first=v_first,
+            cu_seqlens=jnp.array(CU),
+            **gates,
+        )
+    assert h is not None
+    h = jnp.swapaxes(h, -1, -2) if v_first else h
+    gate_values = {"g": g, "gk": gk}.get(gate)
+    want_o, want_h = _per_value_channel_loop(q, k, v, gate_values, beta, h0, CU, SCALE)
+    assert o.shape == v.shape and h.shape == h0.shape
+    assert rel_err(o, want_o) <= 1e-5 and rel_err(h, want_h) <= 1e-5
+
+
+def test_fused_recurrent_beta_of_neither_shape(without_runtime_typecheck):
+    (q, k, v, g, beta), _ = make_gated_delta_inputs(31)
+    with pytest.raises(ValueError, match=r"per value channel \(1, 40, 2, 6\).*got \(1, 40, 2, 3\)"):
+        fla.fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=v[..., :3])
+
+
 def test_state_v_first():
     """FLA's `state_v_first`: the initial and final states are (..., V, K)."""
     (q, k, v, g, beta), h0 = make_kda_inputs(21)

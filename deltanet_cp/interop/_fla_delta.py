@@ -4,12 +4,13 @@ DeltaProduct: each builds the recurrence and its inputs and calls the engine (`_
 
 from typing import Any
 
+import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, ValueTensor
 from .._parallel import ContextParallel
 from .._precision import PrecisionName
-from .._validate import as_positive_index
+from .._validate import as_flag, as_positive_index
 from ..recurrences._delta import DeltaRule
 from ..recurrences._delta_family import DeltaInputs
 from ..recurrences._delta_product import GatedDeltaProduct
@@ -108,7 +109,7 @@ def fused_recurrent_gated_delta_rule(
     g: GateTensor | None = None,
     gk: KeyGateTensor | None = None,
     gv: Array | None = None,
-    beta: GateTensor | None = None,
+    beta: GateTensor | ValueTensor | None = None,
     scale: float | None = None,
     initial_state: FLAStates | None = None,
     output_final_state: bool = False,
@@ -138,7 +139,10 @@ def fused_recurrent_gated_delta_rule(
     - `g`: log decays per head, `(B, T, HV)`, or `None`.
     - `gk`: log decays per key channel, `(B, T, HV, K)`, or `None`.
     - `gv`: must be `None` (a decay per value channel is not supported).
-    - `beta`: step sizes, `(B, T, HV)`; ones if `None`.
+    - `beta`: step sizes, `(B, T, HV)`, or one per value channel `(B, T, HV, V)` (FLA's
+        headwise-vector beta: value channel `j` takes the delta step
+        `beta[..., j] * (v[..., j] - (S^T k)[j])`; run as `HV * V` heads of one value
+        channel each, so the gates are formed `V` times); ones if `None`.
     - `scale`, `initial_state`, `output_final_state`, `use_qk_l2norm_in_kernel`,
         `state_v_first`, `cu_seqlens`, `cp`, `precision`: as in
         [`deltanet_cp.interop.fla.chunk_gated_delta_rule`][].
@@ -168,8 +172,46 @@ def fused_recurrent_gated_delta_rule(
     config = kind(
         chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel, precision=precision
     )
-    inputs = DeltaInputs(q, k, v, g, ones_if_none(beta, v))
-    return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state, state_v_first)
+    return _call_fused(
+        config, q, k, v, g, beta, initial_state, cu_seqlens, cp, output_final_state, state_v_first
+    )
+
+
+def _call_fused(
+    config, q, k, v, g, beta, initial_state, cu_seqlens, cp, output_final_state, state_v_first
+):
+    """`call` for the fused recurrent adapters, whose `beta` may be one per value channel.
+
+    With `beta` `(B, T, HV, V)` each value channel `j` of value head `h` is a delta rule of
+    its own (the same keys, gates and queries, the step `beta[..., h, j]`), run as head
+    `h * V + j` of one value channel: the state `(K, V)` of head `h` is those heads' `(K, 1)`
+    states side by side, and the key head of `h * V + j` is that of `h` under GVA.
+    """
+    if beta is None or beta.ndim == 3:
+        inputs = DeltaInputs(q, k, v, g, ones_if_none(beta, v))
+        final = output_final_state
+        return call(config, inputs, initial_state, cu_seqlens, cp, final, state_v_first)
+    if beta.shape != v.shape:
+        raise ValueError(
+            f"`beta` must be one step per value head {v.shape[:3]} or per value channel "
+            f"{v.shape} (the shape of `v`); got {beta.shape}."
+        )
+    output_final_state = as_flag(output_final_state, "`output_final_state`")
+    state_v_first = as_flag(state_v_first, "`state_v_first`")
+    b, t, hv, dv = v.shape
+    if g is not None:
+        g = jnp.repeat(g, dv, axis=2)  # (B, T, HV * V) or per key channel (B, T, HV * V, K)
+    if initial_state is not None:  # (N, HV, K, V) -> (N, HV * V, K, 1)
+        kv = jnp.swapaxes(initial_state, -1, -2) if state_v_first else initial_state
+        n, _, dk, _ = kv.shape
+        initial_state = jnp.swapaxes(kv, -1, -2).reshape(n, hv * dv, dk, 1)
+    inputs = DeltaInputs(q, k, v.reshape(b, t, hv * dv, 1), g, beta.reshape(b, t, hv * dv))
+    o, h = call(config, inputs, initial_state, cu_seqlens, cp, output_final_state)
+    o = o.reshape(b, t, hv, dv)
+    if h is None:
+        return o, None
+    h = h.reshape(h.shape[0], hv, dv, h.shape[2])  # (N, HV, V, K)
+    return o, (h if state_v_first else jnp.swapaxes(h, -1, -2))
 
 
 def chunk_delta_rule(
@@ -222,7 +264,7 @@ def fused_recurrent_delta_rule(
     q: QKTensor,
     k: QKTensor,
     v: ValueTensor,
-    beta: GateTensor | None = None,
+    beta: GateTensor | ValueTensor | None = None,
     scale: float | None = None,
     initial_state: FLAStates | None = None,
     output_final_state: bool = False,
@@ -236,14 +278,17 @@ def fused_recurrent_delta_rule(
 
     Mirrors `fused_recurrent_delta_rule(q, k, v, beta=None, scale=None, initial_state=None,
     output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None)` and runs the
-    recurrence of [`deltanet_cp.recurrent_delta_rule`][]. `beta` defaults to ones; the
-    other arguments are as in [`deltanet_cp.interop.fla.chunk_delta_rule`][].
+    recurrence of [`deltanet_cp.recurrent_delta_rule`][]. `beta` defaults to ones and may
+    be one per value channel, `(B, T, HV, V)`, as in
+    [`deltanet_cp.interop.fla.fused_recurrent_gated_delta_rule`][]; the other arguments are
+    as in [`deltanet_cp.interop.fla.chunk_delta_rule`][].
     """
     config = DeltaRule(
         chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel, precision=precision
     )
-    inputs = DeltaInputs(q, k, v, None, ones_if_none(beta, v))
-    return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state)
+    return _call_fused(
+        config, q, k, v, None, beta, initial_state, cu_seqlens, cp, output_final_state, False
+    )
 
 
 def chunk_gated_delta_product(

@@ -78,7 +78,9 @@ def chunk_precond_gated_delta_rule(
     **Arguments:**
 
     - `q`, `k`: `(B, T, H, K)`; `v`: `(B, T, HV, V)`.
-    - `g_atk`, `beta_atk`: the preconditioner's log decays and step sizes, `(B, T, H)`.
+    - `g_atk`, `beta_atk`: the preconditioner's log decays and step sizes, `(B, T, H)`:
+        one preconditioner per key head (FLA keys it per value head under GVA; the same
+        when `HV = H`).
     - `g`, `beta`: the main log decays and step sizes, `(B, T, HV)`.
     - `scale`: query scale, default `K ** -0.5`.
     - `initial_state`: `(N, HV, K, V)` (`(N, HV, V, K)` with `transpose_state_layout`);
@@ -251,8 +253,10 @@ def chunk_precond_kda(
 
     **Arguments:**
 
-    - `q`, `k`: `(B, T, H, K)`; `v`: `(B, T, HV, V)` (FLA's chunked kernel takes
-        `HV = H`; its fused recurrent one and this function any multiple).
+    - `q`, `k`: `(B, T, H, K)`; `v`: `(B, T, HV, V)`, `HV` a multiple of `H`. FLA's
+        chunked kernel takes `HV = H` only. Under GVA (`HV > H`) this function keeps one
+        preconditioner per key head, shared by its value heads, where FLA's fused
+        recurrent kernel keeps one per value head: the two agree only at `HV = H`.
     - `g`: the main log decays per key channel, `(B, T, HV, K)`.
     - `g_atk`, `beta_atk`: the preconditioner's log decays and step sizes, `(B, T, H)`.
     - `beta`: the main step sizes, `(B, T, HV)`.
