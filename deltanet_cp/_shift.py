@@ -2,7 +2,10 @@
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int, Shaped
+from jaxtyping import Array, Shaped
+
+from ._custom_types import CuSeqlens
+from ._packing import as_cu_seqlens
 
 from ._parallel import check_bound, check_cp, ContextParallel
 
@@ -11,7 +14,7 @@ def previous_tokens(
     x: Shaped[Array, "batch seq *rest"],
     *,
     cp: ContextParallel | None = None,
-    cu_seqlens: Int[Array, " docs_plus_one"] | None = None,
+    cu_seqlens: CuSeqlens | None = None,
     initial: Shaped[Array, " batch *rest"] | None = None,
 ) -> Shaped[Array, "batch seq *rest"]:
     """Every token's predecessor: `y[:, t] = x[:, t - 1]`, shifted along the sequence by one
@@ -31,8 +34,9 @@ def previous_tokens(
     - `x`: `(batch, seq, ...)`; with `cp`, this rank's shard of time in `cp.layout`'s order
         (inside `jax.shard_map`).
     - `cp`: a [`deltanet_cp.ContextParallel`][] without `mesh`, or `None` on one device.
-    - `cu_seqlens`: packed documents, as for the public functions (`batch` 1): the
-        documents' boundaries in the whole sequence, `[0, ..., total]`.
+    - `cu_seqlens`: packed documents, as for the public functions and `run` (`batch` 1; a
+        list or an int array): the documents' boundaries in the whole sequence,
+        `[0, ..., total]`, checked as they check it.
     - `initial`: what the sequence's first token reads, `(batch, ...)`; replicated with
         `cp`.
 
@@ -91,7 +95,9 @@ def previous_tokens(
         positions = cp.layout.positions(t, cp.axis_name)
     y = jnp.concatenate([jnp.concatenate([p, s[:, :-1]], axis=1) for s, p in pieces], axis=1)
     if cu_seqlens is not None:
-        starts = jnp.asarray(cu_seqlens)[1:-1]
+        total = t if cp is None else t * jax.lax.axis_size(cp.axis_name)
+        axis_name = None if cp is None else cp.axis_name
+        starts = as_cu_seqlens(cu_seqlens, 1, total, axis_name=axis_name)[1:-1]
         later = jnp.any(positions[:, None] == starts[None, :], axis=1)  # a document's first
         shape = (1, t) + (1,) * (x.ndim - 2)
         y = jnp.where(later.reshape(shape), jnp.zeros((), x.dtype), y)

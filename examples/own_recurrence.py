@@ -9,7 +9,8 @@ Three small classes make it a recurrence of the library: its inputs, its per-chu
 and the recurrence itself (a static configuration). The engine pads with zeros, and a zero
 token must be an identity step: a `mask` input, False on padding, keeps the fixed decay from
 acting there. `deltanet_cp.run` then runs it on one device, over packed documents and
-context-parallel with every exchange. The file uses only the public API, builds its chunk
+context-parallel with every exchange, and with keys that read the previous token (a token
+shift, through `deltanet_cp.previous_tokens`). The file uses only the public API, builds its chunk
 algebra from `deltanet_cp.chunkops`, and checks itself against an independent float64 token
 loop, and against the engine's contract with `deltanet_cp.testing.check_recurrence`. Run it
 with `python examples/own_recurrence.py`; `docs/guides/own_recurrence.md` walks through it.
@@ -197,6 +198,39 @@ def main(b=2, t=100, h=3, dk=16, dv=8, chunk_size=16, cp=4):
     po_cp, ph_cp = jax.jit(sharded)(on_mesh, jax.device_put(doc_h0, NamedSharding(mesh, P())))
     errors["cp packed o"] = rel_err(po_cp, po)
     errors["cp packed states"] = rel_err(ph_cp, ph)
+
+    # Keys that read the previous token (a token shift, as in RWKV:
+    # k'_t = k_t + mu (k_{t-1} - k_t), k_{-1} = 0 at each document's first token), in the
+    # zigzag layout (2 cp pieces, so the first tz tokens): `dcp.previous_tokens` brings each
+    # piece's predecessor from the rank that holds it and resets at the documents' starts.
+    # Against the float64 loop per document, which shifts its own keys.
+    mu, tz = 0.6, t - t % (2 * cp)
+    zigzag = dcp.ContextParallel("cp", layout=dcp.Zigzag())
+    cu_z = [0, tz // 7, tz // 2, tz // 2 + 1, tz]
+
+    def shift(k, k_prev):
+        return k + mu * (k_prev - k)
+
+    def per_rank_shifted(inputs, doc_h0):
+        k_prev = dcp.previous_tokens(inputs.k, cp=zigzag, cu_seqlens=cu_z)
+        inputs = eqx.tree_at(lambda i: i.k, inputs, shift(inputs.k, k_prev))
+        return dcp.run(retention, inputs, initial_state=doc_h0, cu_seqlens=cu_z, cp=zigzag)
+
+    sharded = jax.shard_map(per_rank_shifted, mesh=mesh, in_specs=(seq, P()), out_specs=(seq, P()))
+    in_zigzag = jax.tree.map(lambda x: zigzag.layout.to_layout(x[:, :tz], cp), packed)
+    in_zigzag = jax.device_put(in_zigzag, NamedSharding(mesh, seq))
+    so, sh = jax.jit(sharded)(in_zigzag, jax.device_put(doc_h0, NamedSharding(mesh, P())))
+    so = zigzag.layout.from_layout(so, cp)  # back in sequence order
+    docs = []
+    for s, e, h0_ in zip(cu_z[:-1], cu_z[1:], doc_h0):
+        k_doc = np.asarray(k[:1, s:e], np.float64)
+        k_prev = np.concatenate([np.zeros_like(k_doc[:, :1]), k_doc[:, :-1]], axis=1)
+        k_doc = shift(k_doc, k_prev)
+        docs.append(
+            retention_loop(q[:1, s:e], k_doc, v[:1, s:e], packed.mask[:, s:e], gammas, h0_[None])
+        )
+    errors["token shift o"] = rel_err(so, np.concatenate([o_ for o_, _ in docs], axis=1))
+    errors["token shift states"] = rel_err(sh, np.concatenate([h_ for _, h_ in docs]))
 
     for what, err in errors.items():
         print(f"{what:>18}: rel. err {err:.1e}")

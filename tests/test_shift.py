@@ -42,6 +42,9 @@ def test_one_device_and_packed_documents():
     np.testing.assert_array_equal(got, _reference(x, initial=initial))
     got = dcp.previous_tokens(jnp.asarray(x[:1]), cu_seqlens=jnp.asarray(CU))
     np.testing.assert_array_equal(got, _reference(x[:1], CU))
+    # As a list, as `run` and the public functions take it.
+    got = dcp.previous_tokens(jnp.asarray(x[:1]), cu_seqlens=[int(c) for c in CU])
+    np.testing.assert_array_equal(got, _reference(x[:1], CU))
     # A NaN reaches only the token after it.
     bad = x.copy()
     bad[0, 7] = np.nan
@@ -83,6 +86,11 @@ def test_errors(without_runtime_typecheck):
         dcp.previous_tokens(jnp.ones((1, 4, 2)), initial=jnp.ones((1, 3)))
     with pytest.raises(ValueError, match="one batch row"):
         dcp.previous_tokens(jnp.ones((2, 4)), cu_seqlens=jnp.asarray([0, 2, 4]))
+    # `cu_seqlens` checked as `run` checks it: ints, ending at the sequence's length.
+    with pytest.raises(ValueError, match="must hold ints"):
+        dcp.previous_tokens(jnp.ones((1, 4)), cu_seqlens=[0, 2.5, 4])
+    with pytest.raises(Exception, match="cu_seqlens"):
+        dcp.previous_tokens(jnp.ones((1, 4)), cu_seqlens=[0, 2, 5])
     mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
     with pytest.raises(ValueError, match="without `mesh`"):
         dcp.previous_tokens(jnp.ones((1, 4)), cp=dcp.ContextParallel("cp", mesh=mesh))
