@@ -6,7 +6,6 @@ from jaxtyping import Array, Shaped
 
 from ._custom_types import CuSeqlens
 from ._packing import as_cu_seqlens
-
 from ._parallel import check_bound, check_cp, ContextParallel
 
 
