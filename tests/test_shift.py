@@ -88,7 +88,7 @@ def test_errors(without_runtime_typecheck):
         dcp.previous_tokens(jnp.ones((2, 4)), cu_seqlens=jnp.asarray([0, 2, 4]))
     # `cu_seqlens` checked as `run` checks it: ints, ending at the sequence's length.
     with pytest.raises(ValueError, match="must hold ints"):
-        dcp.previous_tokens(jnp.ones((1, 4)), cu_seqlens=[0, 2.5, 4])
+        dcp.previous_tokens(jnp.ones((1, 4)), cu_seqlens=[0, 2.5, 4])  # pyright: ignore
     with pytest.raises(Exception, match="cu_seqlens"):
         dcp.previous_tokens(jnp.ones((1, 4)), cu_seqlens=[0, 2, 5])
     mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
