@@ -1,7 +1,8 @@
 """A layer for every kind: gated linear attention (per key channel and per head), Gated
-DeltaProduct and Gated DeltaNet-2 against float64 numpy re-implementations built on the
-token loops of tests/helpers.py; prefill then decoding; context parallelism (outputs, final
-state and every gradient equal one device's, both layouts); `HybridLM` with a mixed pattern.
+DeltaProduct, Gated DeltaNet-2 and Momentum DeltaNet against float64 numpy re-implementations
+built on the token loops of tests/helpers.py; prefill then decoding; context parallelism
+(outputs, final state and every gradient equal one device's, both layouts); `HybridLM` with a
+mixed pattern.
 
 Costs are compile-dominated (tiny shapes): each check compiles one program per layer (the
 CP check two: one device and the sharded one)."""
@@ -20,7 +21,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import deltanet_cp as dcp
 from deltanet_cp import nn
 
-from .helpers import delta_product_reference, gdn2_reference, gla_reference, rel_err
+from .helpers import (
+    delta_product_reference,
+    gdn2_reference,
+    gla_reference,
+    momentum_reference,
+    rel_err,
+)
 from .test_layer import _conv_reference, _silu
 
 
@@ -51,6 +58,7 @@ FACTORIES = {
     "gdn2": lambda key: nn.GatedDeltaNet2(
         HIDDEN, 1, 2, 8, 4, allow_neg_eigval=True, chunk_size=CHUNK, key=key
     ),
+    "momentum": lambda key: nn.MomentumDeltaNet(HIDDEN, 1, 2, 8, 4, chunk_size=CHUNK, key=key),
 }
 KINDS = list(FACTORIES)
 
@@ -119,11 +127,42 @@ def _gdn2(layer, x, q, k, v, h0):
     return o, hT, _lin(layer.g_b_proj, _lin(layer.g_a_proj, x)), _sigmoid
 
 
+def _momentum(layer, x, q, k, v, h0):
+    r = v.shape[2] // k.shape[2]
+
+    def per_value_head(p):
+        return np.repeat(_np(p), r)
+
+    a, b, m, e = (_lin(p, x) for p in (layer.a_proj, layer.b_proj, layer.m_proj, layer.e_proj))
+    log_alpha = -np.exp(per_value_head(layer.A_log)) * _softplus(a + _np(layer.dt_bias))
+    log_mu = -np.exp(per_value_head(layer.Mu_log)) * _softplus(m + _np(layer.mu_bias))
+    eta = np.tanh(e / layer.tau) + 1
+    theta = np.arctan(eta * np.exp(per_value_head(layer.log_factor)))
+    beta = np.sin(theta) ** 2 * _sigmoid(b)
+    log_alpha = np.log(np.cos(theta) ** 2) + log_alpha
+    log_mu = np.maximum(log_mu, layer.min_log_mu)
+    q = q - np.exp(_np(layer.D_log))[None, None, :, None] * k
+    o, h = momentum_reference(
+        q,
+        k,
+        v,
+        log_alpha[None],
+        log_mu[None],
+        k,
+        beta[None],
+        eta[None],
+        initial_state=h0,
+        l2norm=True,
+    )
+    return o, h, _lin(layer.g_proj, x), _silu
+
+
 REFERENCES = {
     "gla": _gla,
     "simple_gla": _simple_gla,
     "gated_delta_product": _gated_delta_product,
     "gdn2": _gdn2,
+    "momentum": _momentum,
 }
 
 
@@ -138,7 +177,8 @@ def layer_reference(name: str, layer, x, state):
     hist = layer.conv_kernel_size - 1
     conv0 = _np(state.conv)
     conv = _silu(_conv_reference(_np(layer.conv1d.weight), mixed, conv0))
-    hv, dk, dv = layer.init_state().recurrent.shape
+    hv, _, dv = layer.init_state().recurrent.shape
+    dk: int = getattr(layer, "key_head_dim")
     h: int = getattr(layer, "num_key_heads", getattr(layer, "num_heads", 0))
     n: int | None = getattr(layer, "num_householder", None)
     q = conv[:, : h * dk].reshape(1, t, h, dk)
@@ -277,6 +317,7 @@ _CP_FAST = {
     "simple_gla": (2, "contiguous"),
     "gated_delta_product": (2, "zigzag"),
     "gdn2": (4, "contiguous"),
+    "momentum": (2, "zigzag"),
 }
 _LAYOUTS = {"contiguous": dcp.Contiguous(), "zigzag": dcp.Zigzag()}
 
@@ -344,6 +385,7 @@ def test_hybrid_mixers_by_name_and_factory():
         "simple_gated_linear_attention",
         "gated_delta_product",
         "gated_delta_net_2",
+        "momentum_delta_net",
         "attention",
         lambda k: nn.GatedLinearAttention(16, 4, 4, 4, gate_low_rank_dim=4, key=k),
     ]
@@ -356,6 +398,7 @@ def test_hybrid_mixers_by_name_and_factory():
         nn.SimpleGatedLinearAttention,
         nn.GatedDeltaProduct,
         nn.GatedDeltaNet2,
+        nn.MomentumDeltaNet,
         nn.CausalSelfAttention,
         nn.GatedLinearAttention,
     ]

@@ -1,7 +1,7 @@
 """Equinox layers: the Gated DeltaNet layer of Qwen3-Next / Qwen3.5, the Kimi Delta Attention
 layer of Kimi Linear, a layer for each other recurrence (gated linear attention, Gated
-DeltaProduct, Gated DeltaNet-2), attention, a sparse mixture-of-experts block and a small
-hybrid model."""
+DeltaProduct, Gated DeltaNet-2, Momentum DeltaNet), attention, a sparse mixture-of-experts
+block and a small hybrid model."""
 
 from ._attention import CausalSelfAttention as CausalSelfAttention, KVCache as KVCache
 from ._conv import CausalConv1d as CausalConv1d
@@ -28,6 +28,7 @@ from ._moe import (
     SparseMoE as SparseMoE,
     SwiGLUExperts as SwiGLUExperts,
 )
+from ._momentum_delta_net import MomentumDeltaNet as MomentumDeltaNet
 from ._norm import (
     GatedRMSNorm as GatedRMSNorm,
     SigmoidGatedRMSNorm as SigmoidGatedRMSNorm,

@@ -21,6 +21,7 @@ from ._gated_delta_net_2 import GatedDeltaNet2
 from ._gated_delta_product import GatedDeltaProduct
 from ._gated_linear_attention import GatedLinearAttention, SimpleGatedLinearAttention
 from ._kimi_delta_attention import KimiDeltaAttention
+from ._momentum_delta_net import MomentumDeltaNet
 from ._schedule import KVSchedule
 from ._tokens import check_tokens
 
@@ -37,6 +38,7 @@ MixerKind = Literal[
     "simple_gated_linear_attention",
     "gated_delta_product",
     "gated_delta_net_2",
+    "momentum_delta_net",
 ]
 
 
@@ -179,8 +181,9 @@ class HybridLM(eqx.Module):
             `"gated_delta_net"`, `"attention"`, `"kimi_delta_attention"`
             (`num_value_heads` heads of size `key_head_dim`), `"gated_linear_attention"`
             and `"simple_gated_linear_attention"` (`num_value_heads` heads,
-            `key_head_dim`, `value_head_dim`), `"gated_delta_product"` and
-            `"gated_delta_net_2"` (the Gated DeltaNet sizes); or a function of a PRNG key
+            `key_head_dim`, `value_head_dim`), `"gated_delta_product"`,
+            `"gated_delta_net_2"` and `"momentum_delta_net"` (the Gated DeltaNet sizes);
+            or a function of a PRNG key
             returning the mixer (any layer of `deltanet_cp.nn` with other sizes).
         - `num_key_heads`, `num_value_heads`, `key_head_dim`, `value_head_dim`,
             `conv_kernel_size`, `chunk_size`: the Gated DeltaNet sizes (and those of the
@@ -314,6 +317,8 @@ def _mixer(kind, hidden, sizes, attention_sizes, recurrent, attention, key) -> M
         return GatedDeltaProduct(hidden, h, hv, dk, dv, key=key, **recurrent)
     if kind == "gated_delta_net_2":
         return GatedDeltaNet2(hidden, h, hv, dk, dv, key=key, **recurrent)
+    if kind == "momentum_delta_net":
+        return MomentumDeltaNet(hidden, h, hv, dk, dv, key=key, **recurrent)
     raise ValueError(
         f"Unknown token mixer {kind!r} in `mixers`: pass one of {get_args(MixerKind)} or a "
         "function of a PRNG key that returns the mixer."
