@@ -25,6 +25,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import deltanet_cp as dcp
+from deltanet_cp import nn
 
 from .helpers import rel_err
 from .registry import EXCHANGES, FAMILIES, Family
@@ -488,6 +489,34 @@ def _qwen3_5():
     return q._small(), (inputs, targets, mask), q._reference_step, (dcp.Zigzag(), "allgather")
 
 
+def _every_kind():
+    """A HybridLM with one block of each token mixer of `deltanet_cp.nn` (every recurrent
+    layer and attention), a batch of two, and its one-device step."""
+    mixers: list[Any] = [
+        "gated_delta_net",
+        "kimi_delta_attention",
+        "gated_linear_attention",
+        "simple_gated_linear_attention",
+        "gated_delta_product",
+        "gated_delta_net_2",
+        "momentum_delta_net",
+        "attention",
+    ]
+    model = nn.HybridLM(16, 16, len(mixers), mixers=mixers, chunk_size=8, key=jr.key(9))
+    tokens = jr.randint(jr.key(10), (DP, 33), 0, 16)
+    mask = (jr.uniform(jr.key(11), (DP, 32)) < 0.8).astype(jnp.float32)
+    batch = (tokens[:, :-1], tokens[:, 1:], mask)
+
+    def reference_step():
+        def loss(model):
+            total, count = _nll(jax.vmap(model)(batch[0]), batch[1], batch[2])
+            return total / count
+
+        return eqx.filter_jit(eqx.filter_value_and_grad(loss))(model)
+
+    return model, batch, reference_step, (dcp.Zigzag(), "ring")
+
+
 def _nll(logits, targets, mask):
     logp = jax.nn.log_softmax(logits, axis=-1)
     picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
@@ -499,8 +528,16 @@ LEARNING_RATE = 0.1
 
 # The Qwen3.5 step in the slow run (about 20 s): its mixers run the same Gated DeltaNet engine
 # and attention kernel as HybridLM's, whose step the default run trains.
+# HybridLM with every kind of mixer in the slow run too (about 40 s: two programs of eight
+# different blocks).
 @pytest.mark.parametrize(
-    "make", [_hybrid, pytest.param(_qwen3_5, marks=pytest.mark.slow)], ids=["HybridLM", "Qwen3.5"]
+    "make",
+    [
+        _hybrid,
+        pytest.param(_qwen3_5, marks=pytest.mark.slow),
+        pytest.param(_every_kind, marks=pytest.mark.slow),
+    ],
+    ids=["HybridLM", "Qwen3.5", "every-mixer"],
 )
 def test_optax_training_step_on_dp_cp_mesh(make):
     # One optax step (SGD with momentum) with the batch over "dp" and time over "cp"
