@@ -357,6 +357,52 @@ def test_cp_invariance(name, cp, layout):
     assert max(errs.values()) <= 1e-5, errs
 
 
+# ------------------------------------------------------------------------------------------------
+# packed documents
+# ------------------------------------------------------------------------------------------------
+CU_PACKED = [0, 9, 9, 30, T_CP]  # an empty document; documents across ranks and pieces
+_PACKED_FAST = ("gla", "momentum")
+
+
+# Cost: two compiled programs per layer (one device, cp = 2 zigzag).
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=() if n in _PACKED_FAST else pytest.mark.slow) for n in KINDS]
+)
+def test_packed_documents(name):
+    """`cu_seqlens`: each document as its own call from zeros (the float64 layer per
+    document: the convolution reads nothing across a document's start, the recurrence
+    resets), on one device and on zigzag shards over 2 ranks."""
+    layer, x, state, *_ = _cp_problem(name)
+    zero = jax.tree.map(jnp.zeros_like, state)
+    expected = np.concatenate(
+        [
+            layer_reference(name, layer, x[s:e], zero)[0]
+            for s, e in zip(CU_PACKED[:-1], CU_PACKED[1:])
+            if e > s
+        ]
+    )
+    one = eqx.filter_jit(lambda m, x: m(x, cu_seqlens=CU_PACKED))(layer, x)
+    assert rel_err(one, expected) <= 1e-5
+    layout, cp = dcp.Zigzag(), 2
+    mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
+    sharded = jax.shard_map(
+        lambda m, x: m(x, cp=dcp.ContextParallel("cp", layout=layout), cu_seqlens=CU_PACKED),
+        mesh=mesh,
+        in_specs=(P(), P("cp")),
+        out_specs=P("cp"),
+    )
+    x_cp = jax.device_put(layout.to_layout(x[None], cp)[0], NamedSharding(mesh, P("cp")))
+    y = layout.from_layout(eqx.filter_jit(sharded)(layer, x_cp)[None], cp)[0]
+    assert rel_err(y, one) <= 1e-5
+
+
+# Cost: no compilation.
+def test_packed_documents_refuse_a_state(without_runtime_typecheck):
+    layer = _layer("gla")
+    with pytest.raises(ValueError, match="pass `state=None`"):
+        layer(jnp.zeros((8, HIDDEN)), layer.init_state(), cu_seqlens=[0, 4, 8])
+
+
 # Cost: one compiled program (the half sequence on one device).
 @pytest.mark.slow
 @pytest.mark.parametrize("name", KINDS)

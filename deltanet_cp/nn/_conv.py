@@ -6,8 +6,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._custom_types import CuSeqlens
+from .._layout import Contiguous
+from .._packing import as_cu_seqlens
 from .._parallel import ContextParallel
 from .._validate import as_positive_index
 from ._context import layer_cp
@@ -74,9 +77,15 @@ class CausalConv1d(eqx.Module):
         return self.kernel_size - 1
 
     def _segment(
-        self, x: Float[Array, "seq channels"], prev: Float[Array, "history channels"]
+        self,
+        x: Float[Array, "seq channels"],
+        prev: Float[Array, "history channels"],
+        reach: Int[Array, " seq"] | None = None,
     ) -> tuple[Float[Array, "seq channels"], Float[Array, "history channels"]]:
         """Convolve one contiguous segment given the `history` inputs before it.
+
+        `reach`: per token, how many tokens back its document goes (its distance from the
+        document's first token); a tap further back reads zero. `None`: no documents.
 
         **Returns:**
 
@@ -86,9 +95,16 @@ class CausalConv1d(eqx.Module):
         w, t = self.history, x.shape[0]
         xp = jnp.concatenate([prev, x], axis=0)  # (w + t, channels)
         wt = self.weight.T.astype(x.dtype)  # (kernel, channels)
-        y = xp[0:t] * wt[0:1]
+
+        def tap(j):  # the inputs `w - j` tokens back, times their weight
+            back = xp[j : j + t]
+            if reach is not None and j < w:
+                back = jnp.where((reach >= w - j)[:, None], back, jnp.zeros((), x.dtype))
+            return back * wt[j : j + 1]
+
+        y = tap(0)
         for j in range(1, self.kernel_size):
-            y = y + xp[j : j + t] * wt[j : j + 1]
+            y = y + tap(j)
         return y, xp[xp.shape[0] - w :]
 
     def __call__(
@@ -97,6 +113,7 @@ class CausalConv1d(eqx.Module):
         state: Float[Array, "history channels"] | None = None,
         *,
         cp: ContextParallel | None = None,
+        cu_seqlens: CuSeqlens | None = None,
     ) -> tuple[Float[Array, "seq channels"], Float[Array, "history channels"]]:
         """**Arguments:**
 
@@ -107,12 +124,18 @@ class CausalConv1d(eqx.Module):
             `None`. With `cp` it must be replicated.
         - `cp`: how the call is sharded, as in [`deltanet_cp.ContextParallel`][] (without
             `mesh`); `None` on one device.
+        - `cu_seqlens`: packed documents, `[0, ..., T]` over the whole sequence (a list
+            or an int array, as for [`deltanet_cp.run`][]): no tap reads across a
+            document's start: the inputs before a document's first token read as zeros,
+            `state` included (pass `cu_seqlens` without it).
 
         **Returns:**
 
         `(y, state)`: `y` of shape `(seq, channels)`, in the same layout as `x`, and the
         state after the last token, `(kernel_size - 1, channels)`: the last
-        `kernel_size - 1` inputs of the whole sequence (replicated across ranks).
+        `kernel_size - 1` inputs of the whole sequence (replicated across ranks; with
+        `cu_seqlens`, zeros where they belong to an earlier document than the last
+        token's).
         """
         cp = layer_cp(cp, "CausalConv1d")
         w = self.history
@@ -120,15 +143,25 @@ class CausalConv1d(eqx.Module):
         if state is None:
             state = jnp.zeros((w, x.shape[1]), x.dtype)
         state = state.astype(x.dtype)
+        reach, total = None, t if cp is None else t * jax.lax.axis_size(cp.axis_name)
+        cu = jnp.zeros((2,), jnp.int32)  # no documents: read only with `reach`
+        if cu_seqlens is not None:
+            axis_name = None if cp is None else cp.axis_name
+            cu = as_cu_seqlens(cu_seqlens, 1, total, axis_name=axis_name)
+            layout = Contiguous() if cp is None else cp.layout
+            positions = layout.positions(t, axis_name)
+            reach = _reach(cu, positions)
         if cp is None:
-            y, tail = self._segment(x, state)
+            y, tail = self._segment(x, state, reach)
             # Without history the state is empty: `state` itself, replicated like it.
-            return y, tail if w > 0 else state
+            return y, _last_document(tail, cu, total) if reach is not None else (
+                tail if w > 0 else state
+            )
         n = jax.lax.axis_size(cp.axis_name)
         # A shard that does not cut into whole pieces is an error, with or without a halo.
         walks = cp.layout.walks(t, n)
         if w == 0:  # a kernel without history: nothing crosses ranks
-            return self._segment(x, state)[0], state
+            return self._segment(x, state, reach)[0], state
         piece = t // len(walks)
         if piece < w:
             raise ValueError(
@@ -152,9 +185,34 @@ class CausalConv1d(eqx.Module):
             )
             if holder is not None and holder != first:
                 incoming = jax.lax.ppermute(incoming, cp.axis_name, [(holder, first)])
-            y, tail = self._segment(segment, jnp.where(rank == first, incoming, halo))
+            y, tail = self._segment(
+                segment,
+                jnp.where(rank == first, incoming, halo),
+                None if reach is None else reach[walk.local],
+            )
             ys.append(y)
             incoming, holder = tail, last
         # Hand the tail of the sequence's last piece to every rank.
         final = jnp.where(rank == holder, incoming, jnp.zeros_like(incoming))
-        return jnp.concatenate(ys, axis=0), jax.lax.psum(final, cp.axis_name)
+        final = jax.lax.psum(final, cp.axis_name)
+        if reach is not None:
+            final = _last_document(final, cu, total)
+        return jnp.concatenate(ys, axis=0), final
+
+
+def _reach(cu: Int[Array, " docs_plus_one"], positions: Int[Array, " seq"]) -> Int[Array, " seq"]:
+    """Per token at global `positions`, its distance from its document's first token."""
+    starts = cu[jnp.searchsorted(cu, positions, side="right") - 1]
+    return positions - starts
+
+
+def _last_document(tail: Array, cu: Array, total: int) -> Array:
+    """The sequence's last `history` inputs with those before the last token's document
+    zeroed."""
+    w = tail.shape[0]
+    if w == 0 or total == 0:
+        return tail
+    positions = total - w + jnp.arange(w, dtype=jnp.int32)
+    reach = _reach(cu, jnp.asarray([total - 1], jnp.int32))[0]
+    keep = positions >= total - 1 - reach
+    return jnp.where(keep[:, None], tail, jnp.zeros((), tail.dtype))

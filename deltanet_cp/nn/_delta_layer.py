@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from .._custom_types import CuSeqlens
 from .._parallel import ContextParallel
 from .._precision import accumulation_dtype, as_precision, PrecisionName
 from .._recurrence import AbstractRecurrence
@@ -207,19 +208,20 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
                 f"{tuple(x.shape)}.{batched}"
             )
 
-    def _inputs(self, x, conv_state, cp):
+    def _inputs(self, x, conv_state, cp, cu_seqlens=None):
         """`(mixed, conv output after SiLU, new conv state, rest)` of `x: (seq, hidden)`."""
         mixed, rest = self._project(x)
-        conv_out, new_conv = self.conv1d(mixed, conv_state, cp=cp)
+        conv_out, new_conv = self.conv1d(mixed, conv_state, cp=cp, cu_seqlens=cu_seqlens)
         return mixed, jax.nn.silu(conv_out), new_conv, rest
 
-    def _run(self, recurrence, inputs, h0, cp=None):
+    def _run(self, recurrence, inputs, h0, cp=None, cu_seqlens=None):
         """The recurrence over `inputs` of one sequence (a batch of one): `(outputs, final
-        state)` with a batch axis of one."""
+        state)` with a batch axis of one (one state per document with `cu_seqlens`)."""
         return run(
             recurrence,
             inputs,
             initial_state=None if h0 is None else h0[None],
+            cu_seqlens=cu_seqlens,
             cp=cp,
             block_size=self.block_size,
         )
@@ -230,6 +232,7 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
         state: _State | None = None,
         *,
         cp: ContextParallel | None = None,
+        cu_seqlens: CuSeqlens | None = None,
     ) -> Float[Array, "seq hidden"]:
         """**Arguments:**
 
@@ -240,6 +243,11 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
         - `cp`: how the call is sharded, as in [`deltanet_cp.ContextParallel`][] (without
             `mesh`; the convolution's halo and the recurrence follow the layout's pieces);
             `None` on one device.
+        - `cu_seqlens`: packed documents in `x`, `[0, ..., T]` over the whole sequence (a
+            list or an int array, as for [`deltanet_cp.run`][]; global under `cp`, the same
+            on every rank): each document starts from zeros, the convolution reading no
+            input across a document's start and the recurrence resetting there, as if each
+            were its own call. Not with `state`.
 
         **Returns:**
 
@@ -249,9 +257,15 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
         **Raises:**
 
         `ValueError` naming `x` if it is not a floating-point `(seq, hidden)` array (a
-        batch: `jax.vmap` the layer over it).
+        batch: `jax.vmap` the layer over it), or for `cu_seqlens` with `state`.
         """
-        return self._forward(x, state, None, cp)[0]
+        if cu_seqlens is not None and state is not None:
+            raise ValueError(
+                f"{type(self).__name__}: with `cu_seqlens` every document starts from zeros; "
+                "pass `state=None` (to continue one sequence from a state, call it without "
+                "`cu_seqlens`)."
+            )
+        return self._forward(x, state, None, cp, cu_seqlens)[0]
 
     def prefill(
         self,
@@ -310,19 +324,21 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
                 "that the checkpoints fall at multiples of it in the whole sequence."
             )
 
-    def _forward(self, x, state, checkpoint_every, cp) -> tuple[Array, _State, _State | None]:
+    def _forward(
+        self, x, state, checkpoint_every, cp, cu_seqlens=None
+    ) -> tuple[Array, _State, _State | None]:
         cp = layer_cp(cp, type(self).__name__)
         self._check_input(x)
         if checkpoint_every is not None:
             checkpoint_every = as_positive_index(checkpoint_every, "checkpoint_every")
             self._check_checkpoints(checkpoint_every, x.shape[0], cp)
         conv_state, h0 = (None, None) if state is None else (state.conv, state.recurrent)
-        mixed, conv, new_conv, rest = self._inputs(x, conv_state, cp)
+        mixed, conv, new_conv, rest = self._inputs(x, conv_state, cp, cu_seqlens)
         inputs, gate = self._split(conv, rest)
         recurrence = self._recurrence(self.chunk_size)
         if checkpoint_every is not None:
             recurrence = Checkpointed(inner=recurrence, chunk_size=checkpoint_every)
-        o, h = self._run(recurrence, inputs, h0, cp)
+        o, h = self._run(recurrence, inputs, h0, cp, cu_seqlens)
         saved = None
         if checkpoint_every is not None:
             o, spread = o
