@@ -143,20 +143,18 @@ class CausalConv1d(eqx.Module):
         if state is None:
             state = jnp.zeros((w, x.shape[1]), x.dtype)
         state = state.astype(x.dtype)
-        reach, total = None, t if cp is None else t * jax.lax.axis_size(cp.axis_name)
-        cu = jnp.zeros((2,), jnp.int32)  # no documents: read only with `reach`
+        total = t if cp is None else t * jax.lax.axis_size(cp.axis_name)
+        cu, reach = None, None
         if cu_seqlens is not None:
             axis_name = None if cp is None else cp.axis_name
             cu = as_cu_seqlens(cu_seqlens, 1, total, axis_name=axis_name)
             layout = Contiguous() if cp is None else cp.layout
-            positions = layout.positions(t, axis_name)
-            reach = _reach(cu, positions)
+            reach = _reach(cu, layout.positions(t, axis_name))
         if cp is None:
             y, tail = self._segment(x, state, reach)
             # Without history the state is empty: `state` itself, replicated like it.
-            return y, _last_document(tail, cu, total) if reach is not None else (
-                tail if w > 0 else state
-            )
+            tail = tail if w > 0 else state
+            return y, tail if cu is None else _last_document(tail, cu, total)
         n = jax.lax.axis_size(cp.axis_name)
         # A shard that does not cut into whole pieces is an error, with or without a halo.
         walks = cp.layout.walks(t, n)
@@ -195,9 +193,9 @@ class CausalConv1d(eqx.Module):
         # Hand the tail of the sequence's last piece to every rank.
         final = jnp.where(rank == holder, incoming, jnp.zeros_like(incoming))
         final = jax.lax.psum(final, cp.axis_name)
-        if reach is not None:
-            final = _last_document(final, cu, total)
-        return jnp.concatenate(ys, axis=0), final
+        return jnp.concatenate(ys, axis=0), final if cu is None else _last_document(
+            final, cu, total
+        )
 
 
 def _reach(cu: Int[Array, " docs_plus_one"], positions: Int[Array, " seq"]) -> Int[Array, " seq"]:
