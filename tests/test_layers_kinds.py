@@ -361,7 +361,7 @@ def test_cp_invariance(name, cp, layout):
 # packed documents
 # ------------------------------------------------------------------------------------------------
 CU_PACKED = [0, 9, 9, 30, T_CP]  # an empty document; documents across ranks and pieces
-_PACKED_FAST = ("gla", "momentum")
+_PACKED_FAST = ("momentum",)
 
 
 # Cost: two compiled programs per layer (one device, cp = 2 zigzag).
