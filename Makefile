@@ -18,7 +18,7 @@ $(VENV)/.installed-%: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.installed-demo
 	$(BIN)/python examples/demo.py
 
-# The default suite (21 minutes on 2 cores from a fresh clone, 11 once .cache/jax is warm); `make test-slow` runs the rest of the parameter grids
+# The default suite (17 minutes on 2 cores from a fresh clone, 11 once .cache/jax is warm); `make test-slow` runs the rest of the parameter grids
 # (tests marked `slow`), `make test-all` both. CI runs both. JOBS test processes run side by
 # side (pytest-xdist); JOBS=0 runs them in this process. Every run shares the persistent
 # compilation cache in .cache/jax (tests/_compile_cache.py; `make clean` removes it): a program
