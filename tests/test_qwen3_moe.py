@@ -395,6 +395,37 @@ def test_training_step_with_experts_split(cp, split, layout):
     assert max(jax.tree.leaves(jax.tree.map(rel_err, new, expected))) <= 1e-5
 
 
+# About 12 s (a context-parallel prefill of the 4-layer model, one device's prefill and two
+# decode steps).
+@pytest.mark.slow
+def test_prefill_with_experts_split_then_decode():
+    # A prompt prefilled on 2 ranks (contiguous shards), the experts split over the same
+    # axis: the logits, and the next token decoded from its cache, equal one device's.
+    model = _model("next")
+    tokens = _ep_batch()[0][0]
+    params, static = eqx.partition(model, eqx.is_array)
+    mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2], axis_types=(AxisType.Auto,))
+    context = ContextParallel("cp")
+
+    def local(params, tokens):
+        m = eqx.combine(params, static)
+        return m.prefill(tokens, capacity=EP_TOKENS + 1, cp=context, expert_axis="cp")
+
+    sharded = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(expert_partition_specs(params, "cp"), P("cp")),
+        out_specs=(P("cp"), P()),
+    )
+    logits, cache = jax.jit(sharded)(params, tokens)
+    want, want_cache = eqx.filter_jit(lambda m, t: m.prefill(t, capacity=EP_TOKENS + 1))(
+        model, tokens
+    )
+    assert rel_err(logits, want) <= 1e-5
+    step = eqx.filter_jit(lambda m, t, c: m.decode_step(t, c)[0])
+    assert rel_err(step(model, tokens[-1], cache), step(model, tokens[-1], want_cache)) <= 1e-5
+
+
 # ---------------------------------------------------------------------------------------
 # Bad inputs
 # ---------------------------------------------------------------------------------------
