@@ -99,15 +99,16 @@ def log_decay(a: Array, a_log: Array, dt_bias: Array) -> Array:
 class RecurrentLayerState(eqx.Module):
     """What a recurrent token mixer of `deltanet_cp.nn` carries from one segment to the next
     (the state of [`deltanet_cp.nn.GatedLinearAttention`][],
-    [`deltanet_cp.nn.SimpleGatedLinearAttention`][],
-    [`deltanet_cp.nn.GatedDeltaProduct`][] and [`deltanet_cp.nn.GatedDeltaNet2`][]).
+    [`deltanet_cp.nn.SimpleGatedLinearAttention`][], [`deltanet_cp.nn.GatedDeltaProduct`][],
+    [`deltanet_cp.nn.GatedDeltaNet2`][] and [`deltanet_cp.nn.MomentumDeltaNet`][]).
 
     **Fields:**
 
     - `conv`: the last `conv_kernel_size - 1` inputs of the convolution (the projected
         `concat(q, k, v)` before the convolution), `(conv_kernel_size - 1, conv_dim)`.
-    - `recurrent`: the recurrence's state, `(value_heads, K, V)`, float32 (float64 for
-        float64 parameters).
+    - `recurrent`: the recurrence's state, `(value_heads, K, V)` (Momentum DeltaNet:
+        `(value_heads, 2K, V)`, the memory's rows over the momentum's), float32 (float64
+        for float64 parameters).
 
     Both may carry the same leading batch axes (to be `jax.vmap`ped over with the input).
     """
