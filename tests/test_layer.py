@@ -155,6 +155,18 @@ def test_layer_matches_float64_reference(getkey):
     np.testing.assert_array_equal(eqx.filter_jit(lambda m, x, s: m(x, s))(layer, x, state), out)
 
 
+# Cost: one compiled program (one device; the sharded path is test_layers_kinds.py's).
+def test_packed_documents_match_float64_reference(getkey):
+    """`cu_seqlens`: each document as its own call from zeros, the float64 layer per
+    document (the shared path of every recurrent layer, here on Qwen3-Next's mixer)."""
+    layer = with_slow_decays(GatedDeltaNet(*SIZES, chunk_size=16, key=getkey()), getkey())
+    x = jr.normal(getkey(), (50, SIZES[0]))
+    cu = [0, 2, 21, 21, 50]  # a document shorter than the kernel, an empty one
+    out = eqx.filter_jit(lambda m, x: m(x, cu_seqlens=cu))(layer, x)
+    docs = [layer_reference(layer, x[s:e])[0] for s, e in zip(cu[:-1], cu[1:]) if e > s]
+    assert rel_err(out, np.concatenate(docs)) <= 1e-5
+
+
 def test_block_size_reaches_the_engine(getkey):
     """`block_size` is the engine's block (the `block_size` of `deltanet_cp.run`): blocks of
     one chunk put the factor work in a loop over blocks, which a block holding the 50 tokens
