@@ -85,13 +85,6 @@ class DenseMap(ex.Retention):
         eye = jnp.eye(f.map.decay.shape[-1], dtype=f.map.decay.dtype)
         return DenseFactors(f.q, f.o, dcp.AffineMap(f.map.decay[..., :, None] * eye, f.map.U))
 
-    def step(self, factors, h):  # pyright: ignore[reportIncompatibleMethodOverride]
-        o = jnp.einsum("bhck,bhkv->bchv", factors.q, h) + factors.o
-        return factors.map(h), o
-
-    def chunk_map(self, factors):  # pyright: ignore[reportIncompatibleMethodOverride]
-        return factors.map
-
 
 class LeanFactors(eqx.Module):
     q: Float[Array, "n b h c k"]  # q e^G / sqrt(K)
