@@ -15,7 +15,7 @@ layouts and each layout every exchange.
 import contextlib
 import dataclasses
 import functools as ft
-from typing import Any
+from typing import Any, get_args
 
 import equinox as eqx
 import jax
@@ -26,6 +26,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import deltanet_cp as dcp
 from deltanet_cp import nn
+from deltanet_cp.nn._hybrid import MixerKind
 
 from .helpers import rel_err
 from .registry import EXCHANGES, FAMILIES, Family
@@ -492,16 +493,7 @@ def _qwen3_5():
 def _every_kind():
     """A HybridLM with one block of each token mixer of `deltanet_cp.nn` (every recurrent
     layer and attention), a batch of two, and its one-device step."""
-    mixers: list[Any] = [
-        "gated_delta_net",
-        "kimi_delta_attention",
-        "gated_linear_attention",
-        "simple_gated_linear_attention",
-        "gated_delta_product",
-        "gated_delta_net_2",
-        "momentum_delta_net",
-        "attention",
-    ]
+    mixers: list[Any] = list(get_args(MixerKind))  # every name HybridLM builds
     model = nn.HybridLM(16, 16, len(mixers), mixers=mixers, chunk_size=8, key=jr.key(9))
     tokens = jr.randint(jr.key(10), (DP, 33), 0, 16)
     mask = (jr.uniform(jr.key(11), (DP, 32)) < 0.8).astype(jnp.float32)
