@@ -633,7 +633,7 @@ def _rwkv7_prefill_and_decode(layer, x, state, v_first):
 
 
 # Cost: one compiled program per layer (values, prefill of 34 tokens, 3 steps in a scan),
-# 1.5 to 2 s each. The later layer in the default run: its path is the first's plus the mix
+# about 2 s each. The later layer in the default run: its path is the first's plus the mix
 # with `v_first`; the first layer's is also traced by `test_hybrid_rwkv7_traces`.
 @pytest.mark.parametrize(
     "layer_idx", [pytest.param(0, marks=pytest.mark.slow), 1], ids=["first", "later"]
@@ -750,8 +750,9 @@ def _rwkv7_cp1():
 
 
 # Cost: two compiled programs per case (the loss's gradient on one device, cached, and
-# sharded), about 3 s each; the one-device program is also the float64 check of the whole
-# sequence in one pass and of its state.
+# sharded): about 10 s for zigzag over 2 ranks, the default case (3 s and 7 s), 4 to 8 s for
+# the others; the one-device program is also the float64 check of the whole sequence in
+# one pass and of its state.
 @pytest.mark.parametrize(
     "cp, layout",
     [
@@ -783,7 +784,7 @@ def test_rwkv7_cp_invariance(cp, layout):
     assert max(errs.values()) <= 1e-5, errs
 
 
-# Cost: one compiled program (the second half on one device).
+# Cost: one compiled program (the second half on one device), about 1 s.
 @pytest.mark.slow
 def test_rwkv7_cp_problem_depends_on_the_carried_state():
     """A wrong hand-off would be seen: the second half from a zero state is far off."""
@@ -794,7 +795,7 @@ def test_rwkv7_cp_problem_depends_on_the_carried_state():
     assert rel_err(tail, y1[half:]) > 1e-2
 
 
-# Cost: one compiled program (one device, 2 s); the zigzag case two more. Both slow: the
+# Cost: one compiled program (one device, 2 s); the zigzag case two more (4 s). Both slow: the
 # token shift's documents are `previous_tokens`'s (tests/test_shift.py), the recurrence's
 # the engine's.
 @pytest.mark.slow
@@ -839,7 +840,7 @@ def _rwkv7_hybrid(key):
     return nn.HybridLM(32, 16, 3, mixers=mixers, chunk_size=CHUNK, key=key)
 
 
-# Cost: no compilation (construction, the forward and the gradient traced only).
+# Cost: no compilation (construction, the forward and the gradient traced only), about 1 s.
 def test_hybrid_rwkv7_traces():
     """`"rwkv7"` twice: the first block is the first RWKV-7 layer, the later one is not,
     and the forward and its gradient trace (the later layer would raise without the first
@@ -857,7 +858,7 @@ def test_hybrid_rwkv7_traces():
 
 
 # Cost: one compiled program (the model's logits, the same blocks by hand, and the
-# gradient), about 8 s with the model's construction.
+# gradient), 8 to 10 s with the model's construction.
 @pytest.mark.slow
 def test_hybrid_rwkv7_threads_v_first():
     """`HybridLM` with two RWKV-7 blocks around attention: the logits equal the blocks
