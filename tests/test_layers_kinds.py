@@ -1,8 +1,9 @@
 """A layer for every kind: gated linear attention (per key channel and per head), Gated
 DeltaProduct, Gated DeltaNet-2 and Momentum DeltaNet against float64 numpy re-implementations
-built on the token loops of tests/helpers.py; prefill then decoding; context parallelism
-(outputs, final state and every gradient equal one device's, both layouts); `HybridLM` with a
-mixed pattern.
+built on the token loops of tests/helpers.py, RWKV-7's time mix against its own float64 token
+loop; prefill then decoding; context parallelism (outputs, final state and every gradient
+equal one device's, both layouts); `HybridLM` with a mixed pattern, and with RWKV-7's
+`v_first` passed from its first RWKV-7 block to the later ones.
 
 Costs are compile-dominated (tiny shapes): each check compiles one program per layer (the
 CP check two: one device and the sharded one)."""
@@ -493,3 +494,434 @@ def test_hybrid_kimi_linear_pattern_context_parallel():
     zig = jax.device_put(dcp.to_zigzag(tokens[None], 2)[0], NamedSharding(mesh, P("cp")))
     logits_cp = dcp.from_zigzag(eqx.filter_jit(sharded)(model, zig)[None], 2)[0]
     assert rel_err(logits_cp, logits) <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# RWKV-7
+# ------------------------------------------------------------------------------------------------
+RWKV_SIZES = (HIDDEN, 2, 8, 4)  # hidden, H, K, V: K != V, H K = hidden
+RWKV_NORM_EPS = 1e-5
+
+
+def _rwkv7_draw(path, leaf, rng):
+    """A value for each parameter, drawn with NumPy (no program to compile), around FLA's
+    init but off it: FLA zeros the output projection and the LoRAs' first factors, which
+    would hide most of the layer. The decays' LoRA bias spreads the per-token decays over
+    [0.6, 0.998], so state crosses chunks and ranks."""
+    name, shape = jax.tree_util.keystr(path), leaf.shape
+    noise = rng.standard_normal(shape)
+    if name.startswith(".x_"):
+        value = rng.uniform(0, 1, shape)
+    elif name == ".w_lora.up.bias":
+        value = rng.uniform(-6, 1, shape)
+    elif name in (".k_k", ".k_a", ".g_norm.weight"):
+        value = {".k_k": 0.7, ".k_a": 1.0, ".g_norm.weight": 1.0}[name] + 0.2 * noise
+    elif name.endswith("bias") or name == ".r_k":
+        value = 0.5 * noise
+    else:  # a linear layer's (out, in) weight
+        value = noise / np.sqrt(shape[-1])
+    return jnp.asarray(value, leaf.dtype)
+
+
+@ft.cache
+def _rwkv7(layer_idx: int):
+    """Layer `layer_idx` of two (0: the first, which makes `v_first`), LoRA ranks 8 and 4,
+    with `_rwkv7_draw`'s parameters."""
+    shapes = eqx.filter_eval_shape(
+        nn.RWKV7Attention,
+        *RWKV_SIZES,
+        layer_idx=layer_idx,
+        num_layers=2,
+        decay_low_rank_dim=8,
+        a_low_rank_dim=8,
+        v_low_rank_dim=4,
+        gate_low_rank_dim=8,
+        norm_eps=RWKV_NORM_EPS,
+        chunk_size=CHUNK,
+        key=jr.key(0),
+    )
+    rng = np.random.default_rng(40 + layer_idx)
+    return jax.tree_util.tree_map_with_path(lambda p, s: _rwkv7_draw(p, s, rng), shapes)
+
+
+def _rwkv7_state(seed: int):
+    rng = np.random.default_rng(seed)
+    _, h, dk, dv = RWKV_SIZES
+    return nn.RWKV7AttentionState(
+        shift=jnp.asarray(rng.standard_normal(HIDDEN), jnp.float32),
+        recurrent=jnp.asarray(0.5 * rng.standard_normal((h, dk, dv)), jnp.float32),
+    )
+
+
+def _rwkv7_lora(lora, x):
+    h = _lin(lora.down, x)
+    h = {"tanh": np.tanh, "sigmoid": _sigmoid, None: lambda z: z}[lora.activation](h)
+    return _lin(lora.up, h)
+
+
+def rwkv7_reference(layer, x, state=None, v_first=None):
+    """The whole RWKV-7 layer in float64 NumPy, written from FLA's `RWKV7Attention.forward`
+    and its naive generalized delta rule (`dplr_recurrence`: the read `a^T S` of the state
+    before the token's decay, `S <- S e^w + b (a^T S) + k v^T`, `o = S^T r`).
+
+    **Returns:** `(out (T, hidden), the values before the mix (T, H, V), the last token,
+    the recurrent state)`.
+    """
+    _, h, dk, dv = RWKV_SIZES
+    x, t = _np(x), x.shape[0]
+    shift = np.zeros(HIDDEN) if state is None else _np(state.shift)
+    s = np.zeros((h, dk, dv)) if state is None else _np(state.recurrent).copy()
+    prev = np.concatenate([shift[None], x[:-1]])
+
+    def mix(mu):  # torch.addcmul(x, x_prev - x, mu)
+        return x + (prev - x) * _np(mu)
+
+    r = _lin(layer.r_proj, mix(layer.x_r)).reshape(t, h, dk)
+    w = -np.exp(-0.5) * _sigmoid(_rwkv7_lora(layer.w_lora, mix(layer.x_w))).reshape(t, h, dk)
+    k = _lin(layer.k_proj, mix(layer.x_k))
+    v = _lin(layer.v_proj, mix(layer.x_v))
+    values = v.reshape(t, h, dv)
+    if layer.v_lora is not None:  # torch.lerp(v, v_first, sigmoid(v_lora(xv)))
+        weight = _sigmoid(_rwkv7_lora(layer.v_lora, mix(layer.x_v)))
+        v = v + weight * (_np(v_first).reshape(t, h * dv) - v)
+    a = _sigmoid(_rwkv7_lora(layer.a_lora, mix(layer.x_a)))
+    g = _rwkv7_lora(layer.g_lora, mix(layer.x_g))
+    kk = (k * _np(layer.k_k)).reshape(t, h, dk)
+    kk = kk / np.maximum(np.linalg.norm(kk, axis=-1, keepdims=True), 1e-12)  # F.normalize
+    k = (k + k * (a - 1) * _np(layer.k_a)).reshape(t, h, dk)  # k.addcmul(k * (a - 1), k_a)
+    v, a = v.reshape(t, h, dv), a.reshape(t, h, dk)
+    alpha, beta = -kk, kk * a
+    o = np.zeros((t, h, dv))
+    for i in range(t):
+        for j in range(h):
+            read = alpha[i, j] @ s[j]  # a^T S, before the decay
+            s[j] = np.exp(w[i, j])[:, None] * s[j] + np.outer(beta[i, j], read)
+            s[j] = s[j] + np.outer(k[i, j], v[i, j])
+            o[i, j] = s[j].T @ r[i, j]
+    mean = o.mean(-1, keepdims=True)  # GroupNorm, one group per head
+    var = ((o - mean) ** 2).mean(-1, keepdims=True)
+    o = (o - mean) / np.sqrt(var + dk * RWKV_NORM_EPS)
+    o = o.reshape(t, h * dv) * _np(layer.g_norm.weight) + _np(layer.g_norm.bias)
+    bonus = np.sum(r * k * _np(layer.r_k)[None], axis=-1, keepdims=True) * v
+    out = _lin(layer.o_proj, (o + bonus.reshape(t, h * dv)) * g)
+    return out, values, x[-1], s
+
+
+def _rwkv7_inputs(seed: int):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((T, HIDDEN)), jnp.float32)
+
+
+@eqx.filter_jit
+def _rwkv7_prefill_and_decode(layer, x, state, v_first):
+    """`prefill` of all but `STEPS` tokens, then a `step` for each of them (a `lax.scan`),
+    with the layer's `values` over the whole sequence and token by token."""
+    n = T - STEPS
+
+    def later(v):  # the first layer makes `v_first` and takes none
+        return None if layer.is_first else v
+
+    y, state_n, _ = layer.prefill(x[:n], state, v_first=later(v_first[:n]))
+
+    def step(s, token):
+        x_t, v_t = token
+        value = layer.values(x_t[None], s)[0]
+        y_t, s = layer.step(x_t, s, v_first=later(v_t))
+        return s, (y_t, value)
+
+    final, (ys, values) = jax.lax.scan(step, state_n, (x[n:], v_first[n:]))
+    return jnp.concatenate([y, ys]), final, layer.values(x, state), values
+
+
+# Cost: one compiled program per layer (values, prefill of 34 tokens, 3 steps in a scan),
+# about 2 s each. The later layer in the default run: its path is the first's plus the mix
+# with `v_first`; the first layer's is also traced by `test_hybrid_rwkv7_traces`.
+@pytest.mark.parametrize(
+    "layer_idx", [pytest.param(0, marks=pytest.mark.slow), 1], ids=["first", "later"]
+)
+def test_rwkv7_matches_float64_reference_and_decodes(layer_idx):
+    """The first layer, and a later one with `v_first` the first's float64 values:
+    `prefill` of all but 3 tokens from a random state, then 3 `step`s, against the float64
+    layer over all 37 (<= 1e-5): outputs, both parts of the state, and `values` over the
+    sequence and token by token."""
+    layer = _rwkv7(layer_idx)
+    x, state = _rwkv7_inputs(1 + layer_idx), _rwkv7_state(3 + layer_idx)
+    _, v_first, _, _ = rwkv7_reference(_rwkv7(0), _rwkv7_inputs(1), _rwkv7_state(3))
+    v_first = jnp.asarray(v_first, jnp.float32)
+    y, new, values, stepped = _rwkv7_prefill_and_decode(layer, x, state, v_first)
+    out, expected_values, shift, rec = rwkv7_reference(layer, x, state, v_first)
+    n = T - STEPS
+    errs = {
+        "prefill": rel_err(y[:n], out[:n]),
+        "steps": rel_err(y[n:], out[n:]),
+        "shift": rel_err(new.shift, shift),
+        "recurrent": rel_err(new.recurrent, rec),
+        "values": rel_err(values, expected_values),
+        "values, one token": rel_err(stepped, expected_values[n:]),
+    }
+    assert max(errs.values()) <= 1e-5, errs
+    assert isinstance(new, nn.RWKV7AttentionState) and y.dtype == x.dtype
+
+
+# Cost: no compilation (shapes only).
+def test_rwkv7_shapes_and_errors(without_runtime_typecheck):
+    first, later = _rwkv7(0), _rwkv7(1)
+    assert first.is_first and first.v_lora is None and not later.is_first
+    s = later.init_state()
+    assert s.shift.shape == (HIDDEN,) and s.recurrent.shape == (2, 8, 4)
+    assert s.recurrent.dtype == jnp.float32
+    x = jnp.zeros((8, HIDDEN))
+    with pytest.raises(ValueError, match="not the first layer: pass `v_first=`"):
+        later(x)
+    with pytest.raises(ValueError, match="is the first layer"):
+        first(x, v_first=jnp.zeros((8, 2, 4)))
+    with pytest.raises(ValueError, match=r"`v_first` must be .* \(8, 2, 4\); got \(7, 2, 4\)"):
+        later(x, v_first=jnp.zeros((7, 2, 4)))
+    with pytest.raises(ValueError, match="`x` must have shape"):
+        first(jnp.zeros((4, HIDDEN + 1)))
+    with pytest.raises(ValueError, match=r"`layer_idx` \(2\) must be in \[0, num_layers\)"):
+        nn.RWKV7Attention(*RWKV_SIZES, layer_idx=2, num_layers=2, key=jr.key(0))
+    with pytest.raises(ValueError, match="first RWKV-7 mixer in `mixers`"):
+        eqx.filter_eval_shape(
+            nn.HybridLM,
+            32,
+            16,
+            1,
+            mixers=[lambda k: nn.RWKV7Attention(16, 2, 8, 8, layer_idx=1, num_layers=2, key=k)],
+            key=jr.key(0),
+        )
+
+
+@ft.cache
+def _rwkv7_cp_problem():
+    """The later layer (the one that takes `v_first`), a sequence of 64 tokens, a random
+    state and `v_first`, and the loss weights."""
+    rng = np.random.default_rng(48)
+
+    def normal(*shape, scale=1.0):
+        return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32)
+
+    _, h, _, dv = RWKV_SIZES
+    x, v_first = normal(T_CP, HIDDEN), normal(T_CP, h, dv)
+    weights = (normal(T_CP, HIDDEN), _rwkv7_state(49))
+    return _rwkv7(1), x, _rwkv7_state(50), v_first, weights
+
+
+def _rwkv7_cp_loss_and_grads(cp: int, layout: Any = dcp.Contiguous()):
+    """Output, final state, and the gradients of a loss of both w.r.t. the parameters, the
+    input, the state and `v_first` (in sequence order), at CP degree `cp` (1: one device);
+    one compiled program."""
+    layer, x, state, v_first, (w_out, w_state) = _rwkv7_cp_problem()
+    params, static = eqx.partition(layer, eqx.is_array)
+
+    def apply(params, x, state, v_first, context=None):
+        layer = eqx.combine(params, static)
+        return layer.prefill(x, state, v_first=v_first, cp=context)[:2]
+
+    if cp > 1:
+        x, v_first, w_out = (layout.to_layout(a[None], cp)[0] for a in (x, v_first, w_out))
+        mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
+        apply = jax.shard_map(
+            ft.partial(apply, context=dcp.ContextParallel("cp", layout=layout)),
+            mesh=mesh,
+            in_specs=(P(), P("cp"), P(), P("cp")),
+            out_specs=(P("cp"), P()),
+        )
+        x, v_first, w_out = (
+            jax.device_put(a, NamedSharding(mesh, P("cp"))) for a in (x, v_first, w_out)
+        )
+
+    def loss(params, x, state, v_first):
+        y, new = apply(params, x, state, v_first)
+        total = jnp.sum(y * w_out) + jnp.sum(new.shift * w_state.shift)
+        return total + jnp.sum(new.recurrent * w_state.recurrent), (y, new)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    grads, (y, new) = grad(params, x, state, v_first)
+    if cp > 1:
+        y = layout.from_layout(y[None], cp)[0]
+        d_x, d_v = (layout.from_layout(d[None], cp)[0] for d in (grads[1], grads[3]))
+        grads = (grads[0], d_x, grads[2], d_v)
+    return y, new, grads
+
+
+@ft.cache
+def _rwkv7_cp1():
+    return _rwkv7_cp_loss_and_grads(1)
+
+
+# Cost: two compiled programs per case (the loss's gradient on one device, cached, and
+# sharded): about 10 s for zigzag over 2 ranks, the default case (3 s and 7 s), 4 to 8 s for
+# the others; the one-device program is also the float64 check of the whole sequence in
+# one pass and of its state.
+@pytest.mark.parametrize(
+    "cp, layout",
+    [
+        pytest.param(
+            cp,
+            layout,
+            id=f"{layout}-{cp}",
+            marks=() if (cp, layout) == (2, "zigzag") else (pytest.mark.slow,),
+        )
+        for cp in (2, 4, 8)
+        for layout in ("contiguous", "zigzag")
+    ],
+)
+def test_rwkv7_cp_invariance(cp, layout):
+    """Outputs, final state and every gradient (parameters, input, state, `v_first`) under
+    context parallelism equal one device's (<= 1e-5), the one-device pass matching the
+    float64 layer."""
+    layer, x, state, v_first, _ = _rwkv7_cp_problem()
+    y1, new1, grads1 = _rwkv7_cp1()
+    out, _, shift, rec = rwkv7_reference(layer, x, state, v_first)
+    assert rel_err(y1, out) <= 1e-5 and rel_err(new1.recurrent, rec) <= 1e-5
+    assert rel_err(new1.shift, shift) <= 1e-5
+    y, new, grads = _rwkv7_cp_loss_and_grads(cp, _LAYOUTS[layout])
+    errs = {
+        "output": rel_err(y, y1),
+        "state": _max_leaf_err(new, new1),
+        "grads": _max_leaf_err(grads, grads1),
+    }
+    assert max(errs.values()) <= 1e-5, errs
+
+
+# Cost: one compiled program (the second half on one device), about 1 s.
+@pytest.mark.slow
+def test_rwkv7_cp_problem_depends_on_the_carried_state():
+    """A wrong hand-off would be seen: the second half from a zero state is far off."""
+    y1, _, _ = _rwkv7_cp1()
+    layer, x, _, v_first, _ = _rwkv7_cp_problem()
+    half = T_CP // 2
+    tail = eqx.filter_jit(lambda m, x, v: m(x, v_first=v))(layer, x[half:], v_first[half:])
+    assert rel_err(tail, y1[half:]) > 1e-2
+
+
+# Cost: one compiled program (one device, 2 s); the zigzag case two more (4 s). Both slow: the
+# token shift's documents are `previous_tokens`'s (tests/test_shift.py), the recurrence's
+# the engine's.
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [1, 2])
+def test_rwkv7_packed_documents(cp):
+    """`cu_seqlens`: each document as its own call from zeros (the float64 layer per
+    document: the token shift reads zeros at a document's start, the recurrence resets),
+    on one device and on zigzag shards over 2 ranks."""
+    layer, x, _, v_first, _ = _rwkv7_cp_problem()
+    expected = np.concatenate(
+        [
+            rwkv7_reference(layer, x[s:e], None, v_first[s:e])[0]
+            for s, e in zip(CU_PACKED[:-1], CU_PACKED[1:])
+            if e > s
+        ]
+    )
+    call = eqx.filter_jit(lambda m, x, v: m(x, v_first=v, cu_seqlens=CU_PACKED))
+    if cp == 1:
+        assert rel_err(call(layer, x, v_first), expected) <= 1e-5
+        return
+    layout = dcp.Zigzag()
+    mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
+    sharded = jax.shard_map(
+        lambda m, x, v: m(
+            x, v_first=v, cp=dcp.ContextParallel("cp", layout=layout), cu_seqlens=CU_PACKED
+        ),
+        mesh=mesh,
+        in_specs=(P(), P("cp"), P("cp")),
+        out_specs=P("cp"),
+    )
+    x_cp, v_cp = (
+        jax.device_put(layout.to_layout(a[None], cp)[0], NamedSharding(mesh, P("cp")))
+        for a in (x, v_first)
+    )
+    y = layout.from_layout(eqx.filter_jit(sharded)(layer, x_cp, v_cp)[None], cp)[0]
+    assert rel_err(y, expected) <= 1e-5
+
+
+def _rwkv7_hybrid(key):
+    """`HybridLM` with two RWKV-7 blocks around an attention block."""
+    mixers: list[Any] = ["rwkv7", "attention", "rwkv7"]
+    return nn.HybridLM(32, 16, 3, mixers=mixers, chunk_size=CHUNK, key=key)
+
+
+# Cost: no compilation (construction, the forward and the gradient traced only), about 1 s.
+def test_hybrid_rwkv7_traces():
+    """`"rwkv7"` twice: the first block is the first RWKV-7 layer, the later one is not,
+    and the forward and its gradient trace (the later layer would raise without the first
+    one's values as its `v_first`)."""
+    model = eqx.filter_eval_shape(_rwkv7_hybrid, jr.key(5))
+    mixers = [b.mixer for b in model.blocks]
+    kinds = [nn.RWKV7Attention, nn.CausalSelfAttention, nn.RWKV7Attention]
+    assert [type(m) for m in mixers] == kinds
+    assert mixers[0].is_first and not mixers[2].is_first
+    tokens = jax.ShapeDtypeStruct((24,), jnp.int32)
+    logits, grads = eqx.filter_eval_shape(
+        lambda m, t: (m(t), eqx.filter_grad(lambda m: jnp.sum(m(t)))(m)), model, tokens
+    )
+    assert logits.shape == (24, 32) and grads.blocks[2].mixer.v_lora is not None
+
+
+# Cost: one compiled program (the model's logits, the same blocks by hand, and the
+# gradient), 8 to 10 s with the model's construction.
+@pytest.mark.slow
+def test_hybrid_rwkv7_threads_v_first():
+    """`HybridLM` with two RWKV-7 blocks around attention: the logits equal the blocks
+    applied by hand with the first block's values as the later one's `v_first` (<= 1e-6),
+    and the gradient is finite and reaches both RWKV-7 layers."""
+    model = _rwkv7_hybrid(jr.key(5))
+    first, later = model.blocks[0].mixer, model.blocks[2].mixer
+    assert isinstance(first, nn.RWKV7Attention) and isinstance(later, nn.RWKV7Attention)
+    assert first.is_first and not later.is_first
+    # FLA zeros the output projections; random ones let the check see the layers.
+    rng = np.random.default_rng(6)
+    model = eqx.tree_at(
+        lambda m: [m.blocks[i].mixer.o_proj.weight for i in (0, 2)],
+        model,
+        [jnp.asarray(0.1 * rng.standard_normal((16, 64)), jnp.float32) for _ in range(2)],
+    )
+    tokens = jnp.asarray(rng.integers(0, 32, 24))
+
+    def by_hand(model, tokens):
+        x = jax.vmap(model.embed)(tokens)
+        v_first = None
+        for block in model.blocks:
+            h = jax.vmap(block.mixer_norm)(x)
+            if isinstance(block.mixer, nn.RWKV7Attention):
+                if block.mixer.is_first:
+                    v_first = block.mixer.values(h)
+                    h = block.mixer(h)
+                else:
+                    h = block.mixer(h, v_first=v_first)
+            else:
+                h = block.mixer(h)
+            x = x + h
+            x = x + jax.vmap(lambda y: block.mlp(block.mlp_norm(y)))(x)
+        return jax.vmap(lambda y: model.lm_head(model.norm(y)))(x)
+
+    @eqx.filter_jit
+    def run(model, tokens):
+        def loss(model):
+            logits = model(tokens)
+            return jnp.sum(jnp.sin(logits)), logits
+
+        grads, logits = eqx.filter_grad(loss, has_aux=True)(model)
+        return logits, by_hand(model, tokens), grads
+
+    logits, expected, grads = run(model, tokens)
+    assert rel_err(logits, expected) <= 1e-6
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+    for i in (0, 2):
+        assert float(jnp.max(jnp.abs(grads.blocks[i].mixer.v_proj.weight))) > 0
+
+
+# Cost: one compiled program (a prefill of 34 tokens with checkpoints every 16), about 2 s.
+@pytest.mark.slow
+def test_rwkv7_checkpoints():
+    """`prefill(..., checkpoint_every=16)`: the states after 16 and 32 tokens equal the
+    float64 layer's over those prefixes (<= 1e-5)."""
+    layer, x, state = _rwkv7(1), _rwkv7_inputs(2), _rwkv7_state(4)
+    v_first = jnp.asarray(np.random.default_rng(5).standard_normal((T, 2, 4)), jnp.float32)
+    n = T - STEPS
+    prefill = eqx.filter_jit(lambda m, x, s, v: m.prefill(x, s, v_first=v, checkpoint_every=16))
+    _, _, saved = prefill(layer, x[:n], state, v_first[:n])
+    assert saved is not None and saved.recurrent.shape == (2, 2, 8, 4)
+    for i, end in enumerate((16, 32)):
+        _, _, shift, rec = rwkv7_reference(layer, x[:end], state, v_first[:end])
+        assert rel_err(saved.shift[i], shift) <= 1e-5
+        assert rel_err(saved.recurrent[i], rec) <= 1e-5

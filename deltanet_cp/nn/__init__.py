@@ -1,7 +1,7 @@
 """Equinox layers: the Gated DeltaNet layer of Qwen3-Next / Qwen3.5, the Kimi Delta Attention
 layer of Kimi Linear, a layer for each other recurrence (gated linear attention, Gated
-DeltaProduct, Gated DeltaNet-2, Momentum DeltaNet), attention, a sparse mixture-of-experts
-block and a small hybrid model."""
+DeltaProduct, Gated DeltaNet-2, Momentum DeltaNet, RWKV-7's time mix), attention, a sparse
+mixture-of-experts block and a small hybrid model."""
 
 from ._attention import CausalSelfAttention as CausalSelfAttention, KVCache as KVCache
 from ._conv import CausalConv1d as CausalConv1d
@@ -31,6 +31,11 @@ from ._moe import (
 from ._momentum_delta_net import MomentumDeltaNet as MomentumDeltaNet
 from ._norm import (
     GatedRMSNorm as GatedRMSNorm,
+    GroupNorm as GroupNorm,
     SigmoidGatedRMSNorm as SigmoidGatedRMSNorm,
     ZeroCenteredRMSNorm as ZeroCenteredRMSNorm,
+)
+from ._rwkv7_attention import (
+    RWKV7Attention as RWKV7Attention,
+    RWKV7AttentionState as RWKV7AttentionState,
 )

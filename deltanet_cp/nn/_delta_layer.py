@@ -96,6 +96,46 @@ def log_decay(a: Array, a_log: Array, dt_bias: Array) -> Array:
     return -jnp.exp(a_log.astype(dtype)) * jax.nn.softplus(a.astype(dtype) + dt_bias.astype(dtype))
 
 
+def check_input(x: Any, hidden_size: int, *, one_token: bool = False) -> None:
+    """A `ValueError` naming `x` unless it is a floating-point `(seq, hidden)` array (or
+    `(hidden,)` with `one_token`)."""
+    layout = "(hidden,)" if one_token else "(seq, hidden)"
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"`x` must be a floating-point array {layout}; got "
+            f"{type(x).__name__ if dtype is None else dtype}. Cast it with `.astype(...)`."
+        )
+    if x.ndim != (1 if one_token else 2) or x.shape[-1] != hidden_size:
+        batched = "" if one_token else " It takes one sequence: `jax.vmap` it over a batch."
+        raise ValueError(
+            f"`x` must have shape {layout} with hidden = {hidden_size}; got "
+            f"{tuple(x.shape)}.{batched}"
+        )
+
+
+def check_checkpoints(
+    every: int, length: int, cp: ContextParallel | None, chunk_size: int, history: int
+) -> None:
+    """A `ValueError` unless `checkpoint_every` suits a layer with chunks of `chunk_size`
+    tokens and `history` tokens of input carried in its state, and with `cp` the pieces of a
+    rank's `length` tokens."""
+    if every % chunk_size or every < history:
+        raise ValueError(
+            f"`checkpoint_every` ({every}) must be a multiple of the layer's chunk_size "
+            f"({chunk_size}) and at least conv_kernel_size - 1 ({history})."
+        )
+    if cp is None:
+        return
+    piece = cp.layout.piece_length(length, jax.lax.axis_size(cp.axis_name))
+    if piece % every:
+        raise ValueError(
+            f"Under context parallelism `checkpoint_every` ({every}) must divide each "
+            f"contiguous piece of a rank's shard ({piece} tokens under {cp.layout!r}), so "
+            "that the checkpoints fall at multiples of it in the whole sequence."
+        )
+
+
 class RecurrentLayerState(eqx.Module):
     """What a recurrent token mixer of `deltanet_cp.nn` carries from one segment to the next
     (the state of [`deltanet_cp.nn.GatedLinearAttention`][],
@@ -195,19 +235,7 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
 
     def _check_input(self, x, *, one_token: bool = False) -> None:
         """A `ValueError` naming `x` unless it is floating, `(seq, hidden)` or `(hidden,)`."""
-        layout = "(hidden,)" if one_token else "(seq, hidden)"
-        dtype = getattr(x, "dtype", None)
-        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-            raise ValueError(
-                f"`x` must be a floating-point array {layout}; got "
-                f"{type(x).__name__ if dtype is None else dtype}. Cast it with `.astype(...)`."
-            )
-        if x.ndim != (1 if one_token else 2) or x.shape[-1] != self.hidden_size:
-            batched = "" if one_token else " It takes one sequence: `jax.vmap` it over a batch."
-            raise ValueError(
-                f"`x` must have shape {layout} with hidden = {self.hidden_size}; got "
-                f"{tuple(x.shape)}.{batched}"
-            )
+        check_input(x, self.hidden_size, one_token=one_token)
 
     def _inputs(self, x, conv_state, cp, cu_seqlens=None):
         """`(mixed, conv output after SiLU, new conv state, rest)` of `x: (seq, hidden)`."""
@@ -309,21 +337,7 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
         return self._forward(x, state, checkpoint_every, cp)
 
     def _check_checkpoints(self, every: int, length: int, cp: ContextParallel | None) -> None:
-        if every % self.chunk_size or every < self.conv1d.history:
-            raise ValueError(
-                f"`checkpoint_every` ({every}) must be a multiple of the layer's chunk_size "
-                f"({self.chunk_size}) and at least conv_kernel_size - 1 "
-                f"({self.conv1d.history})."
-            )
-        if cp is None:
-            return
-        piece = cp.layout.piece_length(length, jax.lax.axis_size(cp.axis_name))
-        if piece % every:
-            raise ValueError(
-                f"Under context parallelism `checkpoint_every` ({every}) must divide each "
-                f"contiguous piece of a rank's shard ({piece} tokens under {cp.layout!r}), so "
-                "that the checkpoints fall at multiples of it in the whole sequence."
-            )
+        check_checkpoints(every, length, cp, self.chunk_size, self.conv1d.history)
 
     def _forward(
         self, x, state, checkpoint_every, cp, cu_seqlens=None

@@ -22,12 +22,13 @@ from ._gated_delta_product import GatedDeltaProduct
 from ._gated_linear_attention import GatedLinearAttention, SimpleGatedLinearAttention
 from ._kimi_delta_attention import KimiDeltaAttention
 from ._momentum_delta_net import MomentumDeltaNet
+from ._rwkv7_attention import RWKV7Attention
 from ._schedule import KVSchedule
 from ._tokens import check_tokens
 
 
 # A token mixer of a `HybridBlock`: a recurrent layer of `deltanet_cp.nn` or attention.
-Mixer = AbstractRecurrentLayer | CausalSelfAttention
+Mixer = AbstractRecurrentLayer | RWKV7Attention | CausalSelfAttention
 
 # The token mixers `HybridLM` builds by name.
 MixerKind = Literal[
@@ -39,6 +40,7 @@ MixerKind = Literal[
     "gated_delta_product",
     "gated_delta_net_2",
     "momentum_delta_net",
+    "rwkv7",
 ]
 
 
@@ -77,8 +79,8 @@ class HybridBlock(eqx.Module):
 
     The token mixer is one of the recurrent layers of `deltanet_cp.nn`
     ([`deltanet_cp.nn.GatedDeltaNet`][], [`deltanet_cp.nn.KimiDeltaAttention`][],
-    [`deltanet_cp.nn.GatedLinearAttention`][], ...) or a
-    [`deltanet_cp.nn.CausalSelfAttention`][].
+    [`deltanet_cp.nn.GatedLinearAttention`][], [`deltanet_cp.nn.RWKV7Attention`][], ...) or
+    a [`deltanet_cp.nn.CausalSelfAttention`][].
     """
 
     mixer_norm: eqx.nn.RMSNorm
@@ -114,11 +116,16 @@ class HybridBlock(eqx.Module):
         *,
         cp: ContextParallel | None = None,
         kv_schedule: KVSchedule = "allgather",
+        v_first: Float[Array, "seq heads v"] | None = None,
     ) -> Float[Array, "seq hidden"]:
-        """**Arguments:** as for [`deltanet_cp.nn.HybridLM`][], on hidden states."""
+        """**Arguments:** as for [`deltanet_cp.nn.HybridLM`][], on hidden states, and
+        `v_first`: for an RWKV-7 mixer after the model's first, the first one's `values`
+        on its normed input; unused by the other mixers."""
         h = jax.vmap(self.mixer_norm)(x)
         if isinstance(self.mixer, CausalSelfAttention):
             h = self.mixer(h, cp=cp, kv_schedule=kv_schedule)
+        elif isinstance(self.mixer, RWKV7Attention):
+            h = self.mixer(h, v_first=None if self.mixer.is_first else v_first, cp=cp)
         else:
             h = self.mixer(h, cp=cp)
         x = x + h
@@ -182,9 +189,12 @@ class HybridLM(eqx.Module):
             (`num_value_heads` heads of size `key_head_dim`), `"gated_linear_attention"`
             and `"simple_gated_linear_attention"` (`num_value_heads` heads,
             `key_head_dim`, `value_head_dim`), `"gated_delta_product"`,
-            `"gated_delta_net_2"` and `"momentum_delta_net"` (the Gated DeltaNet sizes);
-            or a function of a PRNG key
-            returning the mixer (any layer of `deltanet_cp.nn` with other sizes).
+            `"gated_delta_net_2"` and `"momentum_delta_net"` (the Gated DeltaNet sizes),
+            `"rwkv7"` (`num_value_heads` heads, `key_head_dim`, `value_head_dim`, its
+            default LoRA ranks; the first one hands its values to the later ones as
+            `v_first`); or a function of a PRNG key returning the mixer (any layer of
+            `deltanet_cp.nn` with other sizes; an RWKV-7 one built with `layer_idx=0` if
+            and only if it is the first RWKV-7 block).
         - `num_key_heads`, `num_value_heads`, `key_head_dim`, `value_head_dim`,
             `conv_kernel_size`, `chunk_size`: the Gated DeltaNet sizes (and those of the
             other recurrent mixers named in `mixers`).
@@ -206,8 +216,9 @@ class HybridLM(eqx.Module):
         **Raises:**
 
         `TypeError` if `vocab_size`, `hidden_size`, `num_layers` or `attention_every` is not
-        an int (NumPy integers are accepted), `ValueError` if one is not positive, or if
-        `mixers` is not `num_layers` names or functions.
+        an int (NumPy integers are accepted), `ValueError` if one is not positive, if
+        `mixers` is not `num_layers` names or functions, or if the first RWKV-7 mixer is
+        not `is_first` or a later one is.
         """
         vocab_size = as_positive_index(vocab_size, "vocab_size")
         hidden_size = as_positive_index(hidden_size, "hidden_size")
@@ -237,10 +248,26 @@ class HybridLM(eqx.Module):
         attention = dict(tile_size=tile_size, precision=precision, dtype=dtype)
         kemb, khead, *kblocks = jr.split(key, num_layers + 2)
         blocks = []
-        for mixer_kind, kb in zip(mixers, kblocks):
+        for i, (mixer_kind, kb) in enumerate(zip(mixers, kblocks)):
             kmix, kmlp = jr.split(kb)
             if callable(mixer_kind):
                 mixer = mixer_kind(kmix)
+            elif mixer_kind == "rwkv7":
+                # Its place among the model's RWKV-7 blocks: the first makes `v_first`.
+                before = sum(isinstance(b.mixer, RWKV7Attention) for b in blocks)
+                mixer = RWKV7Attention(
+                    hidden_size,
+                    num_value_heads,
+                    key_head_dim,
+                    value_head_dim,
+                    layer_idx=before,
+                    num_layers=before + sum(m == "rwkv7" for m in mixers[i:] if isinstance(m, str)),
+                    chunk_size=chunk_size,
+                    block_size=block_size,
+                    precision=precision,
+                    key=kmix,
+                    dtype=dtype,
+                )
             else:
                 mixer = _mixer(
                     mixer_kind,
@@ -253,6 +280,7 @@ class HybridLM(eqx.Module):
                 )
             mlp = SwiGLU(hidden_size, intermediate_size, key=kmlp, dtype=dtype)
             blocks.append(HybridBlock(mixer, mlp, hidden_size, dtype=dtype))
+        _check_rwkv7_first(blocks)
         self.embed = eqx.nn.Embedding(vocab_size, hidden_size, key=kemb, dtype=dtype)
         self.blocks = tuple(blocks)
         self.norm = eqx.nn.RMSNorm(hidden_size, 1e-6, use_bias=False, dtype=dtype)
@@ -295,9 +323,23 @@ class HybridLM(eqx.Module):
         if tokens.shape[0] == 0:
             return jnp.zeros((0, self.embed.num_embeddings), self.lm_head.weight.dtype)
         x = jax.vmap(self.embed)(tokens)
+        v_first = None  # the first RWKV-7 block's values, for the later ones
         for block in self.blocks:
-            x = block(x, cp=cp, kv_schedule=kv_schedule)
+            if isinstance(block.mixer, RWKV7Attention) and block.mixer.is_first:
+                v_first = block.mixer.values(jax.vmap(block.mixer_norm)(x), cp=cp)
+            x = block(x, cp=cp, kv_schedule=kv_schedule, v_first=v_first)
         return jax.vmap(lambda y: self.lm_head(self.norm(y)))(x)
+
+
+def _check_rwkv7_first(blocks: list[HybridBlock]) -> None:
+    """A `ValueError` unless the first RWKV-7 mixer, and only it, is `is_first`."""
+    firsts = [b.mixer.is_first for b in blocks if isinstance(b.mixer, RWKV7Attention)]
+    if firsts and (not firsts[0] or any(firsts[1:])):
+        raise ValueError(
+            "The first RWKV-7 mixer in `mixers` must be built with `layer_idx=0` (it makes "
+            "`v_first` for the later ones), and only it; got `is_first` = "
+            f"{firsts} in block order."
+        )
 
 
 def _mixer(kind, hidden, sizes, attention_sizes, recurrent, attention, key) -> Mixer:

@@ -1,5 +1,5 @@
 """RMSNorms: the gated ones of the Gated DeltaNet and Kimi Delta Attention layers, and the
-zero-centred one of Qwen3.5."""
+zero-centred one of Qwen3.5; the group norm per head of RWKV-7."""
 
 import equinox as eqx
 import jax
@@ -136,3 +136,59 @@ class ZeroCenteredRMSNorm(eqx.Module):
         h = _normalise(x, self.eps)
         w = (1 + self.weight.astype(ct)).reshape((1,) * (h.ndim - 1) + self.weight.shape)
         return (h * w).astype(x.dtype)
+
+
+class GroupNorm(eqx.Module):
+    r"""Group normalisation over the last axis: its `dim` features in `num_groups` equal
+    groups, each standardised on its own, then a weight and a bias per feature:
+    $(x - \mu_g) / \sqrt{\sigma_g^2 + \epsilon} \cdot w + b$ (biased variance).
+
+    On `(..., heads * V)` with `num_groups = heads` this is a LayerNorm per head, RWKV-7's
+    output norm (`torch.nn.GroupNorm(heads, heads * V)` on one token per row, as
+    flash-linear-attention's `RWKV7Attention` applies it; weight ones and bias zeros at
+    initialisation). The statistics and the affine map run in float32 (float64 for float64
+    inputs); the result has `x`'s dtype.
+    """
+
+    weight: Float[Array, " dim"]
+    bias: Float[Array, " dim"]
+    num_groups: int = eqx.field(static=True)
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, num_groups: int, dim: int, *, eps: float = 1e-5, dtype=None):
+        """**Arguments:**
+
+        - `num_groups`: the number of groups; it must divide `dim`.
+        - `dim`: the size of the normalised (last) axis.
+        - `eps`: added to each group's variance before the reciprocal square root.
+        - `dtype`: the parameter dtype; the default floating dtype if `None`.
+
+        **Raises:**
+
+        `ValueError` if `num_groups` does not divide `dim`.
+        """
+        if dim % num_groups:
+            raise ValueError(f"`num_groups` ({num_groups}) must divide `dim` ({dim}).")
+        dtype = jnp.zeros(()).dtype if dtype is None else dtype
+        self.weight = jnp.ones((dim,), dtype)
+        self.bias = jnp.zeros((dim,), dtype)
+        self.num_groups = num_groups
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
+        """**Arguments:**
+
+        - `x`: the values to normalise, in groups along the last axis.
+
+        **Returns:**
+
+        An array of `x`'s shape and dtype.
+        """
+        ct = accumulation_dtype(x)
+        shape = x.shape
+        h = x.astype(ct).reshape(*shape[:-1], self.num_groups, -1)
+        h = h - jnp.mean(h, axis=-1, keepdims=True)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        lead = (1,) * (len(shape) - 1)
+        w, b = (p.astype(ct).reshape(lead + p.shape) for p in (self.weight, self.bias))
+        return (h.reshape(shape) * w + b).astype(x.dtype)
