@@ -369,14 +369,18 @@ class Engine(eqx.Module):
     - `blocks`: how the slice's chunks are cut into blocks.
     - `exchange`: the exchange of maps over `axis_name`; `None` on one device.
     - `axis_name`: the context-parallel mesh axis; `None` on one device.
-    - `reverse`: the walk visits the ranks from the last to the first.
+    - `reverse`: per walk, in chain order, whether it visits the ranks from the last to
+        the first. Several walks (a zigzag shard's two pieces) are stacked on the batch
+        axis, walk `w` in rows `w * B, ..., (w + 1) * B - 1`: phases 1 and 3 run once over
+        all of them, batched, and only the exchanges go walk after walk, each starting
+        from the state the one before ends in.
     """
 
     recurrence: AbstractRecurrence = eqx.field(static=True)
     blocks: Blocks = eqx.field(static=True)
     exchange: AbstractExchange | None = eqx.field(static=True, default=None)
     axis_name: str | None = eqx.field(static=True, default=None)
-    reverse: bool = eqx.field(static=True, default=False)
+    reverse: tuple[bool, ...] = eqx.field(static=True, default=(False,))
 
 
 @ft.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -427,12 +431,25 @@ def _three_phases(engine: Engine, diff, static, h0, marks, doc_states, poison, *
     assert exchange is not None and engine.axis_name is not None
     identity = _identity(recurrence, blocks, diff, static)
     mine = local_map(recurrence, blocks, diff, static, marks, doc_states, poison, identity)
-    h_in, h_final = exchange(mine, h0, axis_name=engine.axis_name, reverse=engine.reverse)
-    h_in = varying(h_in, diff)
+    walks = len(engine.reverse)
+    h_in, h_final = [], h0
+    for w, reverse in enumerate(engine.reverse):  # in chain order
+        h, h_final = exchange(
+            _walk(mine, w, walks), h_final, axis_name=engine.axis_name, reverse=reverse
+        )
+        h_in.append(h)
+    h_in = varying(jnp.concatenate(h_in, axis=0), diff)
     (_, finals, outputs), states = forward(
         recurrence, blocks, diff, static, h_in, marks, doc_states, poison, keep_states=keep
     )
     return (outputs, h_final, finals), (mine, states)
+
+
+def _walk(maps: AbstractAffineMap, w: int, walks: int) -> AbstractAffineMap:
+    """Walk `w`'s rows of maps of `walks` walks stacked on the batch axis."""
+    if walks == 1:
+        return maps
+    return jax.tree.map(lambda x: jnp.split(x, walks, axis=0)[w], maps)
 
 
 def _identity(recurrence, blocks, diff, static) -> AbstractAffineMap:
@@ -466,10 +483,18 @@ def _context_parallel_bwd(engine: Engine, res, cts):
     g = state_cotangent_in(
         recurrence, blocks, diff, static, states, marks, poison, d_outputs, d_finals
     )
-    lam_next, lam0 = exchange(
-        mine.adjoint(g), d_final, axis_name=engine.axis_name, reverse=not engine.reverse
-    )
-    cts = (d_outputs, varying(lam_next, diff), d_finals)
+    adjoints = mine.adjoint(g)
+    walks = len(engine.reverse)
+    lam_next, lam0 = [], d_final
+    for w in reversed(range(walks)):  # the chain backwards: each walk's from the next's
+        lam, lam0 = exchange(
+            _walk(adjoints, w, walks),
+            lam0,
+            axis_name=engine.axis_name,
+            reverse=not engine.reverse[w],
+        )
+        lam_next.insert(0, lam)
+    cts = (d_outputs, varying(jnp.concatenate(lam_next, axis=0), diff), d_finals)
     d_diff, _, d_docs = backward(
         recurrence, blocks, diff, static, states, marks, doc_states, poison, cts
     )

@@ -66,11 +66,15 @@ def run(
     rank's shard; with `cp.mesh` the arrays are global, in sequence order, and `run` does
     the `shard_map` itself (compiled once per shapes, configuration and mesh).
 
-    The phases run in [`deltanet_cp.run_contiguous`][], over contiguous, in-order slices
-    only: `run` calls it once per walk of the layout, each from the state the walk before
-    it ends in ([`deltanet_cp.Contiguous`][]: the shard; [`deltanet_cp.Zigzag`][]: the
-    first pieces in rank order, then the second pieces in reverse rank order; a layout of
-    your own: its [`walks`][deltanet_cp.AbstractLayout.walks]).
+    The phases run in the engine of [`deltanet_cp.run_contiguous`][], over contiguous,
+    in-order slices only: the layout's [`walks`][deltanet_cp.AbstractLayout.walks], each
+    from the state the walk before it ends in ([`deltanet_cp.Contiguous`][]: the shard;
+    [`deltanet_cp.Zigzag`][]: the first pieces in rank order, then the second pieces in
+    reverse rank order). Several walks go through the engine together: their slices are
+    stacked on the batch axis, so phases 1 and 3 run once over all of them (one pass, one
+    program), and only the exchanges go walk after walk; `block_size` counts the tokens of
+    all the walks together. With `cu_seqlens` (whose chunks differ from walk to walk) `run`
+    calls `run_contiguous` once per walk instead.
 
     Differentiated by hand: the forward keeps one state per chunk, and the backward is
     three phases again, the exchange walking the ranks the other way (see the concept
@@ -151,6 +155,16 @@ def _per_rank(
     walks = (Contiguous() if cp is None else cp.layout).walks(length, axis_size(cp))
     # Every walk runs in the typed engine, with the contiguous `ContextParallel` of a walk.
     along = None if cp is None else along_walks(cp)
+    if len(walks) > 1 and not packed:
+        # One pass over every walk, the walks stacked on the batch axis (their slices are of
+        # one length): one program of the engine's passes, batched, instead of one per walk.
+        stacked = jax.tree.map(lambda x: jnp.concatenate([x[:, w.local] for w in walks]), inputs)
+        out, state, _ = _run(
+            recurrence, stacked, state, None, None, cp=along, walks=walks, block_size=block_size
+        )
+        parts = len(walks)
+        out = jax.tree.map(lambda y: jnp.concatenate(jnp.split(y, parts), axis=1), out)
+        return out, state
     outputs, finals = [], None
     for walk in walks:
         out, state, f = run_contiguous(
@@ -204,11 +218,12 @@ def run_contiguous(
 ) -> tuple[PyTree, Array, Array | None]:
     """The engine's walk: the three phases over one contiguous, in-order slice per rank.
 
-    Every call of the library ends here, once per walk of a shard: once for a
-    [`deltanet_cp.Contiguous`][] shard, twice for a [`deltanet_cp.Zigzag`][] one (see
-    [`deltanet_cp.run`][]). It takes a `ContextParallel[Contiguous]` only: a zigzag one (or
-    one of any other layout) is a pyright error and a `ValueError`, since reading a zigzag
-    shard as one slice would compose its two pieces as if they were adjacent.
+    Every call of the library ends in this engine: a [`deltanet_cp.Contiguous`][] shard is
+    one walk, and [`deltanet_cp.run`][] hands it the walks of any other layout together (or
+    one at a time, with packed documents). It takes a `ContextParallel[Contiguous]` only: a
+    zigzag one (or one of any other layout) is a pyright error and a `ValueError`, since
+    reading a zigzag shard as one slice would compose its two pieces as if they were
+    adjacent.
 
     The ranks' slices, in rank order (or in reverse rank order with `reverse=True`), are
     consecutive tokens `[start, start + cp * length)` of the sequence.
@@ -268,7 +283,7 @@ def run_contiguous(
         cu_seqlens,
         document_states,
         cp=cp,
-        walk=Walk(slice(0, length), start, reverse),
+        walks=(Walk(slice(0, length), start, reverse),),
         block_size=block_size,
     )
     return outputs, final, finals
@@ -283,21 +298,28 @@ def _run(
     document_states: Array | None,
     *,
     cp: "ContextParallel[Contiguous] | None",
-    walk: Walk,
+    walks: tuple[Walk, ...],
     block_size: int | None,
 ) -> tuple[PyTree, Array, Array | None]:
-    """The walk of `run_contiguous`, its arguments checked: this rank's slice `inputs` of
-    `walk` (its whole shard)."""
+    """The walks of `run_contiguous` and `run`, their arguments checked: this rank's slices
+    `inputs` of `walks`, in chain order, stacked on the batch axis (walk `w` in rows
+    `w * B, ..., (w + 1) * B - 1`; one walk with `cu_seqlens`), each from the state the one
+    before ends in: the engine's passes run once over all of them, batched."""
     axis_name = None if cp is None else cp.axis_name
-    _, length = _batch_and_length(inputs)
+    batch, length = _batch_and_length(inputs)
+    assert (cp is not None or len(walks) == 1) and (cu_seqlens is None or len(walks) == 1)
+    walk = walks[0]
     # A chunk longer than the slice only pads: cap it at the slice rounded up to a power of
     # two (T = 50 with chunk_size=16384 forms chunks of 64, not of 16384 mostly padding).
     c = min(recurrence.chunk_size, 1 << max(0, length - 1).bit_length())
     state = check_shapes(recurrence, inputs, c)  # `state`, `step`: named errors, at trace time
+    state = jax.ShapeDtypeStruct((batch // len(walks), *state.shape[1:]), state.dtype)
     h0 = _initial_state(state, initial_state)
     if initial_state is None:  # per rank wherever the inputs are but along the walk
         h0 = varying(h0, inputs, but=axis_name)
-    per_block = _chunks_per_block(block_size, c)
+    # A block holds `block_size` tokens of all the walks together (each walk's share of
+    # it), so that stacking the walks leaves the working set where one walk's would be.
+    per_block = max(1, _chunks_per_block(block_size, c) // len(walks))
     # A non-finite input must not reach earlier tokens through the chunk's products (a zero
     # times NaN is NaN): the chunk is formed from zeros there, and NaN is added back to the
     # outputs from the first such token of the chunk on and to the state leaving it. An
@@ -333,7 +355,8 @@ def _run(
     if cp is None:
         out = local(Engine(recurrence, blocks), diff, static, h0, marks, doc_states, poison)
     else:
-        engine = Engine(recurrence, blocks, cp.exchange, cp.axis_name, walk.reverse)
+        directions = tuple(w.reverse for w in walks)
+        engine = Engine(recurrence, blocks, cp.exchange, cp.axis_name, directions)
         out = context_parallel(engine, diff, static, h0, marks, doc_states, poison)
     outputs, final, finals = cast(tuple[PyTree, Array, Any], out)
     if seg is None:

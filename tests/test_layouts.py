@@ -156,26 +156,35 @@ def test_user_layout_inside_shard_map(fast_compile):
     [(None, 1), (dcp.Contiguous(), 1), (dcp.Zigzag(), 2), (Reversed(), 1), (ThreeWalks(), 3)],
     ids=lambda x: type(x).__name__ if not isinstance(x, int) else str(x),
 )
-def test_run_calls_the_typed_engine_per_walk(layout, walks, monkeypatch):
-    # Every call of `run` reaches the typed engine, once per walk, each with a
-    # `ContextParallel[Contiguous]` without a mesh (the walk's own).
+@pytest.mark.parametrize("packed", [False, True], ids=["whole", "packed"])
+def test_run_hands_the_typed_engine_every_walk(layout, walks, packed, monkeypatch):
+    # Every call of `run` reaches the typed engine with a `ContextParallel[Contiguous]`
+    # without a mesh (the walks' own) and the layout's walks in chain order: all of them in
+    # one pass (stacked on the batch axis), or, with packed documents (whose chunks differ
+    # from walk to walk), one pass per walk.
     calls = []
-    engine = engine_module.run_contiguous
+    engine = engine_module._run
 
-    def counted(recurrence, inputs, *, cp=None, **kw):
-        calls.append(cp)
-        return engine(recurrence, inputs, cp=cp, **kw)
+    def counted(recurrence, inputs, *args, cp=None, walks=(), **kw):
+        calls.append((cp, tuple(w.reverse for w in walks), inputs.q.shape[0]))
+        return engine(recurrence, inputs, *args, cp=cp, walks=walks, **kw)
 
-    monkeypatch.setattr(engine_module, "run_contiguous", counted)
+    monkeypatch.setattr(engine_module, "_run", counted)
     family = GATED_DELTA_RULE
     # Shapes no other test compiles for (`run` under a mesh is compiled once per shapes).
     args, h0 = family.make(2, b=1, t=24, h=1, hv=1, dk=4, dv=4)
     rule = family.configuration(CHUNK)
+    cu = [0, 5, 24] if packed else None
+    h0 = jnp.stack([h0[0], h0[0]]) if packed else h0
     if layout is None:
-        dcp.run(rule, family.inputs(*args), initial_state=h0)
-        assert calls == [None]
+        dcp.run(rule, family.inputs(*args), initial_state=h0, cu_seqlens=cu)
+        assert calls == [(None, (False,), 1)]
         return
     cp = dcp.ContextParallel("cp", layout=layout, mesh=_mesh(2))
-    dcp.run(rule, family.inputs(*args), initial_state=h0, cp=cp)
-    assert len(calls) == walks
-    assert all(c == dcp.ContextParallel("cp") for c in calls)
+    dcp.run(rule, family.inputs(*args), initial_state=h0, cu_seqlens=cu, cp=cp)
+    directions = layout.directions(2)
+    if packed or walks == 1:
+        assert [c[1:] for c in calls] == [((d,), 1) for d in directions]
+    else:
+        assert [c[1:] for c in calls] == [(directions, walks)]
+    assert all(c[0] == dcp.ContextParallel("cp") for c in calls)
