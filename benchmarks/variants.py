@@ -85,7 +85,8 @@ def at(
             jax.device_put(cots[1], NamedSharding(mesh, P())),
         )
     programs = {"fwd": (forward, args), "fwd+bwd": (pullback(forward), (args, cots))}
-    calls, info = {}, {"package": os.path.dirname(dcp.__file__)}  # type: dict[str, object]
+    calls: dict = {}
+    info: dict = {"package": os.path.dirname(dcp.__file__)}
     for p in passes:
         fn, a = programs[p]
         c = jax.jit(fn).lower(*a).compile()
