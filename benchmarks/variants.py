@@ -90,8 +90,8 @@ def at(
     for p in passes:
         fn, a = programs[p]
         c = jax.jit(fn).lower(*a).compile()
-        memory = c.memory_analysis()
-        info[f"temp_bytes {p}"] = None if memory is None else memory.temp_size_in_bytes
+        stats = c.memory_analysis()
+        info[f"temp_bytes {p}"] = None if stats is None else stats.temp_size_in_bytes
         info[f"depth {p}"] = depth(c).inside / (t // cp)
         info[f"gflop {p}"] = matmul_flops(c) / 1e9
         calls[p] = lambda c=c, a=a: jax.block_until_ready(c(*a))
