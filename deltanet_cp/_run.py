@@ -410,16 +410,19 @@ class Blocking(NamedTuple):
     memory: Memory
 
 
-def _blocking(block_size: int | None, memory: "Memory | None") -> Blocking:
-    size = None if block_size is None else as_positive_index(block_size, "block_size")
-    if memory is None:
-        memory = "low"
-    if memory not in ("low", "high"):
+def as_memory(memory: Any) -> "Memory | None":
+    """`memory` itself if it is `None`, `"low"` or `"high"`, else a `ValueError`."""
+    if memory is not None and (not isinstance(memory, str) or memory not in ("low", "high")):
         raise ValueError(
             f'`memory` must be "low" (the default: one state per block kept for the '
             f'backward) or "high" (every chunk\'s factors and state kept); got {memory!r}.'
         )
-    return Blocking(size, memory)
+    return memory
+
+
+def _blocking(block_size: int | None, memory: "Memory | None") -> Blocking:
+    size = None if block_size is None else as_positive_index(block_size, "block_size")
+    return Blocking(size, as_memory(memory) or "low")
 
 
 def _chunks_per_block(blocking: Blocking, chunk_size: int) -> int:
