@@ -202,8 +202,10 @@ def test_memory_reaches_the_engine(getkey, without_runtime_typecheck):
         params, static = eqx.partition(layer, eqx.is_array)
         grad = jax.jit(jax.grad(lambda p, x: jnp.sum(eqx.combine(p, static)(x) ** 2)))
         compiled = grad.lower(params, x).compile()
-        temps[memory] = compiled.memory_analysis().temp_size_in_bytes
-        dots[memory] = compiled.as_text().count(" dot(")
+        stats, text = compiled.memory_analysis(), compiled.as_text()
+        assert stats is not None and text is not None
+        temps[memory] = stats.temp_size_in_bytes
+        dots[memory] = text.count(" dot(")
         grads[memory] = compiled(params, x)
     assert temps["high"] > temps["low"] and dots["high"] < dots["low"], (temps, dots)
     for high, low in zip(jax.tree.leaves(grads["high"]), jax.tree.leaves(grads["low"])):
