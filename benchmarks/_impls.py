@@ -112,9 +112,13 @@ def jax_forward(name: str, *, h: int, hv: int, d: int, chunk: int = 64, dtype="f
             chunk_size=chunk, use_qk_l2norm=True, precision=kw.get("precision")
         )
         block_size = kw.get("block_size")  # None: the backend's default
+        memory = kw.get("memory")  # None: "low", what the backward keeps
 
         def forward(q, k, v, g, beta):
-            return peer.run(rule, peer.DeltaInputs(q, k, v, g, beta), block_size=block_size)
+            inputs = peer.DeltaInputs(q, k, v, g, beta)
+            if memory is None:  # (runs on the releases before `memory=`)
+                return peer.run(rule, inputs, block_size=block_size)
+            return peer.run(rule, inputs, block_size=block_size, memory=memory)
 
     elif name == "maxtext":
 

@@ -5,7 +5,9 @@ B = 1, K = V = 128, at Qwen3-Next's heads (H = 16, HV = 32, T = 2048) and at H =
 T = 4096; forward, and forward+backward (the pullback of fixed cotangents of `o` and the
 final state to q, k, v, g and beta). Four implementations (`_impls.py`):
 
-- ours: `deltanet_cp.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)`;
+- ours: `deltanet_cp.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)`, at the
+  default `memory="low"` and, as "ours high", at `memory="high"` (the backward keeps every
+  chunk's factors);
 - MaxText 0.2.5's JAX kernel (`jax_chunk_gated_delta_rule`, `compute_dtype=float32`);
 - jax-linear-attention 0.1.0's plain-JAX chunked path (`jla.ops.chunked.gated_delta_rule`);
 - transformers' `torch_chunk_gated_delta_rule` (eager PyTorch).
@@ -72,6 +74,7 @@ from _harness import Impl, max_rel_diff, Session  # noqa: E402
 
 IMPLS = {
     "ours": Impl("ours", "_impls:ours"),
+    "ours high": Impl("ours high", "_impls:ours", {"memory": "high"}),
     "MaxText": Impl("MaxText", "_impls:maxtext"),
     "jla": Impl("jla", "_impls:jla"),
     "transformers": Impl("transformers", "_impls:transformers"),

@@ -47,6 +47,7 @@ from ._parallel import ContextParallel as ContextParallel
 from ._recurrence import AbstractRecurrence as AbstractRecurrence
 from ._run import (
     default_block_size as default_block_size,
+    Memory as Memory,
     run as run,
     run_contiguous as run_contiguous,
 )

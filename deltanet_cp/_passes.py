@@ -252,9 +252,32 @@ def _output_cotangents(blocks, d_outputs, poison, i) -> PyTree:
     return _masked(blocks.read(d_outputs, i), blocks.read(poison[1], i), 0)
 
 
-def forward(recurrence, blocks, diff, static, h0, marks, doc_states, poison, *, keep_states: bool):
+def kept_factors(recurrence, blocks: Blocks, diff, static) -> PyTree:
+    """Every block's factors and the VJP of `prepare` that formed them, stacked over the
+    blocks: what the engine keeps under `memory="high"`, so that no pass forms a factor
+    again (phase 1, phase 3 and the backward all read them)."""
+
+    def body(_, i):
+        d, s = blocks.block((diff, static), i)
+        f, pull = jax.vjp(lambda d: factors(recurrence, blocks, d, s), d)
+        return None, (f, pull)
+
+    return _over_blocks(body, None, blocks.count)[1]
+
+
+def _factors_of(recurrence, blocks: Blocks, diff, static, kept, i) -> PyTree:
+    """Block `i`'s factors: read from `kept`, or formed."""
+    if kept is not None:
+        return _chunk(kept[0], i)
+    return factors(recurrence, blocks, *blocks.block((diff, static), i))
+
+
+def forward(
+    recurrence, blocks, diff, static, h0, marks, doc_states, poison, *, keep_states: bool, kept=None
+):
     """All blocks from `h0`: `((h, finals, outputs), states)`, `states` the state entering
-    each block (`(count, *state)`; `None` without `keep_states`).
+    each block (`(count, *state)`; `None` without `keep_states`), or with `kept` factors
+    (see `kept_factors`) the state entering each chunk (`(count, size, *state)`).
 
     Each block's outputs leave the loop in the token layout `(B, size * C, ...)`, NaN where
     `poison[1]` says a non-finite input came before them in their chunk.
@@ -266,21 +289,23 @@ def forward(recurrence, blocks, diff, static, h0, marks, doc_states, poison, *, 
         # A scan carry updated from per-rank states (`doc_states` may be replicated).
         finals = varying(finals, diff)
 
+    per_chunk = keep_states and kept is not None
+
     def body(carry, i):
         h, finals = carry
-        f = factors(recurrence, blocks, *blocks.block((diff, static), i))
+        f = _factors_of(recurrence, blocks, diff, static, kept, i)
         m, p = blocks.block((_marks(marks), poison[0]), i, axis=0)
-        carry, (out, _) = steps(recurrence, f, carry, m, doc_states, p, keep_states=False)
+        carry, (out, hs) = steps(recurrence, f, carry, m, doc_states, p, keep_states=per_chunk)
         out = blocks.tokens(_masked(out, blocks.read(poison[1], i), jnp.nan))
-        return carry, (out, h if keep_states else None)
+        return carry, (out, hs if per_chunk else h if keep_states else None)
 
     (h, finals), (outputs, states) = _over_blocks(body, (h0, finals), blocks.count)
     return (h, finals, blocks.join(outputs)), states
 
 
-def backward(recurrence, blocks, diff, static, states, marks, doc_states, poison, cts):
+def backward(recurrence, blocks, diff, static, states, marks, doc_states, poison, cts, kept=None):
     """The cotangents of `(diff, h0, doc_states)` given those of `(outputs, h, finals)`;
-    `states` the state entering each block."""
+    `states` the state entering each block, or with `kept` factors each chunk."""
     d_outputs, d_h, d_finals = cts
     d_docs = None
     if marks is not None:
@@ -290,10 +315,14 @@ def backward(recurrence, blocks, diff, static, states, marks, doc_states, poison
 
     def body(carry, i):
         dh, d_docs, d_diff = carry
-        d, s = blocks.block((diff, static), i)
-        f, pull = jax.vjp(lambda d: factors(recurrence, blocks, d, s), d)
         m, p = blocks.block((_marks(marks), poison[0]), i, axis=0)
-        h = chunk_states(recurrence, f, states[i], m, doc_states, p)
+        if kept is None:
+            d, s = blocks.block((diff, static), i)
+            f, pull = jax.vjp(lambda d: factors(recurrence, blocks, d, s), d)
+            h = chunk_states(recurrence, f, states[i], m, doc_states, p)
+        else:
+            f, pull = _chunk(kept, i)
+            h = states[i]
         d_out = _output_cotangents(blocks, d_outputs, poison, i)
         (dh, d_docs), d_next = state_cotangents(recurrence, f, h, d_out, (dh, d_docs), m, d_finals)
         d_f = recurrence.factor_cotangents(f, h, d_next, d_out)
@@ -310,22 +339,26 @@ def backward(recurrence, blocks, diff, static, states, marks, doc_states, poison
 
 
 def state_cotangent_in(
-    recurrence, blocks, diff, static, states, marks, poison, d_outputs, d_finals
+    recurrence, blocks, diff, static, states, marks, poison, d_outputs, d_finals, kept=None
 ):
     """What the outputs (and documents' finals) ask of the state entering the slice.
 
     The backward's first reverse scan under context parallelism: the cotangent of the
     incoming state with nothing asked of the slice's final state. No factor cotangents.
     """
-    zero = jnp.zeros_like(states[0])
+    zero = jnp.zeros_like(states[0] if kept is None else states[0, 0])
     d_docs = None if marks is None else jnp.zeros_like(d_finals)
 
     def body(dh, i):
-        f = factors(recurrence, blocks, *blocks.block((diff, static), i))
+        f = _factors_of(recurrence, blocks, diff, static, kept, i)
         m = blocks.block(_marks(marks), i, axis=0)
         # `step` is affine in the state: its VJP in the state does not depend on where it is
         # taken, so no chunk state is formed again here.
-        h = jnp.broadcast_to(states[i], (blocks.size, *states.shape[1:]))
+        h = (
+            states[i]
+            if kept is not None
+            else jnp.broadcast_to(states[i], (blocks.size, *states.shape[1:]))
+        )
         d_out = _output_cotangents(blocks, d_outputs, poison, i)
         (dh, _), _ = state_cotangents(recurrence, f, h, d_out, (dh, d_docs), m, d_finals)
         return dh, None
@@ -335,7 +368,15 @@ def state_cotangent_in(
 
 
 def local_map(
-    recurrence, blocks, diff, static, marks, doc_states, poison, identity: AbstractAffineMap
+    recurrence,
+    blocks,
+    diff,
+    static,
+    marks,
+    doc_states,
+    poison,
+    identity: AbstractAffineMap,
+    kept=None,
 ):
     """The affine map of the whole slice (phase 1): the blocks' chunks composed in order.
 
@@ -345,7 +386,7 @@ def local_map(
         identity = varying(identity.with_resets(False), diff)
 
     def body(running, i):
-        f = factors(recurrence, blocks, *blocks.block((diff, static), i))
+        f = _factors_of(recurrence, blocks, diff, static, kept, i)
         m, p = blocks.block((_marks(marks), poison[0]), i, axis=0)
         return composes(recurrence, f, running, m, doc_states, p), None
 
@@ -369,6 +410,9 @@ class Engine(eqx.Module):
     - `blocks`: how the slice's chunks are cut into blocks.
     - `exchange`: the exchange of maps over `axis_name`; `None` on one device.
     - `axis_name`: the context-parallel mesh axis; `None` on one device.
+    - `keep`: the backward keeps every chunk's factors, the VJP of `prepare` and the
+        state entering each chunk (`memory="high"`), instead of one state per block, the
+        factors and chunk states formed again (`"low"`).
     - `reverse`: per walk, in chain order, whether it visits the ranks from the last to
         the first. Several walks (a zigzag shard's two pieces) are stacked on the batch
         axis, walk `w` in rows `w * B, ..., (w + 1) * B - 1`: phases 1 and 3 run once over
@@ -381,6 +425,7 @@ class Engine(eqx.Module):
     exchange: AbstractExchange | None = eqx.field(static=True, default=None)
     axis_name: str | None = eqx.field(static=True, default=None)
     reverse: tuple[bool, ...] = eqx.field(static=True, default=(False,))
+    keep: bool = eqx.field(static=True, default=False)
 
 
 @ft.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -391,9 +436,11 @@ def local(engine: Engine, diff, static, h0, marks, doc_states, poison):
 
 
 def _local_fwd(engine: Engine, diff, static, h0, marks, doc_states, poison, *, keep=True):
+    recurrence, blocks = engine.recurrence, engine.blocks
+    kept = kept_factors(recurrence, blocks, diff, static) if keep and engine.keep else None
     (h, finals, outputs), states = forward(
-        engine.recurrence,
-        engine.blocks,
+        recurrence,
+        blocks,
         diff,
         static,
         varying(h0, diff),
@@ -401,17 +448,18 @@ def _local_fwd(engine: Engine, diff, static, h0, marks, doc_states, poison, *, k
         doc_states,
         poison,
         keep_states=keep,
+        kept=kept,
     )
     # `h0` is kept for its type only: its cotangent must vary over the mesh axes it does.
-    return (outputs, h, finals), (diff, static, states, marks, doc_states, poison, h0)
+    return (outputs, h, finals), (diff, static, states, marks, doc_states, poison, h0, kept)
 
 
 def _local_bwd(engine: Engine, res, cts):
-    diff, static, states, marks, doc_states, poison, h0 = res
+    diff, static, states, marks, doc_states, poison, h0, kept = res
     d_outputs, d_h, d_finals = cts
     cts = (d_outputs, varying(d_h, diff), d_finals)
     d_diff, dh0, d_docs = backward(
-        engine.recurrence, engine.blocks, diff, static, states, marks, doc_states, poison, cts
+        engine.recurrence, engine.blocks, diff, static, states, marks, doc_states, poison, cts, kept
     )
     dh0, d_docs = cotangent_like((dh0, d_docs), (h0, doc_states))
     return d_diff, None, dh0, None, d_docs, None
@@ -430,7 +478,8 @@ def _three_phases(engine: Engine, diff, static, h0, marks, doc_states, poison, *
     recurrence, blocks, exchange = engine.recurrence, engine.blocks, engine.exchange
     assert exchange is not None and engine.axis_name is not None
     identity = _identity(recurrence, blocks, diff, static)
-    mine = local_map(recurrence, blocks, diff, static, marks, doc_states, poison, identity)
+    kept = kept_factors(recurrence, blocks, diff, static) if keep and engine.keep else None
+    mine = local_map(recurrence, blocks, diff, static, marks, doc_states, poison, identity, kept)
     walks = len(engine.reverse)
     h_in, h_final = [], h0
     for w, reverse in enumerate(engine.reverse):  # in chain order
@@ -440,9 +489,18 @@ def _three_phases(engine: Engine, diff, static, h0, marks, doc_states, poison, *
         h_in.append(h)
     h_in = varying(jnp.concatenate(h_in, axis=0), diff)
     (_, finals, outputs), states = forward(
-        recurrence, blocks, diff, static, h_in, marks, doc_states, poison, keep_states=keep
+        recurrence,
+        blocks,
+        diff,
+        static,
+        h_in,
+        marks,
+        doc_states,
+        poison,
+        keep_states=keep,
+        kept=kept,
     )
-    return (outputs, h_final, finals), (mine, states)
+    return (outputs, h_final, finals), (mine, states, kept)
 
 
 def _walk(maps: AbstractAffineMap, w: int, walks: int) -> AbstractAffineMap:
@@ -465,9 +523,9 @@ def _identity(recurrence, blocks, diff, static) -> AbstractAffineMap:
 
 
 def _context_parallel_fwd(engine: Engine, diff, static, h0, marks, doc_states, poison):
-    out, (mine, states) = _three_phases(engine, diff, static, h0, marks, doc_states, poison)
+    out, (mine, states, kept) = _three_phases(engine, diff, static, h0, marks, doc_states, poison)
     # `h0` is kept for its type only: its cotangent must vary over the mesh axes it does.
-    return out, (diff, static, states, marks, doc_states, poison, mine, h0)
+    return out, (diff, static, states, marks, doc_states, poison, mine, h0, kept)
 
 
 def _context_parallel_bwd(engine: Engine, res, cts):
@@ -478,10 +536,10 @@ def _context_parallel_bwd(engine: Engine, res, cts):
     # the states of phase 3.
     recurrence, blocks, exchange = engine.recurrence, engine.blocks, engine.exchange
     assert exchange is not None and engine.axis_name is not None
-    diff, static, states, marks, doc_states, poison, mine, h0 = res
+    diff, static, states, marks, doc_states, poison, mine, h0, kept = res
     d_outputs, d_final, d_finals = cts
     g = state_cotangent_in(
-        recurrence, blocks, diff, static, states, marks, poison, d_outputs, d_finals
+        recurrence, blocks, diff, static, states, marks, poison, d_outputs, d_finals, kept
     )
     adjoints = mine.adjoint(g)
     walks = len(engine.reverse)
@@ -496,7 +554,7 @@ def _context_parallel_bwd(engine: Engine, res, cts):
         lam_next.insert(0, lam)
     cts = (d_outputs, varying(jnp.concatenate(lam_next, axis=0), diff), d_finals)
     d_diff, _, d_docs = backward(
-        recurrence, blocks, diff, static, states, marks, doc_states, poison, cts
+        recurrence, blocks, diff, static, states, marks, doc_states, poison, cts, kept
     )
     d_docs = None if d_docs is None else jax.lax.psum(d_docs, engine.axis_name)
     lam0, d_docs = cotangent_like((lam0, d_docs), (h0, doc_states))

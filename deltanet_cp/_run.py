@@ -8,7 +8,7 @@ chunking and packing happen here, once. The passes themselves are in `_passes.py
 """
 
 import dataclasses
-from typing import Any, cast
+from typing import Any, cast, Literal, NamedTuple, TypeAlias
 
 import equinox as eqx
 import jax
@@ -43,6 +43,11 @@ from ._sharding import varying
 from ._validate import as_index, as_positive_index
 
 
+Memory: TypeAlias = Literal["low", "high"]
+"""What the backward keeps: `"low"` one state per block, `"high"` every chunk's factors and
+state (see [`deltanet_cp.run`][])."""
+
+
 def run(
     recurrence: AbstractRecurrence,
     inputs: PyTree,
@@ -51,6 +56,7 @@ def run(
     cu_seqlens: Any = None,
     cp: ContextParallel | None = None,
     block_size: int | None = None,
+    memory: Memory | None = None,
 ) -> tuple[PyTree, Array]:
     """Run a chunked recurrence: on one device, over packed documents, context-parallel.
 
@@ -109,7 +115,16 @@ def run(
         chunks). Larger blocks mean fewer, larger batched operations and fewer sequential
         steps outside the state recursion; smaller blocks bound the memory of the factors.
         A slice of at most `block_size` tokens is one block with no loop around its factor
-        work. `None` takes [`deltanet_cp.default_block_size`][].
+        work. `None` takes the block of `memory`.
+    - `memory`: what the backward keeps (see the benchmarks page for the figures).
+        `"low"` (`None`, the default): one state per block, the factors and the chunk
+        states formed again in the backward, blocks of
+        [`deltanet_cp.default_block_size`][] tokens; the temporaries per token stay small
+        and grow with the sequence by one state per block. `"high"`: every chunk's
+        factors, the VJP of the recurrence's `prepare` and the state entering each chunk,
+        so no pass forms a factor twice (under context parallelism phase 1 forms them for
+        phase 3 and the backward too), the slice one block; fewer FLOPs and less time for
+        several times the temporaries.
 
     **Returns:**
 
@@ -121,10 +136,10 @@ def run(
     """
     check_inputs(recurrence, inputs)
     check_cp(cp, "deltanet_cp.run")
-    block_size = _check_block_size(block_size)
+    blocking = _blocking(block_size, memory)
     if cp is not None and cp.mesh is not None:
         check_global(cp, "deltanet_cp.run")
-        return _run_global(recurrence, inputs, initial_state, cu_seqlens, cp, block_size)
+        return _run_global(recurrence, inputs, initial_state, cu_seqlens, cp, blocking)
     check_bound(cp, "deltanet_cp.run")
     if cu_seqlens is not None:
         batch, length = _batch_and_length(inputs)
@@ -134,7 +149,7 @@ def run(
             length * axis_size(cp),
             axis_name=None if cp is None else cp.axis_name,
         )
-    return _per_rank(recurrence, inputs, initial_state, cu_seqlens, cp, block_size)
+    return _per_rank(recurrence, inputs, initial_state, cu_seqlens, cp, blocking)
 
 
 def _per_rank(
@@ -143,7 +158,7 @@ def _per_rank(
     initial_state: Array | None,
     cu_seqlens: Array | None,
     cp: ContextParallel | None,
-    block_size: int | None,
+    blocking: "Blocking",
 ) -> tuple[PyTree, Array]:
     """`run` on this rank's shard, its arguments checked: the layout's walks in chain order."""
     packed = cu_seqlens is not None
@@ -160,7 +175,7 @@ def _per_rank(
         # one length): one program of the engine's passes, batched, instead of one per walk.
         stacked = jax.tree.map(lambda x: jnp.concatenate([x[:, w.local] for w in walks]), inputs)
         out, state, _ = _run(
-            recurrence, stacked, state, None, None, cp=along, walks=walks, block_size=block_size
+            recurrence, stacked, state, None, None, cp=along, walks=walks, blocking=blocking
         )
         parts = len(walks)
         out = jax.tree.map(lambda y: jnp.concatenate(jnp.split(y, parts), axis=1), out)
@@ -176,7 +191,8 @@ def _per_rank(
             document_states=doc_h0,
             start=walk.start,
             reverse=walk.reverse,
-            block_size=block_size,
+            block_size=blocking.size,
+            memory=blocking.memory,
         )
         outputs.append(out)
         finals = f if finals is None or f is None else finals + f
@@ -196,7 +212,7 @@ def _empty(recurrence, inputs, initial_state, cu_seqlens) -> tuple[PyTree, Array
     state = recurrence.state(inputs)
     probe = jax.tree.map(lambda x: jnp.zeros((1, 1, *x.shape[2:]), x.dtype), inputs)
     shapes = eqx.filter_eval_shape(
-        lambda p: _per_rank(recurrence, p, None, None, None, None)[0], probe
+        lambda p: _per_rank(recurrence, p, None, None, None, Blocking(None, "low"))[0], probe
     )
     outputs = jax.tree.map(lambda s: jnp.zeros((batch, length, *s.shape[2:]), s.dtype), shapes)
     if cu_seqlens is None:
@@ -215,6 +231,7 @@ def run_contiguous(
     start: int = 0,
     reverse: bool = False,
     block_size: int | None = None,
+    memory: "Memory | None" = None,
 ) -> tuple[PyTree, Array, Array | None]:
     """The engine's walk: the three phases over one contiguous, in-order slice per rank.
 
@@ -230,7 +247,7 @@ def run_contiguous(
 
     **Arguments:**
 
-    - `recurrence`, `inputs`, `block_size`: as in [`deltanet_cp.run`][].
+    - `recurrence`, `inputs`, `block_size`, `memory`: as in [`deltanet_cp.run`][].
     - `cp`: a [`deltanet_cp.ContextParallel`][] with the [`deltanet_cp.Contiguous`][]
         layout and no mesh (inside `jax.shard_map`), or `None` on one device.
     - `initial_state`: the state entering the first slice (replicated); zeros if `None`.
@@ -259,7 +276,7 @@ def run_contiguous(
         check_bound(cp, "run_contiguous")
     if (start := as_index(start, "start")) < 0:
         raise ValueError(f"`start` must be a non-negative int; got {start!r}.")
-    block_size = _check_block_size(block_size)
+    blocking = _blocking(block_size, memory)
     if 0 in _batch_and_length(inputs):
         raise ValueError(
             "run_contiguous walks at least one token of at least one batch row; got inputs "
@@ -284,7 +301,7 @@ def run_contiguous(
         document_states,
         cp=cp,
         walks=(Walk(slice(0, length), start, reverse),),
-        block_size=block_size,
+        blocking=blocking,
     )
     return outputs, final, finals
 
@@ -299,7 +316,7 @@ def _run(
     *,
     cp: "ContextParallel[Contiguous] | None",
     walks: tuple[Walk, ...],
-    block_size: int | None,
+    blocking: "Blocking",
 ) -> tuple[PyTree, Array, Array | None]:
     """The walks of `run_contiguous` and `run`, their arguments checked: this rank's slices
     `inputs` of `walks`, in chain order, stacked on the batch axis (walk `w` in rows
@@ -319,7 +336,7 @@ def _run(
         h0 = varying(h0, inputs, but=axis_name)
     # A block holds `block_size` tokens of all the walks together (each walk's share of
     # it), so that stacking the walks leaves the working set where one walk's would be.
-    per_block = max(1, _chunks_per_block(block_size, c) // len(walks))
+    per_block = max(1, _chunks_per_block(blocking, c) // len(walks))
     # A non-finite input must not reach earlier tokens through the chunk's products (a zero
     # times NaN is NaN): the chunk is formed from zeros there, and NaN is added back to the
     # outputs from the first such token of the chunk on and to the state leaving it. An
@@ -352,11 +369,13 @@ def _run(
     after_bad = (jnp.cumsum(bad, axis=2) > 0) | bad_out
     after_bad = after_bad.reshape(bad.shape[0], -1)  # (B, padded * C)
     poison = (jnp.where(jnp.any(bad, axis=2).T, nan, zero), after_bad)  # (chunks, B), tokens
+    keep = blocking.memory == "high"
     if cp is None:
-        out = local(Engine(recurrence, blocks), diff, static, h0, marks, doc_states, poison)
+        engine = Engine(recurrence, blocks, keep=keep)
+        out = local(engine, diff, static, h0, marks, doc_states, poison)
     else:
         directions = tuple(w.reverse for w in walks)
-        engine = Engine(recurrence, blocks, cp.exchange, cp.axis_name, directions)
+        engine = Engine(recurrence, blocks, cp.exchange, cp.axis_name, directions, keep)
         out = context_parallel(engine, diff, static, h0, marks, doc_states, poison)
     outputs, final, finals = cast(tuple[PyTree, Array, Any], out)
     if seg is None:
@@ -384,12 +403,33 @@ def default_block_size() -> int:
 _DEFAULT_BLOCK_SIZE = {"cpu": 512, "gpu": 4096, "tpu": 4096}
 
 
-def _check_block_size(block_size: int | None) -> int | None:
-    return None if block_size is None else as_positive_index(block_size, "block_size")
+class Blocking(NamedTuple):
+    """`block_size` and `memory`, checked (static)."""
+
+    size: int | None
+    memory: Memory
 
 
-def _chunks_per_block(block_size: int | None, chunk_size: int) -> int:
-    return max(1, (default_block_size() if block_size is None else block_size) // chunk_size)
+def as_memory(memory: Any) -> "Memory | None":
+    """`memory` itself if it is `None`, `"low"` or `"high"`, else a `ValueError`."""
+    if memory is not None and (not isinstance(memory, str) or memory not in ("low", "high")):
+        raise ValueError(
+            f'`memory` must be "low" (the default: one state per block kept for the '
+            f'backward) or "high" (every chunk\'s factors and state kept); got {memory!r}.'
+        )
+    return memory
+
+
+def _blocking(block_size: int | None, memory: "Memory | None") -> Blocking:
+    size = None if block_size is None else as_positive_index(block_size, "block_size")
+    return Blocking(size, as_memory(memory) or "low")
+
+
+def _chunks_per_block(blocking: Blocking, chunk_size: int) -> int:
+    if blocking.size is None and blocking.memory == "high":
+        return 1 << 40  # the slice is one block
+    size = default_block_size() if blocking.size is None else blocking.size
+    return max(1, size // chunk_size)
 
 
 def _batch_and_length(inputs: PyTree) -> tuple[int, int]:
@@ -472,7 +512,7 @@ def _doc_states(state: jax.ShapeDtypeStruct, num_docs: int, initial_state: Array
     return initial_state[:, None].astype(state.dtype)
 
 
-def _run_global(recurrence, inputs, initial_state, cu_seqlens, cp: ContextParallel, block_size):
+def _run_global(recurrence, inputs, initial_state, cu_seqlens, cp: ContextParallel, blocking):
     """`run` on global arrays: place them, then the `shard_map` (compiled once)."""
     assert cp.mesh is not None
     mesh = mesh_to_run_on(cp.mesh, inputs, initial_state, cu_seqlens)
@@ -512,12 +552,12 @@ def _run_global(recurrence, inputs, initial_state, cu_seqlens, cp: ContextParall
         mesh=mesh,
         specs=(seq, state),
         cp=cp,
-        block_size=block_size,
+        blocking=blocking,
     )
 
 
 @eqx.filter_jit
-def _sharded(recurrence, inputs, initial_state, cu_seqlens, *, mesh, specs, cp, block_size):
+def _sharded(recurrence, inputs, initial_state, cu_seqlens, *, mesh, specs, cp, blocking):
     seq, state = specs
     n = mesh.shape[cp.axis_name]
 
@@ -525,7 +565,7 @@ def _sharded(recurrence, inputs, initial_state, cu_seqlens, *, mesh, specs, cp, 
         if cu_seqlens is not None:
             total = _batch_and_length(inputs)[1] * n
             cu_seqlens = check_cu_seqlens(cu_seqlens, total, axis_name=cp.axis_name)
-        return _per_rank(recurrence, inputs, initial_state, cu_seqlens, cp, block_size)
+        return _per_rank(recurrence, inputs, initial_state, cu_seqlens, cp, blocking)
 
     P = jax.sharding.PartitionSpec
     fn = jax.shard_map(per_rank, mesh=mesh, in_specs=(seq, state, P()), out_specs=(seq, state))

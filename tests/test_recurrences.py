@@ -120,10 +120,16 @@ def _cp_forward(family: Family, cp: int, exchange, chunk_size: int = CHUNK):
 
 @ft.cache
 def _grad_fn(
-    family: Family, kind: str = "chunk", cp: int | None = None, exchange: Any = "allgather"
+    family: Family,
+    kind: str = "chunk",
+    cp: int | None = None,
+    exchange: Any = "allgather",
+    layout: dcp.AbstractLayout = dcp.Contiguous(),
+    **kw,
 ):
     """Value and gradient (w.r.t. every argument and the initial state) of a weighted sum of
-    outputs and final state; one compilation per family and kind."""
+    outputs and final state; one compilation per family and kind. `kw`: more options of
+    the chunked form."""
 
     def fn(*a):
         if kind == "recurrent":
@@ -131,15 +137,17 @@ def _grad_fn(
                 *a[:-1], initial_state=a[-1], **_options(family, chunk_size=None)
             )
         if cp is None:
-            return family.chunk(*a[:-1], initial_state=a[-1], **_options(family))
+            return family.chunk(*a[:-1], initial_state=a[-1], **_options(family), **kw)
         return family.chunk(
             *a[:-1],
             initial_state=a[-1],
             **_options(family),
-            cp=dcp.ContextParallel("cp", exchange=exchange),
+            **kw,
+            cp=dcp.ContextParallel("cp", exchange=exchange, layout=layout),
         )
 
-    return value_and_grad_fn(fn, len(family.arg_names) + 1, cp=cp)
+    zigzag = isinstance(layout, dcp.Zigzag)
+    return value_and_grad_fn(fn, len(family.arg_names) + 1, cp=cp, zigzag=zigzag)
 
 
 def _check_gradients(family: Family, args, h0, grads, tol=1e-4, elementwise=()):
@@ -408,6 +416,86 @@ def test_cp_gradients_match_loop(family, exchange, cp):
     assert rel_err(o, expected_o) <= 1e-5
     assert rel_err(final, expected_h) <= 1e-5
     _check_gradients(family, args, h0, grads)
+
+
+def _memory_params():
+    # memory="high": the backward reads every chunk's factors, prepare's VJP and state from
+    # the forward instead of forming them again. In the default run the gated delta rule on
+    # one device and GLA at cp = 2 zigzag (two compilations, ~6 s); the slow run adds every
+    # family on one device and at cp = 4 zigzag (the exchange rotating).
+    params = []
+    for i, f in enumerate(FAMILIES):
+        for cp in (None, 2 if f.name == "gla" else 4):
+            fast = (f.name, cp) in {("gated_delta_rule", None), ("gla", 2)}
+            params.append(
+                pytest.param(
+                    f,
+                    cp,
+                    EXCHANGES[i % len(EXCHANGES)],
+                    id=f"{f.name}-{'one_device' if cp is None else f'zigzag{cp}'}",
+                    marks=() if fast else (pytest.mark.slow,),
+                )
+            )
+    return params
+
+
+@pytest.mark.parametrize("family, cp, exchange", _memory_params())
+def test_memory_high_matches_loop(family, cp, exchange):
+    args, h0 = family.make(23, **ZIGZAG_SHAPE)
+    fn = _grad_fn(family, "chunk", cp, exchange, dcp.Zigzag(), memory="high")
+    o, final, grads = fn(*args, h0)
+    expected_o, expected_h = _reference(family, args, h0)
+    assert rel_err(o, expected_o) <= 1e-5
+    assert rel_err(final, expected_h) <= 1e-5
+    _check_gradients(family, args, h0, grads)
+
+
+@ft.cache
+def _blocks_grad_fn(family: Family, cp: int | None, memory: dcp.Memory, block_size: int):
+    """`_grad_fn`'s value and gradient through `dcp.run` with `block_size` and `memory`."""
+
+    def fn(*a):
+        parallel = None if cp is None else dcp.ContextParallel("cp", layout=dcp.Zigzag())
+        inputs = family.inputs(*a[:-1])
+        rule = family.configuration(CHUNK)
+        return dcp.run(
+            rule, inputs, initial_state=a[-1], cp=parallel, memory=memory, block_size=block_size
+        )
+
+    return value_and_grad_fn(fn, len(family.arg_names) + 1, cp=cp, zigzag=cp is not None)
+
+
+def _memory_blocks_params():
+    # Every family on one device, GDN and GLA also at zigzag 2; in the default run GDN on
+    # one device and GLA at zigzag 2 (~3 s each).
+    params = [
+        pytest.param(f, None, id=f"{f.name}-one_device", marks=() if i == 0 else pytest.mark.slow)
+        for i, f in enumerate(FAMILIES)
+    ]
+    for f in FAMILIES:
+        if f.name in ("gated_delta_rule", "gla"):
+            slow = () if f.name == "gla" else pytest.mark.slow
+            params.append(pytest.param(f, 2, id=f"{f.name}-zigzag2", marks=slow))
+    return params
+
+
+@pytest.mark.parametrize("family, cp", _memory_blocks_params())
+def test_memory_high_in_blocks_matches_loop(family, cp):
+    # memory="high" with several blocks: the kept factors, prepare's VJPs and chunk states
+    # are stacked over the blocks and read back block by block (one device: 6 chunks in 3
+    # blocks; zigzag on 2 ranks: 2 walks of 3 chunks, one chunk of each a block).
+    args, h0 = family.make(24, **ZIGZAG_SHAPE)
+    o, final, grads = _blocks_grad_fn(family, cp, "high", 2 * CHUNK)(*args, h0)
+    expected_o, expected_h = _reference(family, args, h0)
+    assert rel_err(o, expected_o) <= 1e-5
+    assert rel_err(final, expected_h) <= 1e-5
+    _check_gradients(family, args, h0, grads)
+
+
+def test_memory_must_be_low_or_high(without_runtime_typecheck):
+    args, h0 = GATED_DELTA_RULE.make(0, **SHAPE)
+    with pytest.raises(ValueError, match='`memory` must be "low"'):
+        dcp.chunk_gated_delta_rule(*args, memory="medium")  # pyright: ignore[reportArgumentType]
 
 
 # ---------------------------------------------------------------------------------------

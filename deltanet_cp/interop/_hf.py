@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
+from .._run import Memory
 from .._validate import as_config_float, as_config_int
 from ..nn._gated_delta_net import GatedDeltaNet
 
@@ -317,6 +318,7 @@ def gated_delta_net_from_hf(
     prefix: str | None = None,
     chunk_size: int = 64,
     block_size: int | None = None,
+    memory: Memory | None = None,
     dtype=None,
 ) -> GatedDeltaNet:
     """Build a [`deltanet_cp.nn.GatedDeltaNet`][] from Hugging Face transformers weights.
@@ -345,6 +347,8 @@ def gated_delta_net_from_hf(
     - `chunk_size`: the layer's chunk size for the gated delta rule.
     - `block_size`: the layer's engine block (see [`deltanet_cp.nn.GatedDeltaNet`][]);
         `None` takes [`deltanet_cp.default_block_size`][].
+    - `memory`: what the engine keeps for the backward, `"low"` (`None`, the
+        default) or `"high"` (the `memory` of [`deltanet_cp.run`][]).
     - `dtype`: cast every parameter to this floating-point dtype; keep each tensor's
         dtype if `None`.
 
@@ -426,6 +430,7 @@ def gated_delta_net_from_hf(
         norm_eps=eps,
         chunk_size=chunk_size,
         block_size=block_size,
+        memory=memory,
         key=jr.key(0),
     )
     leaves = [

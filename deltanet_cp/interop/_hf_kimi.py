@@ -9,6 +9,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import jax.random as jr
 
+from .._run import Memory
 from .._validate import as_config_int
 from ..nn._kimi_delta_attention import KimiDeltaAttention
 from ._hf import (
@@ -84,6 +85,7 @@ def kimi_delta_attention_from_hf(
     prefix: str | None = None,
     chunk_size: int = 64,
     block_size: int | None = None,
+    memory: Memory | None = None,
     dtype=None,
 ) -> KimiDeltaAttention:
     """Build a [`deltanet_cp.nn.KimiDeltaAttention`][] from Kimi Linear weights.
@@ -112,6 +114,8 @@ def kimi_delta_attention_from_hf(
     - `chunk_size`: the layer's chunk size for the delta rule.
     - `block_size`: the layer's engine block; `None` takes
         [`deltanet_cp.default_block_size`][].
+    - `memory`: what the engine keeps for the backward, `"low"` (`None`, the
+        default) or `"high"` (the `memory` of [`deltanet_cp.run`][]).
     - `dtype`: cast every parameter to this floating-point dtype; keep each tensor's
         dtype if `None`.
 
@@ -182,6 +186,7 @@ def kimi_delta_attention_from_hf(
         norm_eps=eps,
         chunk_size=chunk_size,
         block_size=block_size,
+        memory=memory,
         key=jr.key(0),
     )
     qkv = jnp.concatenate([tensors[f"{x}_proj.weight"] for x in "qkv"])

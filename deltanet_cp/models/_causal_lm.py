@@ -11,6 +11,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._parallel import axis_size, ContextParallel
 from .._precision import as_precision, PrecisionName
+from .._run import Memory
 from .._validate import as_index, as_positive_index
 from ..nn._context import layer_cp, local_positions
 from ..nn._gated_delta_net import GatedDeltaNet
@@ -33,6 +34,7 @@ def init_model(
     *,
     chunk_size: int,
     block_size: int | None,
+    memory: Memory | None = None,
     tile_size: int,
     precision: PrecisionName | None,
     key: PRNGKeyArray,
@@ -49,6 +51,7 @@ def init_model(
             sparse=config.is_sparse(i),
             chunk_size=chunk_size,
             block_size=block_size,
+            memory=memory,
             tile_size=tile_size,
             precision=precision,
             key=k,

@@ -6,6 +6,7 @@ import equinox as eqx
 from jaxtyping import PRNGKeyArray
 
 from .._precision import PrecisionName
+from .._run import Memory
 from ..nn._norm import ZeroCenteredRMSNorm
 from ._causal_lm import _QwenForCausalLM, init_model
 from ._config import Qwen3_5Config
@@ -45,6 +46,7 @@ class Qwen3_5ForCausalLM(_QwenForCausalLM[Qwen3_5Config]):
         *,
         chunk_size: int = 64,
         block_size: int | None = None,
+        memory: Memory | None = None,
         tile_size: int = 128,
         precision: PrecisionName | None = None,
         key: PRNGKeyArray,
@@ -57,6 +59,8 @@ class Qwen3_5ForCausalLM(_QwenForCausalLM[Qwen3_5Config]):
         - `block_size`: the Gated DeltaNet layers' engine block, tokens whose chunk factors
             are formed together (the `block_size` of [`deltanet_cp.run`][]); `None` takes
             [`deltanet_cp.default_block_size`][].
+        - `memory`: what the engine keeps for the backward, `"low"` (`None`, the
+            default) or `"high"` (the `memory` of [`deltanet_cp.run`][]).
         - `tile_size`: the side of the attention layers' score tiles (see
             [`deltanet_cp.nn.CausalSelfAttention`][]).
         - `precision`: every token mixer's precision policy: `"highest"` (float32
@@ -75,6 +79,7 @@ class Qwen3_5ForCausalLM(_QwenForCausalLM[Qwen3_5Config]):
             config,
             chunk_size=chunk_size,
             block_size=block_size,
+            memory=memory,
             tile_size=tile_size,
             precision=precision,
             key=key,
@@ -89,6 +94,7 @@ class Qwen3_5ForCausalLM(_QwenForCausalLM[Qwen3_5Config]):
         dtype=None,
         chunk_size: int = 64,
         block_size: int | None = None,
+        memory: Memory | None = None,
         tile_size: int = 128,
         precision: PrecisionName | None = None,
     ) -> "Qwen3_5ForCausalLM":
@@ -106,7 +112,7 @@ class Qwen3_5ForCausalLM(_QwenForCausalLM[Qwen3_5Config]):
         - `path`: the checkpoint directory.
         - `dtype`: cast every parameter to this dtype (e.g. `jnp.bfloat16`; the recurrent
             states stay float32); keep each tensor's stored dtype if `None`.
-        - `chunk_size`, `block_size`, `tile_size`, `precision`: as for `__init__`.
+        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`: as for `__init__`.
 
         **Raises:**
 
@@ -119,6 +125,7 @@ class Qwen3_5ForCausalLM(_QwenForCausalLM[Qwen3_5Config]):
             dtype=dtype,
             chunk_size=chunk_size,
             block_size=block_size,
+            memory=memory,
             tile_size=tile_size,
             precision=precision,
         )

@@ -7,6 +7,7 @@ import equinox as eqx
 from jaxtyping import PRNGKeyArray
 
 from .._precision import PrecisionName
+from .._run import Memory
 from ..nn._norm import ZeroCenteredRMSNorm
 from ._causal_lm import _QwenForCausalLM, init_model
 from ._config import Qwen3_5MoeConfig, Qwen3NextConfig
@@ -41,6 +42,7 @@ class Qwen3NextForCausalLM(_QwenForCausalLM[Qwen3NextConfig]):
         *,
         chunk_size: int = 64,
         block_size: int | None = None,
+        memory: Memory | None = None,
         tile_size: int = 128,
         precision: PrecisionName | None = None,
         key: PRNGKeyArray,
@@ -49,7 +51,7 @@ class Qwen3NextForCausalLM(_QwenForCausalLM[Qwen3NextConfig]):
         """**Arguments:**
 
         - `config`: the sizes, a [`deltanet_cp.models.Qwen3NextConfig`][].
-        - `chunk_size`, `block_size`, `tile_size`, `precision`, `key`, `dtype`: as for
+        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`, `key`, `dtype`: as for
             [`deltanet_cp.models.Qwen3_5ForCausalLM`][]'s `__init__` (the routers, the
             experts and the MLPs multiply in the parameters' dtype at JAX's default
             precision; the router's softmax runs in float32).
@@ -59,6 +61,7 @@ class Qwen3NextForCausalLM(_QwenForCausalLM[Qwen3NextConfig]):
             config,
             chunk_size=chunk_size,
             block_size=block_size,
+            memory=memory,
             tile_size=tile_size,
             precision=precision,
             key=key,
@@ -73,6 +76,7 @@ class Qwen3NextForCausalLM(_QwenForCausalLM[Qwen3NextConfig]):
         dtype=None,
         chunk_size: int = 64,
         block_size: int | None = None,
+        memory: Memory | None = None,
         tile_size: int = 128,
         precision: PrecisionName | None = None,
     ) -> "Qwen3NextForCausalLM":
@@ -97,7 +101,7 @@ class Qwen3NextForCausalLM(_QwenForCausalLM[Qwen3NextConfig]):
         - `path`: the checkpoint directory.
         - `dtype`: cast every parameter to this dtype (e.g. `jnp.bfloat16`; the recurrent
             states stay float32); keep each tensor's stored dtype if `None`.
-        - `chunk_size`, `block_size`, `tile_size`, `precision`: as for `__init__`.
+        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`: as for `__init__`.
 
         **Raises:**
 
@@ -112,6 +116,7 @@ class Qwen3NextForCausalLM(_QwenForCausalLM[Qwen3NextConfig]):
             dtype=dtype,
             chunk_size=chunk_size,
             block_size=block_size,
+            memory=memory,
             tile_size=tile_size,
             precision=precision,
         )
@@ -142,6 +147,7 @@ class Qwen3_5MoeForCausalLM(_QwenForCausalLM[Qwen3_5MoeConfig]):
         *,
         chunk_size: int = 64,
         block_size: int | None = None,
+        memory: Memory | None = None,
         tile_size: int = 128,
         precision: PrecisionName | None = None,
         key: PRNGKeyArray,
@@ -150,7 +156,7 @@ class Qwen3_5MoeForCausalLM(_QwenForCausalLM[Qwen3_5MoeConfig]):
         """**Arguments:**
 
         - `config`: the sizes, a [`deltanet_cp.models.Qwen3_5MoeConfig`][].
-        - `chunk_size`, `block_size`, `tile_size`, `precision`, `key`, `dtype`: as for
+        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`, `key`, `dtype`: as for
             [`deltanet_cp.models.Qwen3_5ForCausalLM`][]'s `__init__` (the routers, the
             experts and the MLPs multiply in the parameters' dtype at JAX's default
             precision; the router's softmax runs in float32).
@@ -160,6 +166,7 @@ class Qwen3_5MoeForCausalLM(_QwenForCausalLM[Qwen3_5MoeConfig]):
             config,
             chunk_size=chunk_size,
             block_size=block_size,
+            memory=memory,
             tile_size=tile_size,
             precision=precision,
             key=key,
@@ -174,6 +181,7 @@ class Qwen3_5MoeForCausalLM(_QwenForCausalLM[Qwen3_5MoeConfig]):
         dtype=None,
         chunk_size: int = 64,
         block_size: int | None = None,
+        memory: Memory | None = None,
         tile_size: int = 128,
         precision: PrecisionName | None = None,
     ) -> "Qwen3_5MoeForCausalLM":
@@ -201,7 +209,7 @@ class Qwen3_5MoeForCausalLM(_QwenForCausalLM[Qwen3_5MoeConfig]):
         - `path`: the checkpoint directory.
         - `dtype`: cast every parameter to this dtype (e.g. `jnp.bfloat16`; the recurrent
             states stay float32); keep each tensor's stored dtype if `None`.
-        - `chunk_size`, `block_size`, `tile_size`, `precision`: as for `__init__`.
+        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`: as for `__init__`.
 
         **Raises:**
 
@@ -216,6 +224,7 @@ class Qwen3_5MoeForCausalLM(_QwenForCausalLM[Qwen3_5MoeConfig]):
             dtype=dtype,
             chunk_size=chunk_size,
             block_size=block_size,
+            memory=memory,
             tile_size=tile_size,
             precision=precision,
         )

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 
+from .._run import Memory
 from ..interop._hf import split_qwen3_next_projections
 from ..interop._safetensors import read_header, read_tensor, TensorInfo
 from ..nn._gated_delta_net import GatedDeltaNet
@@ -298,6 +299,7 @@ def load(
     dtype,
     chunk_size: int,
     block_size: int | None,
+    memory: Memory | None = None,
     tile_size: int,
     precision,
 ):
@@ -313,6 +315,7 @@ def load(
         config,
         chunk_size=chunk_size,
         block_size=block_size,
+        memory=memory,
         tile_size=tile_size,
         precision=precision,
         key=jr.key(0),

@@ -16,7 +16,7 @@ from .._custom_types import CuSeqlens
 from .._parallel import ContextParallel
 from .._precision import accumulation_dtype, as_precision, PrecisionName
 from .._recurrence import AbstractRecurrence
-from .._run import run
+from .._run import Memory, run
 from .._validate import as_positive_index
 from ..recurrences._delta_family import DeltaInputs
 from ._checkpointed import Checkpointed, checkpoints
@@ -179,6 +179,7 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
     hidden_size: eqx.AbstractVar[int]
     chunk_size: eqx.AbstractVar[int]
     block_size: eqx.AbstractVar[int | None]
+    memory: eqx.AbstractVar[Memory | None]
     precision: eqx.AbstractVar[PrecisionName | None]
 
     @abc.abstractmethod
@@ -253,6 +254,7 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
             cu_seqlens=cu_seqlens,
             cp=cp,
             block_size=self.block_size,
+            memory=self.memory,
         )
 
     def __call__(

@@ -7,6 +7,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._precision import PrecisionName
+from .._run import as_memory, Memory
 from ..recurrences._delta_family import DeltaInputs
 from ..recurrences._gated_delta import GatedDeltaRule
 from ._conv import CausalConv1d
@@ -87,6 +88,7 @@ class GatedDeltaNet(AbstractDeltaLayer[GatedDeltaNetState]):
     value_head_dim: int = eqx.field(static=True)
     chunk_size: int = eqx.field(static=True)
     block_size: int | None = eqx.field(static=True)
+    memory: Memory | None = eqx.field(static=True)
     precision: PrecisionName | None = eqx.field(static=True)
 
     def __init__(
@@ -101,6 +103,7 @@ class GatedDeltaNet(AbstractDeltaLayer[GatedDeltaNetState]):
         norm_eps: float = 1e-6,
         chunk_size: int = 64,
         block_size: int | None = None,
+        memory: Memory | None = None,
         precision: PrecisionName | None = None,
         key: PRNGKeyArray,
         dtype=None,
@@ -118,6 +121,8 @@ class GatedDeltaNet(AbstractDeltaLayer[GatedDeltaNetState]):
         - `block_size`: the engine's block, tokens whose chunk factors are formed together
             (the `block_size` of [`deltanet_cp.run`][]); `None` takes
             [`deltanet_cp.default_block_size`][] (the backend's default).
+        - `memory`: what the engine's backward keeps, `"low"` (`None`, the default) or
+            `"high"` (the `memory` of [`deltanet_cp.run`][]).
         - `precision`: how the gated delta rule's large products multiply (the chunk
             Grams, the WY products, `q h`, `w h`, `k~^T v`): `"highest"` (float32 operands
             at `Precision.HIGHEST`), `"bfloat16"` (bfloat16 operands, float32
@@ -182,6 +187,7 @@ class GatedDeltaNet(AbstractDeltaLayer[GatedDeltaNetState]):
         self.value_head_dim = value_head_dim
         self.chunk_size = chunk_size
         self.block_size = block_size
+        self.memory = as_memory(memory)
         self.precision = precision
 
     @property

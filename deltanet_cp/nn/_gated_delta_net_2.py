@@ -7,6 +7,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._precision import PrecisionName
+from .._run import as_memory, Memory
 from ..recurrences._delta_family import DeltaInputs
 from ..recurrences._gdn2 import GatedDeltaNet2 as GatedDeltaNet2Rule
 from ._conv import CausalConv1d
@@ -75,6 +76,7 @@ class GatedDeltaNet2(AbstractRecurrentLayer[RecurrentLayerState]):
     allow_neg_eigval: bool = eqx.field(static=True)
     chunk_size: int = eqx.field(static=True)
     block_size: int | None = eqx.field(static=True)
+    memory: Memory | None = eqx.field(static=True)
     precision: PrecisionName | None = eqx.field(static=True)
 
     def __init__(
@@ -90,6 +92,7 @@ class GatedDeltaNet2(AbstractRecurrentLayer[RecurrentLayerState]):
         norm_eps: float = 1e-5,
         chunk_size: int = 64,
         block_size: int | None = None,
+        memory: Memory | None = None,
         precision: PrecisionName | None = None,
         key: PRNGKeyArray,
         dtype=None,
@@ -108,6 +111,8 @@ class GatedDeltaNet2(AbstractRecurrentLayer[RecurrentLayerState]):
         - `chunk_size`: tokens per chunk of the recurrence.
         - `block_size`: the engine's block (the `block_size` of [`deltanet_cp.run`][]);
             `None` takes [`deltanet_cp.default_block_size`][].
+        - `memory`: what the engine's backward keeps, `"low"` (`None`, the default) or
+            `"high"` (the `memory` of [`deltanet_cp.run`][]).
         - `precision`: how the recurrence's large products multiply, as for
             [`deltanet_cp.nn.GatedDeltaNet`][].
         - `key`: a PRNG key for the initial parameters: the Equinox/torch defaults for the
@@ -161,6 +166,7 @@ class GatedDeltaNet2(AbstractRecurrentLayer[RecurrentLayerState]):
         self.allow_neg_eigval = bool(allow_neg_eigval)
         self.chunk_size = chunk_size
         self.block_size = block_size
+        self.memory = as_memory(memory)
         self.precision = precision
 
     @property

@@ -7,6 +7,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._precision import PrecisionName
+from .._run import as_memory, Memory
 from ..recurrences._delta_family import DeltaInputs
 from ..recurrences._delta_product import GatedDeltaProduct as GatedDeltaProductRule
 from ._conv import CausalConv1d
@@ -71,6 +72,7 @@ class GatedDeltaProduct(AbstractRecurrentLayer[RecurrentLayerState]):
     allow_neg_eigval: bool = eqx.field(static=True)
     chunk_size: int = eqx.field(static=True)
     block_size: int | None = eqx.field(static=True)
+    memory: Memory | None = eqx.field(static=True)
     precision: PrecisionName | None = eqx.field(static=True)
 
     def __init__(
@@ -87,6 +89,7 @@ class GatedDeltaProduct(AbstractRecurrentLayer[RecurrentLayerState]):
         norm_eps: float = 1e-5,
         chunk_size: int = 64,
         block_size: int | None = None,
+        memory: Memory | None = None,
         precision: PrecisionName | None = None,
         key: PRNGKeyArray,
         dtype=None,
@@ -106,6 +109,8 @@ class GatedDeltaProduct(AbstractRecurrentLayer[RecurrentLayerState]):
         - `chunk_size`: tokens per chunk of the recurrence (each makes `n_h` steps).
         - `block_size`: the engine's block (the `block_size` of [`deltanet_cp.run`][]);
             `None` takes [`deltanet_cp.default_block_size`][].
+        - `memory`: what the engine's backward keeps, `"low"` (`None`, the default) or
+            `"high"` (the `memory` of [`deltanet_cp.run`][]).
         - `precision`: how the recurrence's large products multiply, as for
             [`deltanet_cp.nn.GatedDeltaNet`][].
         - `key`: a PRNG key for the initial parameters: the Equinox/torch defaults for the
@@ -158,6 +163,7 @@ class GatedDeltaProduct(AbstractRecurrentLayer[RecurrentLayerState]):
         self.allow_neg_eigval = bool(allow_neg_eigval)
         self.chunk_size = chunk_size
         self.block_size = block_size
+        self.memory = as_memory(memory)
         self.precision = precision
 
     @property

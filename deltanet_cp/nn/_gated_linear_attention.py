@@ -8,6 +8,7 @@ import jax.random as jr
 from jaxtyping import Array, PRNGKeyArray
 
 from .._precision import accumulation_dtype, PrecisionName
+from .._run import as_memory, Memory
 from ..recurrences._gla import GatedLinearAttention as GLARule, GLAInputs
 from ._conv import CausalConv1d
 from ._delta_layer import (
@@ -75,6 +76,7 @@ class GatedLinearAttention(AbstractRecurrentLayer[RecurrentLayerState]):
     gate_logit_normalizer: float = eqx.field(static=True)
     chunk_size: int = eqx.field(static=True)
     block_size: int | None = eqx.field(static=True)
+    memory: Memory | None = eqx.field(static=True)
     precision: PrecisionName | None = eqx.field(static=True)
 
     def __init__(
@@ -90,6 +92,7 @@ class GatedLinearAttention(AbstractRecurrentLayer[RecurrentLayerState]):
         norm_eps: float = 1e-5,
         chunk_size: int = 64,
         block_size: int | None = None,
+        memory: Memory | None = None,
         precision: PrecisionName | None = None,
         key: PRNGKeyArray,
         dtype=None,
@@ -107,6 +110,8 @@ class GatedLinearAttention(AbstractRecurrentLayer[RecurrentLayerState]):
         - `chunk_size`: tokens per chunk of the recurrence.
         - `block_size`: the engine's block (the `block_size` of [`deltanet_cp.run`][]);
             `None` takes [`deltanet_cp.default_block_size`][].
+        - `memory`: what the engine's backward keeps, `"low"` (`None`, the default) or
+            `"high"` (the `memory` of [`deltanet_cp.run`][]).
         - `precision`: how the recurrence's large products multiply, as for
             [`deltanet_cp.nn.GatedDeltaNet`][]: `"highest"`, `"bfloat16"`, `"default"`,
             or `None` (from the parameters' dtype).
@@ -150,6 +155,7 @@ class GatedLinearAttention(AbstractRecurrentLayer[RecurrentLayerState]):
         self.gate_logit_normalizer = normalizer
         self.chunk_size = chunk_size
         self.block_size = block_size
+        self.memory = as_memory(memory)
         self.precision = precision
 
     @property
@@ -202,6 +208,7 @@ class SimpleGatedLinearAttention(AbstractRecurrentLayer[RecurrentLayerState]):
     gate_logit_normalizer: float = eqx.field(static=True)
     chunk_size: int = eqx.field(static=True)
     block_size: int | None = eqx.field(static=True)
+    memory: Memory | None = eqx.field(static=True)
     precision: PrecisionName | None = eqx.field(static=True)
 
     def __init__(
@@ -216,6 +223,7 @@ class SimpleGatedLinearAttention(AbstractRecurrentLayer[RecurrentLayerState]):
         norm_eps: float = 1e-5,
         chunk_size: int = 64,
         block_size: int | None = None,
+        memory: Memory | None = None,
         precision: PrecisionName | None = None,
         key: PRNGKeyArray,
         dtype=None,
@@ -251,6 +259,7 @@ class SimpleGatedLinearAttention(AbstractRecurrentLayer[RecurrentLayerState]):
         self.gate_logit_normalizer = normalizer
         self.chunk_size = chunk_size
         self.block_size = block_size
+        self.memory = as_memory(memory)
         self.precision = precision
 
     @property

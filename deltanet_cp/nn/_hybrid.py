@@ -12,6 +12,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._parallel import ContextParallel
 from .._precision import as_precision, PrecisionName
+from .._run import Memory
 from .._validate import as_positive_index
 from ._attention import CausalSelfAttention
 from ._context import layer_cp
@@ -170,6 +171,7 @@ class HybridLM(eqx.Module):
         intermediate_size: int | None = None,
         chunk_size: int = 64,
         block_size: int | None = None,
+        memory: Memory | None = None,
         tile_size: int = 128,
         precision: PrecisionName | None = None,
         key: PRNGKeyArray,
@@ -201,6 +203,8 @@ class HybridLM(eqx.Module):
         - `block_size`: the recurrent layers' engine block, tokens whose chunk factors
             are formed together (the `block_size` of [`deltanet_cp.run`][]); `None` takes
             [`deltanet_cp.default_block_size`][].
+        - `memory`: what the recurrent layers' engine keeps for the backward, `"low"`
+            (`None`, the default) or `"high"` (the `memory` of [`deltanet_cp.run`][]).
         - `num_attention_heads`, `attention_head_dim`: the attention sizes.
         - `tile_size`: the side of the attention layers' score tiles (see
             [`deltanet_cp.nn.CausalSelfAttention`][]).
@@ -242,6 +246,7 @@ class HybridLM(eqx.Module):
             conv_kernel_size=conv_kernel_size,
             chunk_size=chunk_size,
             block_size=block_size,
+            memory=memory,
             precision=precision,
             dtype=dtype,
         )
@@ -264,6 +269,7 @@ class HybridLM(eqx.Module):
                     num_layers=before + sum(m == "rwkv7" for m in mixers[i:] if isinstance(m, str)),
                     chunk_size=chunk_size,
                     block_size=block_size,
+                    memory=memory,
                     precision=precision,
                     key=kmix,
                     dtype=dtype,

@@ -7,6 +7,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._precision import PrecisionName
+from .._run import as_memory, Memory
 from ..recurrences._delta_family import DeltaInputs
 from ..recurrences._kda import KimiDeltaAttention as KimiDeltaRule
 from ._conv import CausalConv1d
@@ -89,6 +90,7 @@ class KimiDeltaAttention(AbstractDeltaLayer[KimiDeltaAttentionState]):
     head_dim: int = eqx.field(static=True)
     chunk_size: int = eqx.field(static=True)
     block_size: int | None = eqx.field(static=True)
+    memory: Memory | None = eqx.field(static=True)
     precision: PrecisionName | None = eqx.field(static=True)
 
     def __init__(
@@ -101,6 +103,7 @@ class KimiDeltaAttention(AbstractDeltaLayer[KimiDeltaAttentionState]):
         norm_eps: float = 1e-5,
         chunk_size: int = 64,
         block_size: int | None = None,
+        memory: Memory | None = None,
         precision: PrecisionName | None = None,
         key: PRNGKeyArray,
         dtype=None,
@@ -116,6 +119,8 @@ class KimiDeltaAttention(AbstractDeltaLayer[KimiDeltaAttentionState]):
         - `chunk_size`: tokens per chunk of the delta rule.
         - `block_size`: the engine's block (the `block_size` of [`deltanet_cp.run`][]);
             `None` takes [`deltanet_cp.default_block_size`][].
+        - `memory`: what the engine's backward keeps, `"low"` (`None`, the default) or
+            `"high"` (the `memory` of [`deltanet_cp.run`][]).
         - `precision`: how the delta rule's large products multiply, as for
             [`deltanet_cp.nn.GatedDeltaNet`][]: `"highest"`, `"bfloat16"`, `"default"`,
             or `None` (from the parameters' dtype). The state, the gates and the norm stay
@@ -163,6 +168,7 @@ class KimiDeltaAttention(AbstractDeltaLayer[KimiDeltaAttentionState]):
         self.head_dim = head_dim
         self.chunk_size = chunk_size
         self.block_size = block_size
+        self.memory = as_memory(memory)
         self.precision = precision
 
     @property

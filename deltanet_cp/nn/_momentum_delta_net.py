@@ -9,6 +9,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._precision import accumulation_dtype, PrecisionName
+from .._run import as_memory, Memory
 from ..recurrences._momentum import MomentumDeltaRule, MomentumInputs
 from ._conv import CausalConv1d
 from ._delta_layer import (
@@ -89,6 +90,7 @@ class MomentumDeltaNet(AbstractRecurrentLayer[RecurrentLayerState]):
     allow_neg_eigval: bool = eqx.field(static=True)
     chunk_size: int = eqx.field(static=True)
     block_size: int | None = eqx.field(static=True)
+    memory: Memory | None = eqx.field(static=True)
     precision: PrecisionName | None = eqx.field(static=True)
 
     def __init__(
@@ -108,6 +110,7 @@ class MomentumDeltaNet(AbstractRecurrentLayer[RecurrentLayerState]):
         norm_eps: float = 1e-5,
         chunk_size: int = 64,
         block_size: int | None = None,
+        memory: Memory | None = None,
         precision: PrecisionName | None = None,
         key: PRNGKeyArray,
         dtype=None,
@@ -129,6 +132,8 @@ class MomentumDeltaNet(AbstractRecurrentLayer[RecurrentLayerState]):
         - `chunk_size`: tokens per chunk of the recurrence.
         - `block_size`: the engine's block (the `block_size` of [`deltanet_cp.run`][]);
             `None` takes [`deltanet_cp.default_block_size`][].
+        - `memory`: what the engine's backward keeps, `"low"` (`None`, the default) or
+            `"high"` (the `memory` of [`deltanet_cp.run`][]).
         - `precision`: how the recurrence's large products multiply, as for
             [`deltanet_cp.nn.GatedDeltaNet`][].
         - `key`: a PRNG key for the initial parameters: the Equinox/torch defaults for the
@@ -195,6 +200,7 @@ class MomentumDeltaNet(AbstractRecurrentLayer[RecurrentLayerState]):
         self.allow_neg_eigval = bool(allow_neg_eigval)
         self.chunk_size = chunk_size
         self.block_size = block_size
+        self.memory = as_memory(memory)
         self.precision = precision
 
     @property

@@ -11,7 +11,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._custom_types import CuSeqlens
 from .._parallel import ContextParallel
 from .._precision import accumulation_dtype, PrecisionName
-from .._run import run
+from .._run import as_memory, Memory, run
 from .._shift import previous_tokens
 from .._validate import as_index, as_positive_index
 from ..recurrences._dplr import DPLRDeltaRule, DPLRInputs
@@ -184,6 +184,7 @@ class RWKV7Attention(eqx.Module):
     value_head_dim: int = eqx.field(static=True)
     chunk_size: int = eqx.field(static=True)
     block_size: int | None = eqx.field(static=True)
+    memory: Memory | None = eqx.field(static=True)
     precision: PrecisionName | None = eqx.field(static=True)
 
     def __init__(
@@ -202,6 +203,7 @@ class RWKV7Attention(eqx.Module):
         norm_eps: float = 1e-5,
         chunk_size: int = 64,
         block_size: int | None = None,
+        memory: Memory | None = None,
         precision: PrecisionName | None = None,
         key: PRNGKeyArray,
         dtype=None,
@@ -226,6 +228,8 @@ class RWKV7Attention(eqx.Module):
         - `chunk_size`: tokens per chunk of the recurrence.
         - `block_size`: the engine's block (the `block_size` of [`deltanet_cp.run`][]);
             `None` takes [`deltanet_cp.default_block_size`][].
+        - `memory`: what the engine's backward keeps, `"low"` (`None`, the default) or
+            `"high"` (the `memory` of [`deltanet_cp.run`][]).
         - `precision`: how the recurrence's large products multiply, as for
             [`deltanet_cp.nn.GatedDeltaNet`][]: `"highest"`, `"bfloat16"`, `"default"`,
             or `None` (from the parameters' dtype).
@@ -345,6 +349,7 @@ class RWKV7Attention(eqx.Module):
         self.value_head_dim = dv
         self.chunk_size = chunk_size
         self.block_size = block_size
+        self.memory = as_memory(memory)
         self.precision = precision
 
     @property
@@ -471,6 +476,7 @@ class RWKV7Attention(eqx.Module):
             cu_seqlens=cu_seqlens,
             cp=cp,
             block_size=self.block_size,
+            memory=self.memory,
         )
         saved = None
         if checkpoint_every is not None:
@@ -618,6 +624,7 @@ class RWKV7Attention(eqx.Module):
             inputs,
             initial_state=state.recurrent[None],
             block_size=self.block_size,
+            memory=self.memory,
         )
         y = self._finish(o[0], *parts)[0].astype(x.dtype)
         new = RWKV7AttentionState(

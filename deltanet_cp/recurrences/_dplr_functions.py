@@ -6,7 +6,7 @@ The recurrence and its chunk algebra are in `_dplr.py`.
 from .._custom_types import CuSeqlens, KeyGateTensor, QKTensor, States, ValueTensor
 from .._parallel import ContextParallel
 from .._precision import PrecisionName
-from .._run import run
+from .._run import Memory, run
 from ._dplr import DPLRDeltaRule, DPLRInputs
 
 
@@ -24,6 +24,7 @@ def chunk_dplr_delta_rule(
     chunk_size: int = 64,
     cp: ContextParallel | None = None,
     precision: PrecisionName | None = None,
+    memory: Memory | None = None,
 ) -> tuple[ValueTensor, States]:
     r"""The generalized delta rule in chunked (WY) form: the training path.
 
@@ -45,6 +46,8 @@ def chunk_dplr_delta_rule(
     - `gk`: natural-log decays per key channel, $\le 0$, shape `(B, T, HV, K)`.
     - `scale`, `initial_state`, `cu_seqlens`, `chunk_size`, `cp`, `precision`: as in
         [`deltanet_cp.chunk_gated_delta_rule`][].
+    - `memory`: what the backward keeps, `"low"` (`None`, the default) or `"high"`: as in
+        [`deltanet_cp.run`][].
 
     **Returns:**
 
@@ -60,6 +63,7 @@ def chunk_dplr_delta_rule(
         initial_state=initial_state,
         cu_seqlens=cu_seqlens,
         cp=cp,
+        memory=memory,
     )
 
 

@@ -16,7 +16,7 @@ import equinox as eqx
 from .._custom_types import CuSeqlens, GateTensor, QKTensor, States, ValueTensor
 from .._parallel import ContextParallel
 from .._precision import as_precision, PrecisionName
-from .._run import run
+from .._run import Memory, run
 from .._validate import as_chunk_size, as_l2norm_flag, as_scale
 from ._delta_family import AbstractDeltaRule, DeltaInputs, GateKind
 
@@ -62,6 +62,7 @@ def chunk_gated_delta_rule(
     chunk_size: int = 64,
     cp: ContextParallel | None = None,
     precision: PrecisionName | None = None,
+    memory: Memory | None = None,
 ) -> tuple[ValueTensor, States]:
     r"""The gated delta rule in chunked (WY) form: the training path.
 
@@ -97,6 +98,8 @@ def chunk_gated_delta_rule(
         float32 accumulation), `"default"` (`jax.default_matmul_precision`), or `None`:
         `"bfloat16"` for bfloat16 inputs, `"highest"` otherwise (see
         [`deltanet_cp.GatedDeltaRule`][]). The state stays float32 under every policy.
+    - `memory`: what the backward keeps, `"low"` (`None`, the default) or `"high"`: as in
+        [`deltanet_cp.run`][].
 
     **Returns:**
 
@@ -115,6 +118,7 @@ def chunk_gated_delta_rule(
         initial_state=initial_state,
         cu_seqlens=cu_seqlens,
         cp=cp,
+        memory=memory,
     )
 
 

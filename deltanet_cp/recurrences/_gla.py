@@ -21,7 +21,7 @@ from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, Stat
 from .._parallel import ContextParallel
 from .._precision import accumulation_dtype, as_precision, PrecisionName
 from .._recurrence import AbstractRecurrence
-from .._run import run
+from .._run import Memory, run
 from .._validate import as_chunk_size, as_l2norm_flag, as_scale
 from ..chunkops import chunk_major, cumulative_decays, decayed_gram, einsum
 from ._helpers import check_arrays, policy, prologue
@@ -177,6 +177,7 @@ def chunk_gla(
     chunk_size: int = 64,
     cp: ContextParallel | None = None,
     precision: PrecisionName | None = None,
+    memory: Memory | None = None,
 ) -> tuple[ValueTensor, States]:
     r"""Gated linear attention / Mamba-2 in chunked (WY) form: the training path.
 
@@ -194,6 +195,8 @@ def chunk_gla(
     - `scale`, `initial_state`, `use_qk_l2norm`, `cu_seqlens`, `chunk_size`, `cp`,
         `precision`: as in
         [`deltanet_cp.chunk_gated_delta_rule`][].
+    - `memory`: what the backward keeps, `"low"` (`None`, the default) or `"high"`: as in
+        [`deltanet_cp.run`][].
 
     **Returns:**
 
@@ -210,6 +213,7 @@ def chunk_gla(
         initial_state=initial_state,
         cu_seqlens=cu_seqlens,
         cp=cp,
+        memory=memory,
     )
 
 

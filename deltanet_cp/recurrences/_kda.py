@@ -18,7 +18,7 @@ import equinox as eqx
 from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, States, ValueTensor
 from .._parallel import ContextParallel
 from .._precision import as_precision, PrecisionName
-from .._run import run
+from .._run import Memory, run
 from .._validate import as_chunk_size, as_l2norm_flag, as_scale
 from ._delta_family import AbstractDeltaRule, DeltaInputs, GateKind
 
@@ -67,6 +67,7 @@ def chunk_kda(
     chunk_size: int = 64,
     cp: ContextParallel | None = None,
     precision: PrecisionName | None = None,
+    memory: Memory | None = None,
 ) -> tuple[ValueTensor, States]:
     r"""Kimi Delta Attention in chunked (WY) form: the training path.
 
@@ -84,6 +85,8 @@ def chunk_kda(
     - `scale`, `initial_state`, `use_qk_l2norm`, `cu_seqlens`, `chunk_size`, `cp`,
         `precision`: as in
         [`deltanet_cp.chunk_gated_delta_rule`][].
+    - `memory`: what the backward keeps, `"low"` (`None`, the default) or `"high"`: as in
+        [`deltanet_cp.run`][].
 
     **Returns:**
 
@@ -100,6 +103,7 @@ def chunk_kda(
         initial_state=initial_state,
         cu_seqlens=cu_seqlens,
         cp=cp,
+        memory=memory,
     )
 
 

@@ -14,7 +14,7 @@ from .._custom_types import CuSeqlens, GateTensor, QKTensor, ValueTensor
 from .._parallel import ContextParallel
 from .._precision import PrecisionName
 from .._recurrence import check_inputs
-from .._run import run
+from .._run import Memory, run
 from ._momentum import MomentumDeltaRule, MomentumInputs
 
 
@@ -41,6 +41,7 @@ def chunk_momentum_delta_rule(
     chunk_size: int = 64,
     cp: ContextParallel | None = None,
     precision: PrecisionName | None = None,
+    memory: Memory | None = None,
 ) -> tuple[ValueTensor, MomentumStates]:
     r"""The momentum delta rule in chunked (WY) form: the training path.
 
@@ -80,6 +81,8 @@ def chunk_momentum_delta_rule(
         `(2K, 2K + V)` per value head, whatever the sequence length.
     - `precision`: the products' policy: `"highest"`, `"bfloat16"`, `"default"`, or `None`
         (from the inputs' dtype); see [`deltanet_cp.MomentumDeltaRule`][].
+    - `memory`: what the backward keeps, `"low"` (`None`, the default) or `"high"`: as in
+        [`deltanet_cp.run`][].
 
     **Returns:**
 
@@ -95,7 +98,7 @@ def chunk_momentum_delta_rule(
         precision=precision,
     )
     return _call(
-        recurrence, q, k, v, log_alpha, log_mu, p, beta, eta, initial_state, cu_seqlens, cp
+        recurrence, q, k, v, log_alpha, log_mu, p, beta, eta, initial_state, cu_seqlens, cp, memory
     )
 
 
@@ -135,7 +138,9 @@ def recurrent_momentum_delta_rule(
     )
 
 
-def _call(recurrence, q, k, v, log_alpha, log_mu, p, beta, eta, initial_state, cu_seqlens, cp):
+def _call(
+    recurrence, q, k, v, log_alpha, log_mu, p, beta, eta, initial_state, cu_seqlens, cp, memory=None
+):
     # beta, eta default to ones, one per token and value head (a malformed `v` is reported
     # by the input checks first).
     ones = jnp.ones(tuple(getattr(v, "shape", (0,)))[:-1], getattr(v, "dtype", jnp.float32))
@@ -152,7 +157,9 @@ def _call(recurrence, q, k, v, log_alpha, log_mu, p, beta, eta, initial_state, c
     check_inputs(recurrence, inputs)
     docs = None if cu_seqlens is None else len(cu_seqlens) - 1
     h0 = None if initial_state is None else _joint(initial_state, inputs, docs)
-    o, final = run(recurrence, inputs, initial_state=h0, cu_seqlens=cu_seqlens, cp=cp)
+    o, final = run(
+        recurrence, inputs, initial_state=h0, cu_seqlens=cu_seqlens, cp=cp, memory=memory
+    )
     dk = inputs.k.shape[-1]
     return o, jnp.stack([final[..., :dk, :], final[..., dk:, :]])
 

@@ -34,7 +34,7 @@ from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, Stat
 from .._mesh import mesh_to_run_on
 from .._parallel import ContextParallel
 from .._precision import accumulation_dtype, as_precision, PrecisionName, resolve_precision
-from .._run import run
+from .._run import Memory, run
 from .._validate import check_log_decay, check_range, check_step_sizes
 from ..chunkops import l2norm
 from ._delta_family import AbstractDeltaRule, DeltaInputs
@@ -138,6 +138,7 @@ def _precond(
     x,
     eps,
     log_atk_scale,
+    memory=None,
 ):
     named = {"q": q, "k": k, "v": v, "g_atk": g_atk, "g": g, "beta_atk": beta_atk, "beta": beta}
     for name, array in named.items():  # before the preconditioner's run, which would name `v`
@@ -203,6 +204,7 @@ def _precond(
         x=x,
         eps=eps,
         log_atk_scale=log_atk_scale,
+        memory=memory,
     )
     # Stage 2: the delta rule erasing along k and writing along the preconditioned key.
     o, final_state = run(
@@ -211,6 +213,7 @@ def _precond(
         initial_state=initial_state,
         cu_seqlens=cu_seqlens,
         cp=cp,
+        memory=memory,
     )
     return o, final_state, a_final
 
@@ -230,6 +233,7 @@ def write_keys(
     x,
     eps,
     log_atk_scale,
+    memory=None,
 ):
     """The preconditioner on the engine and the squash: the write keys `(B, T, H, K)` in
     `dtype` and the preconditioner's final state `(B, H, K)` (per document with
@@ -251,6 +255,7 @@ def write_keys(
         initial_state=a0,
         cu_seqlens=cu_seqlens,
         cp=cp,
+        memory=memory,
     )
     if cp is not None and cp.mesh is not None:
         # Global arrays: the preconditioner's come back on the mesh the engine ran on
@@ -327,6 +332,7 @@ def chunk_precond_gated_delta_rule(
     x: float = 1.5,
     eps: float = 1e-6,
     log_atk_scale: Center = None,
+    memory: Memory | None = None,
 ) -> tuple[ValueTensor, States, AStates]:
     r"""The preconditioned gated delta rule in chunked (WY) form: the training path.
 
@@ -371,6 +377,8 @@ def chunk_precond_gated_delta_rule(
     - `log_atk_scale`: the squash's centre in log space: a float (default `-0.2`) or an
         array of shape `(H,)`, one per key head (differentiable); finite (in float32 for
         float32 inputs), checked where it is concrete.
+    - `memory`: what the backward keeps, `"low"` (`None`, the default) or `"high"`: as in
+        [`deltanet_cp.run`][].
 
     **Returns:**
 
@@ -401,6 +409,7 @@ def chunk_precond_gated_delta_rule(
         x=x,
         eps=eps,
         log_atk_scale=log_atk_scale,
+        memory=memory,
     )
 
 
@@ -472,6 +481,7 @@ def chunk_precond_kda(
     x: float = 1.5,
     eps: float = 1e-6,
     log_atk_scale: Center = None,
+    memory: Memory | None = None,
 ) -> tuple[ValueTensor, States, AStates]:
     r"""Preconditioned Kimi Delta Attention in chunked (WY) form: the training path.
 
@@ -495,6 +505,8 @@ def chunk_precond_kda(
     - `scale`, `initial_state`, `initial_A_state`, `use_qk_l2norm`, `cu_seqlens`,
         `chunk_size`, `cp`, `precision`, `x`, `eps`, `log_atk_scale`: as in
         [`deltanet_cp.chunk_precond_gated_delta_rule`][].
+    - `memory`: what the backward keeps, `"low"` (`None`, the default) or `"high"`: as in
+        [`deltanet_cp.run`][].
 
     **Returns:**
 
@@ -523,6 +535,7 @@ def chunk_precond_kda(
         x=x,
         eps=eps,
         log_atk_scale=log_atk_scale,
+        memory=memory,
     )
 
 
