@@ -13,7 +13,8 @@ the order rotating, per-round ratios). Exactly one kind of variant per run:
   (`--xla_cpu_experimental_ynn_fusion_type=`);
 - `--memory`: `deltanet_cp.run(..., memory=...)`: `"low"` (the default: one state per
   block kept, the factors and chunk states formed again in the backward) at the backend's
-  default block and at one block, and `"high"` (every chunk's factors and state kept).
+  default block and at one block, and `"high"` (every chunk's factors and state kept) at the
+  default block and at one block.
 
 The gated delta rule, float32, chunk 64, q/k L2 norm, the final state returned; by default
 at Qwen3-Next's heads (B=1, H=16, HV=32, K=V=128, T=4096); under CP over simulated CPU
@@ -122,6 +123,7 @@ def variants(a, cp: int) -> list[Impl]:
             impl('"low" (default)'),
             impl('"low", one block', block_size=one_block),
             impl('"high"', memory="high"),
+            impl('"high", one block', memory="high", block_size=one_block),
         ]
     return [impl("YNN on"), impl("YNN off", YNN_OFF)]
 
