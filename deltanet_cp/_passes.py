@@ -16,6 +16,9 @@ that fits in one block has no loop around its factor work at all.
   block; the rest is one block's working set.
 - the chunk maps (context parallelism's phase 1): per block, the factors; then `compose`
   over the block's chunks.
+- with `memory="high"` (`Engine.keep`) every block's factors and `prepare`'s VJP are formed
+  once (`kept_factors`) and read by every pass, and the forward keeps the state entering
+  each chunk: the backward forms nothing again, for every chunk's factors in memory.
 
 Packed documents: `marks = (start, end, empty)` per chunk the document starting / ending
 there (or -1), per document whether it is empty; a document's first chunk starts from that
