@@ -182,7 +182,7 @@ def _precond(
         if cu_seqlens is None:
             lead, what = sizes["batch"], "B"
         else:
-            lead, what = jnp.shape(cu_seqlens)[0] - 1, "N, one per document of `cu_seqlens`"
+            lead, what = np.shape(cu_seqlens)[0] - 1, "N, one per document of `cu_seqlens`"
         if len(shape) != 3 or tuple(shape) != (lead, heads, dk):
             raise ValueError(
                 f"`initial_A_state` must have shape ({what}, H, K) = {(lead, heads, dk)} "
