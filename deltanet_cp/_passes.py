@@ -510,7 +510,7 @@ def _walk(maps: AbstractAffineMap, w: int, walks: int) -> AbstractAffineMap:
     """Walk `w`'s rows of maps of `walks` walks stacked on the batch axis."""
     if walks == 1:
         return maps
-    return jax.tree.map(lambda x: jnp.split(x, walks, axis=0)[w], maps)
+    return jax.tree.map(lambda x: x.reshape(walks, -1, *x.shape[1:])[w], maps)
 
 
 def _identity(recurrence, blocks, diff, static) -> AbstractAffineMap:

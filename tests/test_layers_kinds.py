@@ -678,6 +678,8 @@ def test_rwkv7_shapes_and_errors(without_runtime_typecheck):
         later(x, v_first=jnp.zeros((7, 2, 4)))
     with pytest.raises(ValueError, match="`x` must have shape"):
         first(jnp.zeros((4, HIDDEN + 1)))
+    with pytest.raises(ValueError, match="RWKV7Attention: .* pass `state=None`"):
+        first(x, first.init_state(), cu_seqlens=[0, 4, 8])
     with pytest.raises(ValueError, match=r"`layer_idx` \(2\) must be in \[0, num_layers\)"):
         nn.RWKV7Attention(*RWKV_SIZES, layer_idx=2, num_layers=2, key=jr.key(0))
     with pytest.raises(ValueError, match="first RWKV-7 mixer in `mixers`"):

@@ -114,6 +114,16 @@ def check_input(x: Any, hidden_size: int, *, one_token: bool = False) -> None:
         )
 
 
+def check_documents_without_state(layer: str, state: Any, cu_seqlens: Any) -> None:
+    """A `ValueError` naming `layer` if both `state` and `cu_seqlens` are given (with
+    packed documents every document starts from zeros)."""
+    if cu_seqlens is not None and state is not None:
+        raise ValueError(
+            f"{layer}: with `cu_seqlens` every document starts from zeros; pass `state=None` "
+            "(to continue one sequence from a state, call it without `cu_seqlens`)."
+        )
+
+
 def check_checkpoints(
     every: int, length: int, cp: ContextParallel | None, chunk_size: int, history: int
 ) -> None:
@@ -290,12 +300,7 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
         `ValueError` naming `x` if it is not a floating-point `(seq, hidden)` array (a
         batch: `jax.vmap` the layer over it), or for `cu_seqlens` with `state`.
         """
-        if cu_seqlens is not None and state is not None:
-            raise ValueError(
-                f"{type(self).__name__}: with `cu_seqlens` every document starts from zeros; "
-                "pass `state=None` (to continue one sequence from a state, call it without "
-                "`cu_seqlens`)."
-            )
+        check_documents_without_state(type(self).__name__, state, cu_seqlens)
         return self._forward(x, state, None, cp, cu_seqlens)[0]
 
     def prefill(

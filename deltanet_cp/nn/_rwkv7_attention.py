@@ -17,7 +17,13 @@ from .._validate import as_index, as_positive_index
 from ..recurrences._dplr import DPLRDeltaRule, DPLRInputs
 from ._checkpointed import Checkpointed, checkpoints
 from ._context import layer_cp, local_positions
-from ._delta_layer import check_checkpoints, check_input, check_sizes, one_sequence
+from ._delta_layer import (
+    check_checkpoints,
+    check_documents_without_state,
+    check_input,
+    check_sizes,
+    one_sequence,
+)
 from ._norm import GroupNorm
 
 
@@ -555,12 +561,7 @@ class RWKV7Attention(eqx.Module):
         batch: `jax.vmap` the layer over it); for a missing, unexpected or misshapen
         `v_first`; for `cu_seqlens` with `state`.
         """
-        if cu_seqlens is not None and state is not None:
-            raise ValueError(
-                f"{type(self).__name__}: with `cu_seqlens` every document starts from zeros; "
-                "pass `state=None` (to continue one sequence from a state, call it without "
-                "`cu_seqlens`)."
-            )
+        check_documents_without_state(type(self).__name__, state, cu_seqlens)
         return self._forward(x, state, v_first, None, cp, cu_seqlens)[0]
 
     def prefill(
