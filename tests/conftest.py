@@ -14,6 +14,7 @@ import jaxtyping  # noqa: E402
 import pytest  # noqa: E402
 
 from tests import _compile_cache, _compile_stats  # noqa: E402
+from tests._fast_compile import fast_compiling  # noqa: E402
 
 
 _compile_cache.enable()
@@ -79,13 +80,12 @@ def _small_blocks():
 
 @pytest.fixture(scope="module")
 def fast_compile():
-    """XLA's most optimisations off for a module whose tests are dominated by compiling small
-    programs (they change nothing there beyond rounding); restored for the other modules.
-    The suite's checks of the default flags themselves run in tests/test_default_flags.py."""
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+    """`fast_compiling` for a module whose tests are dominated by compiling small programs
+    (it changes nothing there beyond rounding); the other modules compile as users do. The
+    suite's checks of the default flags themselves run in tests/test_default_flags.py, and
+    the runnable docs, the examples and the models run under them."""
+    with fast_compiling():
+        yield
 
 
 @pytest.fixture

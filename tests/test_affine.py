@@ -10,6 +10,10 @@ import deltanet_cp as dcp
 from .helpers import gated_delta_reference, make_gdn_inputs, rel_err, tree_allclose
 
 
+# Compiling dominates these tests; XLA's optimisation passes only slow it (tests/_fast_compile.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
 def _random_map(key, batch=(3,), k=5, v=4):
     km, ku = jr.split(key)
     m = jr.normal(km, (*batch, k, k)) / np.sqrt(k)

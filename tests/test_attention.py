@@ -27,6 +27,10 @@ from deltanet_cp.nn._schedule import _allgather_schedule, _ring_schedule, tile_l
 from .helpers import directional_check, rel_err
 
 
+# Compiling dominates these tests; XLA's optimisation passes only slow it (tests/_fast_compile.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
 HIDDEN, HEADS, HEAD_DIM, THETA = 16, 2, 8, 10_000.0
 LAYOUTS = {"contiguous": dcp.Contiguous(), "zigzag": dcp.Zigzag()}
 

@@ -18,6 +18,10 @@ from .helpers import rel_err
 from .registry import FAMILIES
 
 
+# Compiling dominates these tests; XLA's optimisation passes only slow it (tests/_fast_compile.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
 def _block(family, dtype, *, n=3, c=8):
     """A recurrence, a block of `n` chunks' factors, and random states and cotangents."""
     args, _ = family.make(0, b=2, t=n * c, h=2, hv=4, dk=8, dv=6, dtype=dtype)

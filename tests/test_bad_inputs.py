@@ -34,6 +34,10 @@ from .helpers import make_delta_product_inputs, pairwise
 from .registry import FAMILIES, Family, GLA, GLA_PER_HEAD
 
 
+# Compiling dominates these tests; XLA's optimisation passes only slow it (tests/_fast_compile.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
 SHAPE = dict(b=1, t=8, h=1, hv=2, dk=4, dv=4)
 CHUNK = 4
 ENTRY_POINTS = ["chunk", "recurrent", "chunk_per_rank", "chunk_global"]

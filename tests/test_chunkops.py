@@ -16,6 +16,10 @@ from deltanet_cp import chunkops
 from .helpers import pairwise, rel_err
 
 
+# Compiling dominates these tests; XLA's optimisation passes only slow it (tests/_fast_compile.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
 _EPS = float(np.finfo(np.float32).eps)
 
 # The functions under test, each case compiled as one program: run op by op, the same

@@ -14,6 +14,10 @@ from deltanet_cp.nn import CausalConv1d
 from .helpers import rel_err
 
 
+# Compiling dominates these tests; XLA's optimisation passes only slow it (tests/_fast_compile.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
 C = 5  # channels
 PIECE = 5  # tokens per zigzag piece (>= kernel_size - 1 = 3)
 

@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import deltanet_cp as dcp
 
+from ._fast_compile import fast_compiling
 from .helpers import rel_err
 from .registry import exchange_id, EXCHANGES, FAMILIES, Family, GATED_DELTA_RULE, GLA
 
@@ -25,10 +26,8 @@ def _name(family: Family) -> str:
 def fast_compile():
     # XLA's optimisation passes triple the compile time and keep the collectives as they
     # are (checked for every exchange at cp = 4; the diagonal-map test below keeps them on).
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+    with fast_compiling():
+        yield
 
 
 def _mesh(cp):

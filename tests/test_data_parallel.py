@@ -33,7 +33,7 @@ from .helpers import rel_err
 from .registry import EXCHANGES, FAMILIES, Family
 
 
-# Compiling dominates these tests; XLA's optimisation passes only slow it (see conftest.py).
+# Compiling dominates these tests; XLA's optimisation passes only slow it (tests/_fast_compile.py).
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 CHUNK = 8

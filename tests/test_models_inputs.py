@@ -23,6 +23,10 @@ from deltanet_cp.models import Qwen3_5Config, Qwen3_5ForCausalLM
 from deltanet_cp.nn import GatedDeltaNetState, HybridLM, KVCache
 
 
+# Compiling dominates these tests; XLA's optimisation passes only slow it (tests/_fast_compile.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
 DATA = pathlib.Path(__file__).resolve().parent / "data"
 FIELDS = json.loads((DATA / "qwen3_5_lm" / "config.json").read_text())
 VOCAB = FIELDS["vocab_size"]

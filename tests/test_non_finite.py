@@ -26,7 +26,7 @@ SHAPE = dict(b=1, t=16, h=1, hv=2, dk=4, dv=3)
 LAYOUTS = [dcp.Contiguous(), dcp.Zigzag()]
 
 
-# Compiling dominates these tests; XLA's optimisation passes only slow it (see conftest.py).
+# Compiling dominates these tests; XLA's optimisation passes only slow it (tests/_fast_compile.py).
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 

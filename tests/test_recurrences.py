@@ -61,7 +61,7 @@ def _families(fast=lambda i, family: True):
     ]
 
 
-# Compiling dominates these tests; XLA's optimisation passes only slow it (see conftest.py).
+# Compiling dominates these tests; XLA's optimisation passes only slow it (tests/_fast_compile.py).
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 

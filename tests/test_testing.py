@@ -23,7 +23,7 @@ from .registry import FAMILIES, Family, GATED_DELTA_RULE, GLA_PER_HEAD
 EXAMPLES = pathlib.Path(__file__).parent.parent / "examples"
 
 
-# Compiling dominates these tests; XLA's optimisation passes only slow it (see conftest.py).
+# Compiling dominates these tests; XLA's optimisation passes only slow it (tests/_fast_compile.py).
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
