@@ -18,6 +18,10 @@ from .helpers import rel_err
 from .test_layer import with_slow_decays
 
 
+# Compiling dominates these tests; XLA's optimisation passes only slow it (tests/_fast_compile.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
 def attention_reference(attn: CausalSelfAttention, x):
     """Causal softmax attention with half-split RoPE, float64 numpy."""
     x = np.asarray(x, np.float64)

@@ -46,6 +46,10 @@ from .helpers import (
 )
 
 
+# Compiling dominates these tests; XLA's optimisation passes only slow it (tests/_fast_compile.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
 DATA = Path(__file__).resolve().parent / "data"
 NAMES = ["qwen3_next_gdn", "qwen3_5_gdn"]
 PREFIX = "model.layers.0.linear_attn."

@@ -17,6 +17,10 @@ from deltanet_cp.nn import CausalConv1d, GatedDeltaNet, GatedDeltaNetState
 from .helpers import gated_delta_reference, rel_err
 
 
+# Compiling dominates these tests; XLA's optimisation passes only slow it (tests/_fast_compile.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
 # hidden, H, HV, K, V: grouped value heads (r = 2) and K != V.
 SIZES = (32, 2, 4, 8, 4)
 
