@@ -89,6 +89,15 @@ def fast_compile():
 
 
 @pytest.fixture
+def fast_compile_one_test():
+    """`fast_compiling` for one test of a module whose other tests compile as users do: its
+    heavy programs that check our code against our own (context parallelism against one
+    device, a training step), where the module's other tests check the defaults."""
+    with fast_compiling():
+        yield
+
+
+@pytest.fixture
 def getkey():
     """A fresh PRNG key on each call, seeded per test."""
     key = jr.key(5678)

@@ -13,21 +13,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import deltanet_cp as dcp
 
-from ._fast_compile import fast_compiling
 from .helpers import rel_err
 from .registry import exchange_id, EXCHANGES, FAMILIES, Family, GATED_DELTA_RULE, GLA
 
 
 def _name(family: Family) -> str:
     return family.name
-
-
-@pytest.fixture
-def fast_compile():
-    # XLA's optimisation passes triple the compile time and keep the collectives as they
-    # are (checked for every exchange at cp = 4; the diagonal-map test below keeps them on).
-    with fast_compiling():
-        yield
 
 
 def _mesh(cp):
@@ -89,6 +80,9 @@ def _layout_id(layout) -> str:
     return type(layout).__name__.lower()
 
 
+# The payload tests compile fast (`fast_compile_one_test`): XLA's optimisation passes triple
+# the compile time and keep the collectives as they are (checked for every exchange at cp = 4;
+# the diagonal-map test below keeps them on).
 @pytest.mark.parametrize(
     "exchange, cp, layout",
     [
@@ -105,7 +99,7 @@ def _layout_id(layout) -> str:
         else exchange_id(x)
     ),
 )
-def test_payload_is_constant_in_sequence_length(exchange, cp, layout, fast_compile):
+def test_payload_is_constant_in_sequence_length(exchange, cp, layout, fast_compile_one_test):
     # Bytes received per rank, read from the compiled module, equal the exchange's formula
     # at two sequence lengths 16x apart. The final state is returned and left unused: its
     # collective (an all-reduce for the ppermute and ring exchanges) must be dropped. Under
@@ -135,7 +129,7 @@ def test_payload_is_constant_in_sequence_length(exchange, cp, layout, fast_compi
     ],
     ids=lambda x: _layout_id(x) if isinstance(x, dcp.AbstractLayout) else exchange_id(x),
 )
-def test_payload_with_final_state(exchange, layout, fast_compile):
+def test_payload_with_final_state(exchange, layout, fast_compile_one_test):
     cp = 4
     module = exchange if not isinstance(exchange, str) else dcp.Ring()
     if isinstance(module, dcp.Auto):  # the exchange it picks, for these sizes
@@ -308,7 +302,7 @@ def test_sharded_argument_checks():
 @pytest.mark.parametrize(
     "exchange", [dcp.AllGather(), pytest.param(dcp.Ring(), marks=pytest.mark.slow)], ids=exchange_id
 )
-def test_bf16_inputs_across_ranks(exchange, fast_compile):
+def test_bf16_inputs_across_ranks(exchange, fast_compile_one_test):
     family = GATED_DELTA_RULE
     args, h0 = family.make(1, b=1, t=96, h=2, hv=4, dk=16, dv=8, dtype=jnp.bfloat16)
     o, h = family.chunk(

@@ -186,6 +186,7 @@ CP_CASES = [
 ]
 
 
+@pytest.mark.usefixtures("fast_compile_one_test")
 @pytest.mark.parametrize("cp, layout, kv_schedule, exchange", CP_CASES)
 def test_logits_context_parallel(cp, layout, kv_schedule, exchange):
     model, tokens = _model(), _tokens()
@@ -247,6 +248,7 @@ def _reference_step():
     return _train_step(1)
 
 
+@pytest.mark.usefixtures("fast_compile_one_test")
 @pytest.mark.parametrize(
     "cp, kv_schedule",
     [(4, "allgather"), pytest.param(2, "ring", marks=pytest.mark.slow)],
@@ -368,6 +370,7 @@ def _cp_prefill(cp, layout, every):
     )
 
 
+@pytest.mark.usefixtures("fast_compile_one_test")
 @pytest.mark.parametrize(
     "cp, layout",
     [(4, dcp.Zigzag()), pytest.param(2, dcp.Contiguous(), marks=pytest.mark.slow)],

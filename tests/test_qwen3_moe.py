@@ -342,6 +342,7 @@ def _ep_cases():
 
 
 # 25 to 50 s per case (one training step of the 4-layer model compiled under shard_map).
+@pytest.mark.usefixtures("fast_compile_one_test")
 @pytest.mark.parametrize("cp, split, layout", _ep_cases())
 def test_training_step_with_experts_split(cp, split, layout):
     # The batch over "dp", time over "cp", the routed experts split `split` ways: the
@@ -397,6 +398,7 @@ def test_training_step_with_experts_split(cp, split, layout):
 
 # About 12 s (a context-parallel prefill of the 4-layer model, one device's prefill and two
 # decode steps).
+@pytest.mark.usefixtures("fast_compile_one_test")
 @pytest.mark.slow
 def test_prefill_with_experts_split_then_decode():
     # A prompt prefilled on 2 ranks (contiguous shards), the experts split over the same
