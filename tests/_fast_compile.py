@@ -4,8 +4,8 @@ Most test modules are dominated by XLA:CPU compiling many small programs. Inside
 `fast_compiling()` (the `fast_compile` fixture of tests/conftest.py, module-wide) XLA compiles
 with its most optimisations off (`jax_disable_most_optimizations`) and with the elemental
 emitters in place of the MLIR fusion emitters: the same arithmetic, up to rounding, in about
-a third of the time. The modules that check what users run (the models, the runnable docs,
-the examples, tests/test_default_flags.py, the precision policy) compile under the defaults.
+a third of the time of the defaults (measured: 1.4 s -> 0.4 s for a cp = 4 zigzag Gated
+DeltaNet gradient). What users run compiles under the defaults: tests/README.md lists it.
 """
 
 import contextlib
@@ -14,9 +14,10 @@ import jax
 
 
 # What `fast_compiling` asks of XLA:CPU besides `jax_disable_most_optimizations`: the
-# elemental emitters in place of the MLIR fusion emitters, which take about half the time to
+# elemental emitters in place of the MLIR fusion emitters, which take under half the time to
 # compile this suite's small programs (measured: 28 s -> 12 s of compiling over 20 CP-gradient
-# tests) and compute the same elementwise arithmetic.
+# tests) and compute the same elementwise arithmetic. Passed as compile options, so they are
+# part of the persistent cache's key.
 FAST_COMPILE_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 
 

@@ -1,6 +1,6 @@
 """The suite's own tools: the persistent compilation cache and the profile report.
 
-Cheap: no program is compiled here beyond one scalar function.
+Cheap: no program is compiled here beyond one scalar function (about 2 s in all).
 """
 
 import json
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax._src import compilation_cache, lru_cache
 
-from . import _compile_cache, profile_report
+from . import _compile_cache, _fast_compile, profile_report
 
 
 def test_the_suite_runs_with_the_persistent_cache():
@@ -69,3 +69,22 @@ def test_profile_report_tables(tmp_path, capsys):
     assert lines[2].split() == ["test_b.py", "1", "0.5", "0.0", "0", "0"]
     assert "the 2 slowest tests" in stdout
     assert lines[-1].startswith("3 tests, 4 s summed") and "hits 1 of 2 (50%)" in lines[-1]
+
+
+def test_fast_compiling_reaches_the_compiler():
+    # The options `fast_compiling` adds are in the compile options JAX builds for every
+    # program (by the function it calls for them; were it renamed, this fails instead of the
+    # suite silently compiling at the defaults' cost), and only inside the block.
+    from jax._src import compiler
+    from jax._src.interpreters import pxla
+
+    assert "compiler.get_compile_options(" in open(pxla.__file__).read()
+
+    def overrides():
+        options = compiler.get_compile_options(num_replicas=1, num_partitions=1)
+        return dict(options.env_option_overrides)
+
+    with _fast_compile.fast_compiling():
+        assert jax.config.read("jax_disable_most_optimizations")
+        assert overrides().items() >= _fast_compile.FAST_COMPILE_OPTIONS.items()
+    assert not overrides().keys() & _fast_compile.FAST_COMPILE_OPTIONS.keys()
