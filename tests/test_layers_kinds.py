@@ -1,9 +1,9 @@
-"""A layer for every kind: gated linear attention (per key channel and per head), Gated
-DeltaProduct, Gated DeltaNet-2 and Momentum DeltaNet against float64 numpy re-implementations
-built on the token loops of tests/helpers.py, RWKV-7's time mix against its own float64 token
-loop; prefill then decoding; context parallelism (outputs, final state and every gradient
-equal one device's, both layouts); `HybridLM` with a mixed pattern, and with RWKV-7's
-`v_first` passed from its first RWKV-7 block to the later ones.
+"""A layer for every kind: DeltaNet, gated linear attention (per key channel and per head),
+Gated DeltaProduct, Gated DeltaNet-2 and Momentum DeltaNet against float64 numpy
+re-implementations built on the token loops of tests/helpers.py, RWKV-7's time mix against its
+own float64 token loop; prefill then decoding; context parallelism (outputs, final state and
+every gradient equal one device's, both layouts); `HybridLM` with a mixed pattern, and with
+RWKV-7's `v_first` passed from its first RWKV-7 block to the later ones.
 
 Costs are compile-dominated (tiny shapes): each check compiles one program per layer (the
 CP check two: one device and the sharded one)."""
@@ -24,6 +24,7 @@ from deltanet_cp import nn
 
 from .helpers import (
     delta_product_reference,
+    delta_reference,
     gdn2_reference,
     gla_reference,
     momentum_reference,
@@ -49,6 +50,9 @@ def _slow_decays(layer):
 
 # name -> a layer with grouped value heads where the kind has them, K != V, chunks of 8.
 FACTORIES = {
+    "delta_net": lambda key: nn.DeltaNet(
+        HIDDEN, 1, 2, 8, 4, allow_neg_eigval=True, chunk_size=CHUNK, key=key
+    ),
     "gla": lambda key: nn.GatedLinearAttention(HIDDEN, 2, 8, 4, chunk_size=CHUNK, key=key),
     "simple_gla": lambda key: nn.SimpleGatedLinearAttention(
         HIDDEN, 2, 8, 4, chunk_size=CHUNK, key=key
@@ -91,6 +95,12 @@ def _softplus(x):
 
 def _log_sigmoid(x):
     return -np.logaddexp(0, -x)
+
+
+def _delta_net(layer, x, q, k, v, h0):
+    beta = 2 * _sigmoid(_lin(layer.b_proj, x))
+    o, h = delta_reference(q, k, v, beta[None], initial_state=h0, l2norm=True)
+    return o, h, _lin(layer.g_proj, x), _silu
 
 
 def _gla(layer, x, q, k, v, h0):
@@ -159,6 +169,7 @@ def _momentum(layer, x, q, k, v, h0):
 
 
 REFERENCES = {
+    "delta_net": _delta_net,
     "gla": _gla,
     "simple_gla": _simple_gla,
     "gated_delta_product": _gated_delta_product,
@@ -314,6 +325,7 @@ def _max_leaf_err(a, b) -> float:
 
 # Each layer once in the default run, the two layouts alternating; the rest of the grid slow.
 _CP_FAST = {
+    "delta_net": (2, "contiguous"),
     "gla": (4, "zigzag"),
     "simple_gla": (2, "contiguous"),
     "gated_delta_product": (2, "zigzag"),
@@ -460,6 +472,13 @@ def test_hybrid_mixers_errors(without_runtime_typecheck):
         nn.HybridLM(32, 16, 3, mixers=["attention", "attention"], key=key)
     with pytest.raises(ValueError, match="Unknown token mixer 'mamba'"):
         nn.HybridLM(32, 16, 1, mixers=["mamba"], key=key)  # pyright: ignore[reportArgumentType]
+
+
+# Cost: no compilation beyond the parameters' random draws (about 1 s).
+def test_hybrid_builds_delta_net_by_name():
+    model = nn.HybridLM(32, 16, 2, mixers=["delta_net", "attention"], key=jr.key(0))
+    mixer = model.blocks[0].mixer
+    assert isinstance(mixer, nn.DeltaNet) and mixer.chunk_size == 64
 
 
 @ft.cache

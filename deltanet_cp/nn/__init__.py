@@ -1,11 +1,12 @@
 """Equinox layers: the Gated DeltaNet layer of Qwen3-Next / Qwen3.5, the Kimi Delta Attention
-layer of Kimi Linear, a layer for each other recurrence (gated linear attention, Gated
-DeltaProduct, Gated DeltaNet-2, Momentum DeltaNet, RWKV-7's time mix), attention, a sparse
+layer of Kimi Linear, a layer for each other recurrence (DeltaNet, gated linear attention,
+Gated DeltaProduct, Gated DeltaNet-2, Momentum DeltaNet, RWKV-7's time mix), attention, a sparse
 mixture-of-experts block and a small hybrid model."""
 
 from ._attention import CausalSelfAttention as CausalSelfAttention, KVCache as KVCache
 from ._conv import CausalConv1d as CausalConv1d
 from ._delta_layer import RecurrentLayerState as RecurrentLayerState
+from ._delta_net import DeltaNet as DeltaNet
 from ._gated_delta_net import (
     GatedDeltaNet as GatedDeltaNet,
     GatedDeltaNetState as GatedDeltaNetState,

@@ -148,7 +148,7 @@ def check_checkpoints(
 
 class RecurrentLayerState(eqx.Module):
     """What a recurrent token mixer of `deltanet_cp.nn` carries from one segment to the next
-    (the state of [`deltanet_cp.nn.GatedLinearAttention`][],
+    (the state of [`deltanet_cp.nn.DeltaNet`][], [`deltanet_cp.nn.GatedLinearAttention`][],
     [`deltanet_cp.nn.SimpleGatedLinearAttention`][], [`deltanet_cp.nn.GatedDeltaProduct`][],
     [`deltanet_cp.nn.GatedDeltaNet2`][] and [`deltanet_cp.nn.MomentumDeltaNet`][]).
 

@@ -17,6 +17,7 @@ from .._validate import as_positive_index
 from ._attention import CausalSelfAttention
 from ._context import layer_cp
 from ._delta_layer import AbstractRecurrentLayer
+from ._delta_net import DeltaNet
 from ._gated_delta_net import GatedDeltaNet
 from ._gated_delta_net_2 import GatedDeltaNet2
 from ._gated_delta_product import GatedDeltaProduct
@@ -34,6 +35,7 @@ Mixer = AbstractRecurrentLayer | RWKV7Attention | CausalSelfAttention
 # The token mixers `HybridLM` builds by name.
 MixerKind = Literal[
     "gated_delta_net",
+    "delta_net",
     "attention",
     "kimi_delta_attention",
     "gated_linear_attention",
@@ -187,7 +189,8 @@ class HybridLM(eqx.Module):
             Unused with `mixers`.
         - `mixers`: the token mixer of each block, `num_layers` of them, or `None` for the
             pattern of `attention_every`. Each is a name, built with the sizes below:
-            `"gated_delta_net"`, `"attention"`, `"kimi_delta_attention"`
+            `"gated_delta_net"`, `"delta_net"` (the Gated DeltaNet sizes), `"attention"`,
+            `"kimi_delta_attention"`
             (`num_value_heads` heads of size `key_head_dim`), `"gated_linear_attention"`
             and `"simple_gated_linear_attention"` (`num_value_heads` heads,
             `key_head_dim`, `value_head_dim`), `"gated_delta_product"`,
@@ -355,6 +358,8 @@ def _mixer(kind, hidden, sizes, attention_sizes, recurrent, attention, key) -> M
         return CausalSelfAttention(hidden, *attention_sizes, key=key, **attention)
     if kind == "gated_delta_net":
         return GatedDeltaNet(hidden, h, hv, dk, dv, key=key, **recurrent)
+    if kind == "delta_net":
+        return DeltaNet(hidden, h, hv, dk, dv, key=key, **recurrent)
     if kind == "kimi_delta_attention":
         return KimiDeltaAttention(hidden, hv, dk, key=key, **recurrent)
     if kind == "gated_linear_attention":
