@@ -96,6 +96,13 @@ def log_decay(a: Array, a_log: Array, dt_bias: Array) -> Array:
     return -jnp.exp(a_log.astype(dtype)) * jax.nn.softplus(a.astype(dtype) + dt_bias.astype(dtype))
 
 
+def step_sizes(b: Array, allow_neg_eigval: bool) -> Array:
+    r"""The delta rule's step sizes from their logits: $\sigma(b)$ in $[0, 1]$, or
+    $2 \sigma(b)$ in $[0, 2]$ with `allow_neg_eigval` (negative eigenvalues)."""
+    beta = jax.nn.sigmoid(b)
+    return 2 * beta if allow_neg_eigval else beta
+
+
 def check_input(x: Any, hidden_size: int, *, one_token: bool = False) -> None:
     """A `ValueError` naming `x` unless it is a floating-point `(seq, hidden)` array (or
     `(hidden,)` with `one_token`)."""

@@ -1,7 +1,6 @@
 """The DeltaNet layer: the delta rule without a decay, with context parallelism."""
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import PRNGKeyArray
@@ -20,6 +19,7 @@ from ._delta_layer import (
     project,
     RecurrentLayerState,
     split_qkv,
+    step_sizes,
 )
 from ._norm import GatedRMSNorm
 
@@ -158,9 +158,7 @@ class DeltaNet(AbstractRecurrentLayer[RecurrentLayerState]):
     def _split(self, mixed, rest):
         b, gate = rest
         q, k, v = split_qkv(mixed, self.num_key_heads, self.key_head_dim, self.value_head_dim)
-        beta = jax.nn.sigmoid(b)
-        if self.allow_neg_eigval:
-            beta = 2 * beta
+        beta = step_sizes(b, self.allow_neg_eigval)
         return one_sequence(DeltaInputs, q, k, v, None, beta), gate.reshape(v.shape)
 
     def _state(self, conv, recurrent) -> RecurrentLayerState:

@@ -22,6 +22,7 @@ from ._delta_layer import (
     project,
     RecurrentLayerState,
     split_qkv,
+    step_sizes,
 )
 from ._norm import SigmoidGatedRMSNorm
 
@@ -186,9 +187,7 @@ class GatedDeltaNet2(AbstractRecurrentLayer[RecurrentLayerState]):
         h, r = self.num_key_heads, self.num_value_heads // self.num_key_heads
         q, k, v = split_qkv(mixed, h, self.key_head_dim, self.value_head_dim)
         g = log_decay(f.reshape(k.shape), self.A_log[None, :, None], self.dt_bias[None])
-        erase = jax.nn.sigmoid(b).reshape(k.shape)
-        if self.allow_neg_eigval:
-            erase = 2 * erase
+        erase = step_sizes(b, self.allow_neg_eigval).reshape(k.shape)
         # The key head's decay and erase gate serve each of its value heads.
         g, erase = (jnp.repeat(a, r, axis=1) for a in (g, erase))
         write = jax.nn.sigmoid(w).reshape(v.shape)

@@ -1,7 +1,6 @@
 """The Gated DeltaProduct layer: `n_h` delta-rule steps per token, with context parallelism."""
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
@@ -21,6 +20,7 @@ from ._delta_layer import (
     one_sequence,
     project,
     RecurrentLayerState,
+    step_sizes,
 )
 from ._norm import GatedRMSNorm
 
@@ -186,9 +186,7 @@ class GatedDeltaProduct(AbstractRecurrentLayer[RecurrentLayerState]):
         q = mixed[:, : h * dk].reshape(t, h, dk)
         k = mixed[:, h * dk : (n + 1) * h * dk].reshape(t, n, h, dk)
         v = mixed[:, (n + 1) * h * dk :].reshape(t, n, hv, dv)
-        beta = jax.nn.sigmoid(b).reshape(t, n, hv)
-        if self.allow_neg_eigval:
-            beta = 2 * beta
+        beta = step_sizes(b, self.allow_neg_eigval).reshape(t, n, hv)
         g = log_decay(a, self.A_log[None], self.dt_bias[None])
         return one_sequence(DeltaInputs, q, k, v, g, beta), gate.reshape(t, hv, dv)
 
