@@ -1,10 +1,11 @@
 """Compiling the suite's small programs quickly: `fast_compiling()`.
 
 Most test modules are dominated by XLA:CPU compiling many small programs. Inside
-`fast_compiling()` (the `fast_compile` fixture of tests/conftest.py, module-wide) XLA compiles
-with its most optimisations off (`jax_disable_most_optimizations`) and with the elemental
-emitters in place of the MLIR fusion emitters: the same arithmetic, up to rounding, in about
-a third of the time of the defaults (measured: 1.4 s -> 0.4 s for a cp = 4 zigzag Gated
+`fast_compiling()` (tests/conftest.py's fixtures: `fast_compile` for a module,
+`fast_compile_one_test` for one test) XLA compiles with its most optimisations off
+(`jax_disable_most_optimizations`) and with the elemental emitters in place of the MLIR
+fusion emitters: the same arithmetic, up to rounding, in about a third of the time of the
+defaults (measured: 1.4 s -> 0.4 s for a cp = 4 zigzag Gated
 DeltaNet gradient). What users run compiles under the defaults: tests/README.md lists it.
 """
 

@@ -81,9 +81,8 @@ def _small_blocks():
 @pytest.fixture(scope="module")
 def fast_compile():
     """`fast_compiling` for a module whose tests are dominated by compiling small programs
-    (it changes nothing there beyond rounding); the other modules compile as users do. The
-    suite's checks of the default flags themselves run in tests/test_default_flags.py, and
-    the runnable docs, the examples and the models run under them."""
+    (it changes nothing there beyond rounding); the other modules compile as users do
+    (tests/README.md lists what keeps XLA's defaults)."""
     with fast_compiling():
         yield
 

@@ -80,9 +80,9 @@ def _layout_id(layout) -> str:
     return type(layout).__name__.lower()
 
 
-# The payload tests compile fast (`fast_compile_one_test`): XLA's optimisation passes triple
-# the compile time and keep the collectives as they are (checked for every exchange at cp = 4;
-# the diagonal-map test below keeps them on).
+# The payload and bfloat16 tests compile fast (`fast_compile_one_test`): XLA's optimisation
+# passes triple the compile time and keep the collectives as they are (checked for every
+# exchange at cp = 4; the diagonal-map test below keeps them on).
 @pytest.mark.parametrize(
     "exchange, cp, layout",
     [

@@ -5,6 +5,7 @@ Cheap: no program is compiled here beyond one scalar function (about 2 s in all)
 
 import json
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -78,7 +79,7 @@ def test_fast_compiling_reaches_the_compiler():
     from jax._src import compiler
     from jax._src.interpreters import pxla
 
-    assert "compiler.get_compile_options(" in open(pxla.__file__).read()
+    assert "compiler.get_compile_options(" in pathlib.Path(pxla.__file__).read_text()
 
     def overrides():
         options = compiler.get_compile_options(num_replicas=1, num_partitions=1)
