@@ -24,7 +24,8 @@ FAST_COMPILE_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 
 @contextlib.contextmanager
 def fast_compiling():
-    """XLA's most optimisations off, and its quicker-to-compile emitters on, inside the block."""
+    """XLA's most optimisations off, and its quicker-to-compile emitters on, inside the block;
+    nothing compiled inside it is reused after it."""
     from jax._src import compiler
 
     get_compile_options = compiler.get_compile_options
@@ -41,3 +42,9 @@ def fast_compiling():
     finally:
         compiler.get_compile_options = get_compile_options
         jax.config.update("jax_disable_most_optimizations", previous)
+        # JAX's in-memory caches of traced and compiled functions do not key on these
+        # options: a jitted function compiled inside the block would be reused as it is by
+        # the tests after it (a module that keeps the defaults, or the rest of the module of
+        # a `fast_compile_one_test`). Emptied, they compile again at the defaults (or load
+        # from the persistent cache, whose key holds the options).
+        jax.clear_caches()

@@ -1,6 +1,6 @@
 """The suite's own tools: the persistent compilation cache and the profile report.
 
-Cheap: no program is compiled here beyond one scalar function (about 2 s in all).
+Cheap: no program is compiled here beyond scalar functions (about 2 s in all).
 """
 
 import json
@@ -89,3 +89,21 @@ def test_fast_compiling_reaches_the_compiler():
         assert jax.config.read("jax_disable_most_optimizations")
         assert overrides().items() >= _fast_compile.FAST_COMPILE_OPTIONS.items()
     assert not overrides().keys() & _fast_compile.FAST_COMPILE_OPTIONS.keys()
+
+
+def test_nothing_compiled_fast_is_reused_after_the_block():
+    # A jitted function first compiled inside `fast_compiling` compiles again after it (at the
+    # defaults), instead of being served from JAX's in-memory caches, which do not key on
+    # the options. One scalar function, compiled twice.
+    compiles = []
+
+    @jax.jit
+    def f(x):
+        compiles.append(jax.config.read("jax_disable_most_optimizations"))
+        return x * 5.0 - 2.0
+
+    with _fast_compile.fast_compiling():
+        f(jnp.float32(1.5)).block_until_ready()
+        f(jnp.float32(2.5)).block_until_ready()
+    f(jnp.float32(1.5)).block_until_ready()
+    assert compiles == [True, False]
