@@ -286,6 +286,7 @@ def test_prefill_then_decode_equals_forward():
     assert _max_abs(jnp.stack(rows), IO["decode_logits"]) <= 1e-4
 
 
+@pytest.mark.usefixtures("fast_compile_one_test")
 def test_decode_step_compiles_once(monkeypatch):
     # The decode step is traced once, then the compiled program is reused for every token.
     model, tokens = _model(), _tokens()
@@ -315,6 +316,7 @@ def _assert_caches_close(got, want, tol=1e-5):
             assert rel_err(a.conv, b.conv) <= tol and rel_err(a.recurrent, b.recurrent) <= tol
 
 
+@pytest.mark.usefixtures("fast_compile_one_test")
 def test_prefill_from_cache_equals_whole_prefill():
     model, tokens = _model(), _tokens()
     want_logits, want = _prefill(model, tokens[:40], capacity=48)
@@ -324,6 +326,7 @@ def test_prefill_from_cache_equals_whole_prefill():
     _assert_caches_close(cache, want)
 
 
+@pytest.mark.usefixtures("fast_compile_one_test")
 def test_checkpoints_equal_prefix_states():
     # The states after 16 and 32 tokens, from one prefill of 40 (from a cache of 8): the
     # caches of those prefixes, and decoding on from a restored one is decoding on from
@@ -400,6 +403,7 @@ def test_context_parallel_prefill_equals_one_device(cp, layout):
     assert sum(collectives(without).values()) > 0
 
 
+@pytest.mark.usefixtures("fast_compile_one_test")
 def test_generate_is_greedy():
     # Each generated token is the argmax of the forward's logits at the position before it.
     model, tokens = _model(), _tokens()

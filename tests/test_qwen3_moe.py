@@ -232,6 +232,7 @@ def _dense_reference(moe: SparseMoE, x: np.ndarray) -> np.ndarray:
     return routed + gate * shared
 
 
+@pytest.mark.usefixtures("fast_compile_one_test")
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 def test_moe_layer_against_dense_reference(norm_topk_prob, getkey):
     moe = SparseMoE(16, 6, 3, 8, 5, norm_topk_prob=norm_topk_prob, key=getkey())
@@ -250,6 +251,7 @@ def test_moe_layer_against_dense_reference(norm_topk_prob, getkey):
     assert abs(float(load_balancing_loss(stats)) - want) <= 1e-5 * want
 
 
+@pytest.mark.usefixtures("fast_compile_one_test")
 def test_moe_gradients_flow_to_router_and_experts(getkey):
     # Gradients through the grouped matmuls and the routing weights (the choice of experts
     # is not differentiated): equal to those of the dense masked computation in JAX.
@@ -489,6 +491,7 @@ def test_dense_model_has_no_router_stats():
         model(jnp.arange(3), expert_axis="cp")
 
 
+@pytest.mark.usefixtures("fast_compile_one_test")
 def test_expert_split_errors_name_what_to_change(getkey):
     # Traced only (the errors come before anything compiles).
     moe = SparseMoE(8, 6, 2, 4, 4, key=getkey())
