@@ -270,7 +270,9 @@ for page, blocks in json.load(sys.stdin).items():
 # faster on a cold cache, 250 s against 300 s for all pages on 2 cores; the persistent cache
 # makes the difference small, and a second run loads them: 160 s.)
 _XLA_FLAGS = "--xla_force_host_platform_device_count=8"
-_RUNNABLE_PAGES = [_rel(p) for p in _pages() if _runnable_blocks(p)]
+# The front page (docs/index.md) runs with the README (`test_readme_and_front_page_run_as_written`),
+# whose blocks it begins with.
+_RUNNABLE_PAGES = [_rel(p) for p in _pages() if _runnable_blocks(p) and _rel(p) != "index.md"]
 
 
 def _run_page(page: str) -> dict:
@@ -316,14 +318,22 @@ def test_readme_and_site_share_one_quickstart():
     )
 
 
-def test_readme_runs_as_written():
+def test_readme_and_front_page_run_as_written():
     # In a fresh process, with no XLA flags of ours: the quickstart sets its own, for 4
     # simulated devices, before it imports jax. The check appended after it makes sure it did.
-    blocks = [body for _, body in _runnable_blocks(ROOT / "README.md")]
-    code = "\n".join(blocks)
+    # The front page begins with the README's blocks; its own blocks run on after them, as a
+    # reader of the site runs them (the quickstart's 4 devices).
+    readme = [body for _, body in _runnable_blocks(ROOT / "README.md")]
+    front = [body for _, body in _runnable_blocks(DOCS / "index.md")]
+    assert front[: len(readme)] == readme, (
+        "docs/index.md must begin with README.md's runnable blocks (they run once, here): "
+        "copy them onto it."
+    )
+    code = "\n".join(readme)
     flag = code.find("--xla_force_host_platform_device_count=4")
     assert 0 <= flag < code.find("import jax"), "the quickstart must set XLA_FLAGS first"
     code += "\nassert jax.device_count() == 4, jax.devices()\n"
+    code += "\n".join(front[len(readme) :])
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["JAX_PLATFORMS"] = "cpu"
     result = _stall.run([sys.executable, "-c", code], env=env)
