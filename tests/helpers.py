@@ -314,7 +314,7 @@ def precond_reference(
     cu_seqlens=None,
     x=1.5,
     eps=1e-6,
-    log_atk_scale=-0.2,
+    log_atk_scale: float | np.ndarray = -0.2,
 ):
     """The preconditioned delta rule, per token: per key head the diagonal state
     `A = exp(g_atk) A + beta_atk k^2`, `c = log(A + eps) - log_atk_scale`, the write key

@@ -530,8 +530,8 @@ LEARNING_RATE = 0.1
 
 # The Qwen3.5 step in the slow run (about 20 s): its mixers run the same Gated DeltaNet engine
 # and attention kernel as HybridLM's, whose step the default run trains.
-# HybridLM with every kind of mixer in the slow run too (two programs of nine different
-# blocks: 140 s cold on 2 busy cores).
+# HybridLM with every kind of mixer in the slow run too (two programs of twelve different
+# blocks; 140 s cold on 2 busy cores with ten, 60 s with half its programs in the cache).
 @pytest.mark.parametrize(
     "make",
     [

@@ -1,8 +1,9 @@
 """A layer for every kind: DeltaNet, gated linear attention (per key channel and per head),
-Gated DeltaProduct, Gated DeltaNet-2 and Momentum DeltaNet against float64 numpy
-re-implementations built on the token loops of tests/helpers.py, RWKV-7's time mix against its
-own float64 token loop; prefill then decoding; context parallelism (outputs, final state and
-every gradient equal one device's, both layouts); `HybridLM` with a mixed pattern, and with
+Gated DeltaProduct, Gated DeltaNet-2, Momentum DeltaNet and the preconditioned Gated DeltaNet
+and Kimi Delta Attention against float64 numpy re-implementations built on the token loops of
+tests/helpers.py, RWKV-7's time mix against its own float64 token loop; prefill then decoding;
+context parallelism (outputs, final state and every gradient equal one device's, both
+layouts); `HybridLM` with a mixed pattern, and with
 RWKV-7's `v_first` passed from its first RWKV-7 block to the later ones.
 
 Costs are compile-dominated (tiny shapes): each check compiles one program per layer (the
@@ -28,6 +29,7 @@ from .helpers import (
     gdn2_reference,
     gla_reference,
     momentum_reference,
+    precond_reference,
     rel_err,
 )
 from .test_layer import _conv_reference, _silu
@@ -40,12 +42,18 @@ HIDDEN, CHUNK = 16, 8
 
 
 def _slow_decays(layer):
-    """Decay rates `exp(A_log)` spread over [0.02, 0.5], so the state carried between
-    chunks and ranks matters (the default init forgets within a few tokens)."""
-    if not hasattr(layer, "A_log"):
-        return layer
-    rates = jnp.geomspace(0.02, 0.5, layer.A_log.size).reshape(layer.A_log.shape)
-    return eqx.tree_at(lambda m: m.A_log, layer, jnp.log(rates))
+    """Decay rates `exp(A_log)` (and the preconditioner's `exp(A_log_atk)`) spread over
+    [0.02, 0.5], so the state carried between chunks and ranks matters (the default init
+    forgets within a few tokens); the preconditioner's centres one per key head, apart."""
+    for name in ("A_log", "A_log_atk"):
+        if hasattr(layer, name):
+            size, shape = getattr(layer, name).size, getattr(layer, name).shape
+            rates = jnp.geomspace(0.02, 0.5, size).reshape(shape)
+            layer = eqx.tree_at(lambda m: getattr(m, name), layer, jnp.log(rates))
+    if hasattr(layer, "log_atk_scale"):
+        centres = jnp.linspace(-0.5, 0.3, layer.log_atk_scale.size)
+        layer = eqx.tree_at(lambda m: m.log_atk_scale, layer, centres)
+    return layer
 
 
 # name -> a layer with grouped value heads where the kind has them, K != V, chunks of 8.
@@ -64,7 +72,14 @@ FACTORIES = {
         HIDDEN, 1, 2, 8, 4, allow_neg_eigval=True, chunk_size=CHUNK, key=key
     ),
     "momentum": lambda key: nn.MomentumDeltaNet(HIDDEN, 1, 2, 8, 4, chunk_size=CHUNK, key=key),
+    "precond_gdn": lambda key: nn.PrecondGatedDeltaNet(
+        HIDDEN, 2, 4, 8, 4, allow_neg_eigval=True, chunk_size=CHUNK, key=key
+    ),
+    "precond_kda": lambda key: nn.PrecondKimiDeltaAttention(
+        HIDDEN, 2, 8, chunk_size=CHUNK, key=key
+    ),
 }
+PRECOND = ("precond_gdn", "precond_kda")
 KINDS = list(FACTORIES)
 
 
@@ -168,6 +183,43 @@ def _momentum(layer, x, q, k, v, h0):
     return o, h, _lin(layer.g_proj, x), _silu
 
 
+def _preconditioned(layer, x, q, k, v, g, beta, h0, a0):
+    """The preconditioner's gates from `x`, then the float64 preconditioned delta rule:
+    `(o, (S, A))`."""
+    a_atk, b_atk = _lin(layer.a_atk_proj, x), _lin(layer.b_atk_proj, x)
+    g_atk = -np.exp(_np(layer.A_log_atk)) * _softplus(a_atk + _np(layer.dt_bias_atk))
+    o, h, a = precond_reference(
+        q,
+        k,
+        v,
+        g_atk[None],
+        g[None],
+        _sigmoid(b_atk)[None],
+        beta[None],
+        initial_state=h0,
+        initial_A_state=a0,
+        l2norm=True,
+        x=layer.squash_x,
+        eps=layer.squash_eps,
+        log_atk_scale=_np(layer.log_atk_scale),
+    )
+    return o, (h, a)
+
+
+def _precond_gdn(layer, x, q, k, v, h0, a0):
+    g, beta = _decay(layer, _lin(layer.a_proj, x)), 2 * _sigmoid(_lin(layer.b_proj, x))
+    o, states = _preconditioned(layer, x, q, k, v, g, beta, h0, a0)
+    return o, states, _lin(layer.g_proj, x), _silu
+
+
+def _precond_kda(layer, x, q, k, v, h0, a0):
+    f = _lin(layer.f_b_proj, _lin(layer.f_a_proj, x)).reshape(k.shape[1:])
+    g = -np.exp(_np(layer.A_log))[:, None] * _softplus(f + _np(layer.dt_bias))
+    beta = _sigmoid(_lin(layer.b_proj, x))
+    o, states = _preconditioned(layer, x, q, k, v, g, beta, h0, a0)
+    return o, states, _lin(layer.g_b_proj, _lin(layer.g_a_proj, x)), _sigmoid
+
+
 REFERENCES = {
     "delta_net": _delta_net,
     "gla": _gla,
@@ -175,14 +227,29 @@ REFERENCES = {
     "gated_delta_product": _gated_delta_product,
     "gdn2": _gdn2,
     "momentum": _momentum,
+    "precond_gdn": _precond_gdn,
+    "precond_kda": _precond_kda,
 }
+
+
+def _recurrent_parts(state) -> tuple:
+    """The recurrent arrays of a layer's state: `(recurrent,)`, or `(recurrent, A)` for the
+    preconditioned layers (the preconditioner's state)."""
+    if isinstance(state, nn.PrecondLayerState):
+        return state.recurrent, state.A
+    return (state.recurrent,)
+
+
+def _recurrent_err(state, expected: tuple) -> float:
+    return max(rel_err(a, e) for a, e in zip(_recurrent_parts(state), expected, strict=True))
 
 
 def layer_reference(name: str, layer, x, state):
     """The whole layer in float64 numpy: projections, the causal convolution and SiLU, the
     gates, the float64 token loop, the gated RMSNorm and the output projection.
 
-    **Returns:** `(out (T, hidden), conv state, recurrent state)`.
+    **Returns:** `(out (T, hidden), conv state, recurrent states)`, the last as
+    `_recurrent_parts` lists them.
     """
     x, t = _np(x), x.shape[0]
     mixed = _lin(layer.in_proj_qkv, x)
@@ -190,7 +257,7 @@ def layer_reference(name: str, layer, x, state):
     conv0 = _np(state.conv)
     conv = _silu(_conv_reference(_np(layer.conv1d.weight), mixed, conv0))
     hv, _, dv = layer.init_state().recurrent.shape
-    dk: int = getattr(layer, "key_head_dim")
+    dk: int = getattr(layer, "key_head_dim", getattr(layer, "head_dim", 0))
     h: int = getattr(layer, "num_key_heads", getattr(layer, "num_heads", 0))
     n: int | None = getattr(layer, "num_householder", None)
     q = conv[:, : h * dk].reshape(1, t, h, dk)
@@ -200,59 +267,78 @@ def layer_reference(name: str, layer, x, state):
     else:
         k = conv[:, h * dk : (n + 1) * h * dk].reshape(1, t, n, h, dk)
         v = conv[:, (n + 1) * h * dk :].reshape(1, t, n, hv, dv)
-    o, hT, gate, act = REFERENCES[name](layer, x, q, k, v, _np(state.recurrent)[None])
+    h0 = [_np(a)[None] for a in _recurrent_parts(state)]
+    o, hT, gate, act = REFERENCES[name](layer, x, q, k, v, *h0)
+    hT = hT if isinstance(hT, tuple) else (hT,)
     o = o[0]
     o = o / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + layer.norm.eps)
     o = o * _np(layer.norm.weight) * act(gate.reshape(o.shape))
     out = o.reshape(t, hv * dv) @ _np(layer.out_proj.weight).T
-    return out, np.concatenate([conv0, mixed], axis=0)[-hist:], hT[0]
+    return out, np.concatenate([conv0, mixed], axis=0)[-hist:], tuple(a[0] for a in hT)
 
 
 def _random_state(layer, key):
+    """A random state; the preconditioner's (a sum of squares) in [0.1, 2]."""
     kc, kr = jr.split(key)
     s = layer.init_state()
-    return nn.RecurrentLayerState(
-        conv=jr.normal(kc, s.conv.shape), recurrent=0.5 * jr.normal(kr, s.recurrent.shape)
-    )
+    conv, recurrent = jr.normal(kc, s.conv.shape), 0.5 * jr.normal(kr, s.recurrent.shape)
+    if isinstance(s, nn.PrecondLayerState):
+        a = jr.uniform(jr.fold_in(key, 2), s.A.shape, minval=0.1, maxval=2.0)
+        return nn.PrecondLayerState(conv=conv, recurrent=recurrent, A=a)
+    return nn.RecurrentLayerState(conv=conv, recurrent=recurrent)
 
 
 # ------------------------------------------------------------------------------------------------
 # against float64, and decoding
 # ------------------------------------------------------------------------------------------------
 T, STEPS = 37, 3  # four full chunks and a partial one
+EVERY = 16  # the preconditioned layers' checkpoints in that prefill: after 16 and 32 tokens
 
 
 # Cost: one compiled program per layer (prefill of 34 tokens, then 3 steps).
 @pytest.mark.parametrize("name", KINDS)
 def test_matches_float64_reference_and_decodes(name):
     """`prefill` of all but 3 tokens from a random state, then 3 `step`s: the outputs, the
-    conv state and the recurrent state against the float64 layer over all 37 (<= 1e-5).
-    The full sequence in one pass is checked, with its gradients, by `test_cp_invariance`
-    (its one-device pass)."""
+    conv state and the recurrent state (both, for a preconditioned layer) against the
+    float64 layer over all 37 (<= 1e-5). The preconditioned layers' prefill also saves
+    checkpoints every 16 tokens, each checked against the float64 layer over its prefix;
+    and their random initial preconditioner state is seen (from zeros the float64 output
+    is far off). The full sequence in one pass is checked, with its gradients, by
+    `test_cp_invariance` (its one-device pass)."""
     layer = _layer(name)
     kx, ks = jr.split(jr.key(7))
     x = jr.normal(kx, (T, HIDDEN))
     state = _random_state(layer, ks)
+    every = EVERY if name in PRECOND else None
 
     @eqx.filter_jit
     def run(layer, x, state):
-        y, s, _ = layer.prefill(x[: T - STEPS], state)
+        y, s, saved = layer.prefill(x[: T - STEPS], state, checkpoint_every=every)
         ys = [y]
         for t in range(T - STEPS, T):
             y_t, s = layer.step(x[t], s)
             ys.append(y_t[None])
-        return jnp.concatenate(ys), s
+        return jnp.concatenate(ys), s, saved
 
-    y, new = run(layer, x, state)
+    y, new, saved = run(layer, x, state)
     out, conv, rec = layer_reference(name, layer, x, state)
     errs = {
         "prefill": rel_err(y[: T - STEPS], out[: T - STEPS]),
         "steps": rel_err(y[T - STEPS :], out[T - STEPS :]),
         "conv": rel_err(new.conv, conv),
-        "recurrent": rel_err(new.recurrent, rec),
+        "recurrent": _recurrent_err(new, rec),
     }
+    if every is not None:
+        assert isinstance(saved, nn.PrecondLayerState) and isinstance(state, nn.PrecondLayerState)
+        assert saved.A.shape == (2, *state.A.shape)
+        for i, end in enumerate((EVERY, 2 * EVERY)):
+            _, conv_i, rec_i = layer_reference(name, layer, x[:end], state)
+            at_i = jax.tree.map(lambda a: a[i], saved)
+            errs[f"checkpoint {end}"] = max(rel_err(at_i.conv, conv_i), _recurrent_err(at_i, rec_i))
+        without_a = eqx.tree_at(lambda s: s.A, state, jnp.zeros_like(state.A))
+        assert rel_err(layer_reference(name, layer, x, without_a)[0], out) > 1e-2
     assert max(errs.values()) <= 1e-5, errs
-    assert isinstance(new, nn.RecurrentLayerState) and y.dtype == x.dtype
+    assert type(new) is type(state) and y.dtype == x.dtype
 
 
 # Cost: no compilation (shapes only).
@@ -305,7 +391,8 @@ def _cp_loss_and_grads(name: str, cp: int, layout: Any = dcp.Contiguous()):
     def loss(params, x, state):
         y, new = apply(params, x, state)
         total = jnp.sum(y * w_out) + jnp.sum(new.conv * w_state.conv)
-        return total + jnp.sum(new.recurrent * w_state.recurrent), (y, new)
+        parts = zip(_recurrent_parts(new), _recurrent_parts(w_state), strict=True)
+        return total + sum(jnp.sum(a * w) for a, w in parts), (y, new)
 
     grads, (y, new) = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(params, x, state)
     if cp > 1:
@@ -331,6 +418,8 @@ _CP_FAST = {
     "gated_delta_product": (2, "zigzag"),
     "gdn2": (4, "contiguous"),
     "momentum": (2, "zigzag"),
+    "precond_gdn": (2, "zigzag"),
+    "precond_kda": (4, "contiguous"),
 }
 _LAYOUTS = {"contiguous": dcp.Contiguous(), "zigzag": dcp.Zigzag()}
 
@@ -360,7 +449,7 @@ def test_cp_invariance(name, cp, layout):
     layer, x, state, *_ = _cp_problem(name)
     y1, new1, grads1 = _cp1(name)
     out, _, rec = layer_reference(name, layer, x, state)
-    assert rel_err(y1, out) <= 1e-5 and rel_err(new1.recurrent, rec) <= 1e-5
+    assert rel_err(y1, out) <= 1e-5 and _recurrent_err(new1, rec) <= 1e-5
     y, new, grads = _cp_loss_and_grads(name, cp, _LAYOUTS[layout])
     errs = {
         "output": rel_err(y, y1),
@@ -479,6 +568,39 @@ def test_hybrid_builds_delta_net_by_name():
     model = nn.HybridLM(32, 16, 2, mixers=["delta_net", "attention"], key=jr.key(0))
     mixer = model.blocks[0].mixer
     assert isinstance(mixer, nn.DeltaNet) and mixer.chunk_size == 64
+
+
+# Cost: no compilation (`filter_eval_shape` and construction only).
+def test_hybrid_builds_precond_layers_by_name():
+    """`"precond_gated_delta_net"` with the Gated DeltaNet sizes (a preconditioner per key
+    head), `"precond_kimi_delta_attention"` with Kimi Delta Attention's."""
+    mixers: list[Any] = ["precond_gated_delta_net", "precond_kimi_delta_attention"]
+    model = eqx.filter_eval_shape(
+        nn.HybridLM, 32, 16, 2, mixers=mixers, num_key_heads=2, num_value_heads=4, key=jr.key(0)
+    )
+    gdn, kda = (b.mixer for b in model.blocks)
+    assert isinstance(gdn, nn.PrecondGatedDeltaNet) and isinstance(
+        kda, nn.PrecondKimiDeltaAttention
+    )
+    assert gdn.log_atk_scale.shape == (2,) and gdn.A_log.shape == (4,)
+    assert kda.log_atk_scale.shape == (4,) and kda.chunk_size == 64
+    assert gdn.init_state().A.shape == (2, 16) and kda.init_state().A.shape == (4, 16)
+
+
+# Cost: no compilation (the errors come before any parameter is drawn, or at trace time).
+def test_precond_bad_arguments(without_runtime_typecheck):
+    """Each out-of-range argument of the preconditioned layers: a `ValueError` naming it."""
+    gdn = ft.partial(eqx.filter_eval_shape, nn.PrecondGatedDeltaNet, HIDDEN, 2, 4, 8, 4)
+    kda = ft.partial(eqx.filter_eval_shape, nn.PrecondKimiDeltaAttention, HIDDEN, 2, 8)
+    with pytest.raises(ValueError, match=r"`num_value_heads` \(3\) must be a multiple"):
+        eqx.filter_eval_shape(nn.PrecondGatedDeltaNet, HIDDEN, 2, 3, 8, 4, key=jr.key(0))
+    for make in (gdn, kda):
+        with pytest.raises(ValueError, match="`squash_x` must be a finite float >= 1.0"):
+            make(squash_x=0.5, key=jr.key(0))
+        with pytest.raises(ValueError, match="`squash_eps` must be a finite float > 0.0"):
+            make(squash_eps=0.0, key=jr.key(0))
+        with pytest.raises(ValueError, match="`log_atk_scale_init` must be a finite float"):
+            make(log_atk_scale_init=float("nan"), key=jr.key(0))
 
 
 @ft.cache

@@ -1,7 +1,8 @@
 """Equinox layers: the Gated DeltaNet layer of Qwen3-Next / Qwen3.5, the Kimi Delta Attention
 layer of Kimi Linear, a layer for each other recurrence (DeltaNet, gated linear attention,
-Gated DeltaProduct, Gated DeltaNet-2, Momentum DeltaNet, RWKV-7's time mix), attention, a sparse
-mixture-of-experts block and a small hybrid model."""
+Gated DeltaProduct, Gated DeltaNet-2, Momentum DeltaNet, the preconditioned Gated DeltaNet and
+Kimi Delta Attention, RWKV-7's time mix), attention, a sparse mixture-of-experts block and a
+small hybrid model."""
 
 from ._attention import CausalSelfAttention as CausalSelfAttention, KVCache as KVCache
 from ._conv import CausalConv1d as CausalConv1d
@@ -35,6 +36,11 @@ from ._norm import (
     GroupNorm as GroupNorm,
     SigmoidGatedRMSNorm as SigmoidGatedRMSNorm,
     ZeroCenteredRMSNorm as ZeroCenteredRMSNorm,
+)
+from ._precond import (
+    PrecondGatedDeltaNet as PrecondGatedDeltaNet,
+    PrecondKimiDeltaAttention as PrecondKimiDeltaAttention,
+    PrecondLayerState as PrecondLayerState,
 )
 from ._rwkv7_attention import (
     RWKV7Attention as RWKV7Attention,

@@ -16,7 +16,7 @@ from .._custom_types import CuSeqlens
 from .._parallel import ContextParallel
 from .._precision import accumulation_dtype, as_precision, PrecisionName
 from .._recurrence import AbstractRecurrence
-from .._run import Memory, run
+from .._run import as_memory, Memory, run
 from .._validate import as_positive_index
 from ..recurrences._delta_family import DeltaInputs
 from ._checkpointed import Checkpointed, checkpoints
@@ -35,6 +35,33 @@ def check_sizes(sizes: dict[str, Any], block_size: Any, precision: Any) -> tuple
     if block_size is not None:
         block_size = as_positive_index(block_size, "block_size")
     return (*checked, block_size, as_precision(precision))
+
+
+# The sizes of a layer whose value heads are grouped over its key heads, in its
+# constructor's order.
+_GROUPED_SIZES = (
+    "hidden_size",
+    "num_key_heads",
+    "num_value_heads",
+    "key_head_dim",
+    "value_head_dim",
+    "conv_kernel_size",
+    "chunk_size",
+)
+
+
+def grouped_sizes(*sizes: Any, block_size: Any, memory: Any, precision: Any) -> dict[str, Any]:
+    """The sizes of a layer whose value heads are grouped over its key heads (`hidden_size,
+    num_key_heads, num_value_heads, key_head_dim, value_head_dim, conv_kernel_size,
+    chunk_size`, its constructor's arguments), `block_size`, `memory` and `precision`,
+    checked (`check_sizes`, `check_value_heads`, `as_memory`): by name, its static fields
+    and `conv_kernel_size`."""
+    *checked, block_size, precision = check_sizes(
+        dict(zip(_GROUPED_SIZES, sizes, strict=True)), block_size, precision
+    )
+    named: dict[str, Any] = dict(zip(_GROUPED_SIZES, checked, strict=True))
+    check_value_heads(named["num_value_heads"], named["num_key_heads"])
+    return {**named, "block_size": block_size, "memory": as_memory(memory), "precision": precision}
 
 
 def check_value_heads(num_value_heads: int, num_key_heads: int) -> None:
@@ -186,7 +213,9 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
     state, `prefill`, `step` and context parallelism, is here.
 
     Its state is a module with `conv`, the last `conv_kernel_size - 1` inputs of the
-    convolution, and `recurrent`, the recurrence's state (`_state` builds it).
+    convolution, and the recurrence's state (`_state` builds it, `_recurrent` reads it):
+    one array `recurrent`, or a pytree of them for a layer whose `_recur` runs more than
+    one recurrence (the preconditioned delta rules: the preconditioner's and the main one's).
     """
 
     conv1d: eqx.AbstractVar[CausalConv1d]
@@ -200,8 +229,12 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
     precision: eqx.AbstractVar[PrecisionName | None]
 
     @abc.abstractmethod
-    def _state(self, conv: Array, recurrent: Array) -> _State:
-        """The layer's state type holding `conv` and `recurrent`."""
+    def _state(self, conv: Array, recurrent: Any) -> _State:
+        """The layer's state type holding `conv` and `recurrent` (as `_recur` returns it)."""
+
+    def _recurrent(self, state: _State) -> Any:
+        """The recurrence's part of `state`, as `_recur` takes it: `state.recurrent`."""
+        return state.recurrent  # pyright: ignore[reportAttributeAccessIssue]
 
     @abc.abstractmethod
     def _project(self, x: Array) -> tuple[Array, Any]:
@@ -227,6 +260,11 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
     def _recurrence(self, chunk_size: int) -> AbstractRecurrence:
         """The recurrence, in chunks of `chunk_size` tokens."""
 
+    def _initial_recurrent(self, dtype) -> Any:
+        """The recurrence's state before the first token: zeros of `_recurrent_shape` in
+        `dtype`."""
+        return jnp.zeros(self._recurrent_shape, dtype)
+
     @property
     def conv_dim(self) -> int:
         """The channels of the convolution: `2 H K + HV V` (q, k and v)."""
@@ -248,7 +286,7 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
         dtype = self.out_proj.weight.dtype if dtype is None else dtype
         return self._state(
             jnp.zeros((self.conv1d.history, self.conv_dim), dtype),
-            jnp.zeros(self._recurrent_shape, accumulation_dtype(dtype)),
+            self._initial_recurrent(accumulation_dtype(dtype)),
         )
 
     def _check_input(self, x, *, one_token: bool = False) -> None:
@@ -261,10 +299,18 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
         conv_out, new_conv = self.conv1d(mixed, conv_state, cp=cp, cu_seqlens=cu_seqlens)
         return mixed, jax.nn.silu(conv_out), new_conv, rest
 
-    def _run(self, recurrence, inputs, h0, cp=None, cu_seqlens=None):
-        """The recurrence over `inputs` of one sequence (a batch of one): `(outputs, final
-        state)` with a batch axis of one (one state per document with `cu_seqlens`)."""
-        return run(
+    def _run(
+        self, recurrence, inputs, h0, every=None, cp=None, cu_seqlens=None
+    ) -> tuple[Any, Array, Array | None]:
+        """`recurrence` over `inputs` of one sequence (a batch of one) from `h0` (no batch
+        axis; zeros if `None`): `(outputs, final state, checkpoints)`, the outputs with
+        their batch axis of one, the final state without it (the first document's with
+        `cu_seqlens`), and with `every` the states after every `every` tokens, `(n,
+        *state)`, from the same pass (the recurrence wrapped in `Checkpointed`); else
+        `None`."""
+        if every is not None:
+            recurrence = Checkpointed(inner=recurrence, chunk_size=every)
+        o, h = run(
             recurrence,
             inputs,
             initial_state=None if h0 is None else h0[None],
@@ -273,6 +319,18 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
             block_size=self.block_size,
             memory=self.memory,
         )
+        if every is None:
+            return o, h[0], None
+        o, spread = o
+        return o, h[0], checkpoints(spread, every, h.shape[1:])[0]
+
+    def _recur(
+        self, inputs, h0, chunk_size, every=None, cp=None, cu_seqlens=None
+    ) -> tuple[Any, Any, Any]:
+        """The layer's recurrence (`_recurrence(chunk_size)`) over `inputs`, from `h0` (as
+        `_recurrent` reads it from a state): `(outputs, final state, checkpoints)` as
+        `_run` returns them. A layer that runs more than one recurrence overrides it."""
+        return self._run(self._recurrence(chunk_size), inputs, h0, every, cp, cu_seqlens)
 
     def __call__(
         self,
@@ -361,27 +419,19 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
         if checkpoint_every is not None:
             checkpoint_every = as_positive_index(checkpoint_every, "checkpoint_every")
             self._check_checkpoints(checkpoint_every, x.shape[0], cp)
-        conv_state, h0 = (None, None) if state is None else (state.conv, state.recurrent)
+        conv_state, h0 = (None, None) if state is None else (state.conv, self._recurrent(state))
         mixed, conv, new_conv, rest = self._inputs(x, conv_state, cp, cu_seqlens)
         inputs, gate = self._split(conv, rest)
-        recurrence = self._recurrence(self.chunk_size)
-        if checkpoint_every is not None:
-            recurrence = Checkpointed(inner=recurrence, chunk_size=checkpoint_every)
-        o, h = self._run(recurrence, inputs, h0, cp, cu_seqlens)
+        o, h, saved_h = self._recur(inputs, h0, self.chunk_size, checkpoint_every, cp, cu_seqlens)
         saved = None
         if checkpoint_every is not None:
-            o, spread = o
             n, w = x.shape[0] // checkpoint_every, self.conv1d.history
             ends = checkpoint_every * jnp.arange(1, n + 1)
-            shape = h.shape[1:]
-            saved = self._state(
-                mixed[ends[:, None] - w + jnp.arange(w)[None, :]],
-                checkpoints(spread, checkpoint_every, shape)[0],
-            )
+            saved = self._state(mixed[ends[:, None] - w + jnp.arange(w)[None, :]], saved_h)
         out = self._finish(o[0], gate).astype(x.dtype)
         if conv_state is not None:
             new_conv = new_conv.astype(conv_state.dtype)
-        return out, self._state(new_conv, h[0]), saved
+        return out, self._state(new_conv, h), saved
 
     def step(
         self, x: Float[Array, " hidden"], state: _State
@@ -400,12 +450,13 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
         token, in the dtypes of `state`.
         """
         self._check_input(x, one_token=True)
-        conv_state, h0 = state.conv, state.recurrent  # pyright: ignore[reportAttributeAccessIssue]
+        conv_state, h0 = state.conv, self._recurrent(state)  # pyright: ignore[reportAttributeAccessIssue]
         _, conv, new_conv, rest = self._inputs(x[None], conv_state, None)
         inputs, gate = self._split(conv, rest)
-        o, h = self._run(self._recurrence(1), inputs, h0)
+        o, h, _ = self._recur(inputs, h0, 1)
         y = self._finish(o[0], gate)[0].astype(x.dtype)
-        return y, self._state(new_conv.astype(conv_state.dtype), h[0].astype(h0.dtype))
+        h = jax.tree.map(lambda new, old: new.astype(old.dtype), h, h0)
+        return y, self._state(new_conv.astype(conv_state.dtype), h)
 
 
 class AbstractDeltaLayer(AbstractRecurrentLayer[_State]):

@@ -24,6 +24,7 @@ from ._gated_delta_product import GatedDeltaProduct
 from ._gated_linear_attention import GatedLinearAttention, SimpleGatedLinearAttention
 from ._kimi_delta_attention import KimiDeltaAttention
 from ._momentum_delta_net import MomentumDeltaNet
+from ._precond import PrecondGatedDeltaNet, PrecondKimiDeltaAttention
 from ._rwkv7_attention import RWKV7Attention
 from ._schedule import KVSchedule
 from ._tokens import check_tokens
@@ -43,6 +44,8 @@ MixerKind = Literal[
     "gated_delta_product",
     "gated_delta_net_2",
     "momentum_delta_net",
+    "precond_gated_delta_net",
+    "precond_kimi_delta_attention",
     "rwkv7",
 ]
 
@@ -194,7 +197,9 @@ class HybridLM(eqx.Module):
             (`num_value_heads` heads of size `key_head_dim`), `"gated_linear_attention"`
             and `"simple_gated_linear_attention"` (`num_value_heads` heads,
             `key_head_dim`, `value_head_dim`), `"gated_delta_product"`,
-            `"gated_delta_net_2"` and `"momentum_delta_net"` (the Gated DeltaNet sizes),
+            `"gated_delta_net_2"`, `"momentum_delta_net"` and `"precond_gated_delta_net"`
+            (the Gated DeltaNet sizes), `"precond_kimi_delta_attention"` (as
+            `"kimi_delta_attention"`),
             `"rwkv7"` (`num_value_heads` heads, `key_head_dim`, `value_head_dim`, its
             default LoRA ranks; the first one hands its values to the later ones as
             `v_first`); or a function of a PRNG key returning the mixer (any layer of
@@ -372,6 +377,10 @@ def _mixer(kind, hidden, sizes, attention_sizes, recurrent, attention, key) -> M
         return GatedDeltaNet2(hidden, h, hv, dk, dv, key=key, **recurrent)
     if kind == "momentum_delta_net":
         return MomentumDeltaNet(hidden, h, hv, dk, dv, key=key, **recurrent)
+    if kind == "precond_gated_delta_net":
+        return PrecondGatedDeltaNet(hidden, h, hv, dk, dv, key=key, **recurrent)
+    if kind == "precond_kimi_delta_attention":
+        return PrecondKimiDeltaAttention(hidden, hv, dk, key=key, **recurrent)
     raise ValueError(
         f"Unknown token mixer {kind!r} in `mixers`: pass one of {get_args(MixerKind)} or a "
         "function of a PRNG key that returns the mixer."

@@ -176,22 +176,32 @@ class KimiDeltaAttention(AbstractDeltaLayer[KimiDeltaAttentionState]):
         return (self.num_heads, self.head_dim, self.head_dim)
 
     def _project(self, x):
-        """Projections of `x: (seq, hidden)`: `(qkv (seq, 3 H K), (f, b, gate))`."""
-        qkv, f, b, gate = project(x, self.in_proj_qkv, self.f_a_proj, self.b_proj, self.g_a_proj)
-        (f,) = project(f, self.f_b_proj)
-        (gate,) = project(gate, self.g_b_proj)
-        return qkv, (f, b, gate)
+        return kda_project(self, x)
 
     def _split(self, mixed, rest):
-        """Post-convolution `(seq, 3 H K)` etc. to the recurrence inputs."""
-        f, b, gate = rest
-        h, dk = self.num_heads, self.head_dim
-        q, k, v = split_qkv(mixed, h, dk, dk)
-        g = log_decay(f.reshape(v.shape), self.A_log[None, :, None], self.dt_bias[None])
-        return one_sequence(DeltaInputs, q, k, v, g, jax.nn.sigmoid(b)), gate.reshape(v.shape)
+        return kda_split(self, mixed, rest)
 
     def _state(self, conv, recurrent) -> KimiDeltaAttentionState:
         return KimiDeltaAttentionState(conv=conv, recurrent=recurrent)
 
     def _recurrence(self, chunk_size: int) -> KimiDeltaRule:
         return KimiDeltaRule(chunk_size=chunk_size, use_qk_l2norm=True, precision=self.precision)
+
+
+def kda_project(layer, x):
+    """Kimi Delta Attention's projections of `x: (seq, hidden)` (those of `layer`, which has
+    its fields): `(qkv (seq, 3 H K), (f, b, gate))`."""
+    qkv, f, b, gate = project(x, layer.in_proj_qkv, layer.f_a_proj, layer.b_proj, layer.g_a_proj)
+    (f,) = project(f, layer.f_b_proj)
+    (gate,) = project(gate, layer.g_b_proj)
+    return qkv, (f, b, gate)
+
+
+def kda_split(layer, mixed, rest) -> tuple[DeltaInputs, Array]:
+    """Kimi Delta Attention's recurrence inputs (a batch of one) and output gate from the
+    convolution's output after SiLU, `(seq, 3 H K)`, and the rest of `kda_project`."""
+    f, b, gate = rest
+    h, dk = layer.num_heads, layer.head_dim
+    q, k, v = split_qkv(mixed, h, dk, dk)
+    g = log_decay(f.reshape(v.shape), layer.A_log[None, :, None], layer.dt_bias[None])
+    return one_sequence(DeltaInputs, q, k, v, g, jax.nn.sigmoid(b)), gate.reshape(v.shape)

@@ -70,11 +70,19 @@ _TINY = float(np.finfo(np.float32).tiny)
 _HUGE = float(np.finfo(np.float32).max)
 
 
-def _as_eps(eps: Any) -> float:
-    eps = _as_positive_float(eps, "eps", low=0.0, strict=True)
+def as_squash_range(x: Any, name: str = "x") -> float:
+    """`x`, the squash's range, as a Python float >= 1; else a `TypeError` or `ValueError`
+    naming it `name`."""
+    return _as_positive_float(x, name, low=1.0, strict=False)
+
+
+def as_squash_eps(eps: Any, name: str = "eps") -> float:
+    """`eps`, added to the preconditioner's state before the log, as a Python float within
+    float32's normal range; else a `TypeError` or `ValueError` naming it `name`."""
+    eps = _as_positive_float(eps, name, low=0.0, strict=True)
     if not _TINY <= eps <= _HUGE:
         raise ValueError(
-            f"`eps` must be between float32's smallest normal number ({_TINY:.6g}) and its "
+            f"`{name}` must be between float32's smallest normal number ({_TINY:.6g}) and its "
             f"largest ({_HUGE:.6g}): a smaller one is flushed to zero there, and log(A + eps) "
             f"is -inf where the preconditioner's state A is 0; got {eps!r}."
         )
@@ -238,24 +246,20 @@ def write_keys(
     """The preconditioner on the engine and the squash: the write keys `(B, T, H, K)` in
     `dtype` and the preconditioner's final state `(B, H, K)` (per document with
     `cu_seqlens`). `k`, `g_atk`, `beta_atk` and `initial_A_state` checked by the caller."""
-    x = _as_positive_float(x, "x", low=1.0, strict=False)
-    eps = _as_eps(eps)
-    center = _center(log_atk_scale, k.shape[2], dtype)
-    k_erase = k.astype(dtype)
-    if use_qk_l2norm:
-        k_erase = l2norm(k_erase)  # what the main stage erases along: the same l2norm
-    # Gated linear attention with a one-row state: key 1, value beta_atk k^2, query 1.
-    ones = jnp.ones((*k.shape[:-1], 1), dtype)
+    x, eps = as_squash_range(x), as_squash_eps(eps)
+    _center(log_atk_scale, k.shape[2], dtype)  # checked before the run
+    recurrence, inputs, k_erase = preconditioner(
+        k,
+        g_atk,
+        beta_atk,
+        dtype=dtype,
+        use_qk_l2norm=use_qk_l2norm,
+        chunk_size=chunk_size,
+        precision=precision,
+    )
     a0 = None if initial_A_state is None else initial_A_state[..., None, :]
     a, a_final = run(
-        GatedLinearAttention(
-            chunk_size=chunk_size, scale=1.0, use_qk_l2norm=False, precision=precision
-        ),
-        GLAInputs(ones, ones, beta_atk.astype(dtype)[..., None] * k_erase**2, g_atk),
-        initial_state=a0,
-        cu_seqlens=cu_seqlens,
-        cp=cp,
-        memory=memory,
+        recurrence, inputs, initial_state=a0, cu_seqlens=cu_seqlens, cp=cp, memory=memory
     )
     if cp is not None and cp.mesh is not None:
         # Global arrays: the preconditioner's come back on the mesh the engine ran on
@@ -265,16 +269,45 @@ def write_keys(
         mesh = mesh_to_run_on(cp.mesh, k, g_atk, beta_atk, initial_A_state, cu_seqlens)
         on_mesh = jax.sharding.NamedSharding(mesh, spec)
         k_erase, a = jax.device_put(k_erase, on_mesh), jax.device_put(a, on_mesh)
-    # The squash: a write-key scale in (1/x, x) per key channel. Where the preconditioner's
-    # state is non-finite (a non-finite input at or before the token), the write key is NaN,
-    # which the main stage takes as a non-finite input; the squash itself is formed from a
-    # zero there, so that its VJP sends a zero, not NaN, back into the preconditioner's run
-    # (whose backward would carry a NaN cotangent to the tokens before).
+    return squash(k_erase, a, x=x, eps=eps, log_atk_scale=log_atk_scale), a_final[..., 0, :]
+
+
+def preconditioner(
+    k, g_atk, beta_atk, *, dtype: Any, use_qk_l2norm: bool, chunk_size: int, precision
+) -> tuple[GatedLinearAttention, GLAInputs, Array]:
+    """The preconditioner as gated linear attention with a one-row state (key 1, value
+    `beta_atk k^2`, query 1, decay `g_atk`): `(recurrence, inputs, k_erase)`, its state
+    per key head `(1, K)` and its output per token the state after it, `(B, T, H, K)`;
+    `k_erase` the keys in `dtype` (L2-normalised with `use_qk_l2norm`), what the main stage
+    erases along and `squash` scales."""
+    k_erase = k.astype(dtype)
+    if use_qk_l2norm:
+        k_erase = l2norm(k_erase)  # what the main stage erases along: the same l2norm
+    ones = jnp.ones((*k.shape[:-1], 1), dtype)
+    recurrence = GatedLinearAttention(
+        chunk_size=chunk_size, scale=1.0, use_qk_l2norm=False, precision=precision
+    )
+    inputs = GLAInputs(ones, ones, beta_atk.astype(dtype)[..., None] * k_erase**2, g_atk)
+    return recurrence, inputs, k_erase
+
+
+def squash(k_erase: Array, a: Array, *, x: float, eps: float, log_atk_scale: Center) -> Array:
+    """The write keys `(B, T, H, K)` from the erase keys and the preconditioner's state after
+    each token `a` (both `(B, T, H, K)`, in one dtype): `k_erase` times a scale in
+    `(1/x, x)` per key channel. `x` and `eps` checked by the caller (`as_squash_range`,
+    `as_squash_eps`)."""
+    dtype = k_erase.dtype
+    center = _center(log_atk_scale, k_erase.shape[2], dtype)
+    # Where the preconditioner's state is non-finite (a non-finite input at or before the
+    # token), the write key is NaN, which the main stage takes as a non-finite input; the
+    # squash itself is formed from a zero there, so that its VJP sends a zero, not NaN, back
+    # into the preconditioner's run (whose backward would carry a NaN cotangent to the
+    # tokens before).
     finite = jnp.isfinite(a)
     r = jnp.log(jnp.where(finite, a, 0) + jnp.asarray(eps, dtype)) - center
     s = r / (1 + jnp.abs(r))
     write_key = k_erase * jnp.exp(jnp.asarray(-math.log(x), dtype) * s)
-    return _finite_cotangent(jnp.where(finite, write_key, jnp.nan)), a_final[..., 0, :]
+    return _finite_cotangent(jnp.where(finite, write_key, jnp.nan))
 
 
 @jax.custom_vjp
