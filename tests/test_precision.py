@@ -42,6 +42,19 @@ def _fast_first(families, fast):
     return [f if f in fast else pytest.param(f, marks=pytest.mark.slow) for f in families]
 
 
+@pytest.fixture
+def fast_compile_if_slow(request):
+    """The slow grids' programs compile fast (tests/_fast_compile.py): the arithmetic as
+    written, bfloat16 roundings included, where XLA's optimisations may keep more precision
+    than a program asks for (`xla_allow_excess_precision`). The default run's cases, the
+    structure of the products and cp = 32 keep XLA's defaults: what users compile."""
+    if request.node.get_closest_marker("slow") is None:
+        yield
+    else:
+        with fast_compiling():
+            yield
+
+
 def err_ratio(actual, expected) -> float:
     """flash-linear-attention's `get_err_ratio`: `rms(actual - expected) / rms(expected)`."""
     a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
@@ -143,6 +156,7 @@ def test_bad_policy_names_the_accepted_values(without_runtime_typecheck):
 
 
 @pytest.mark.parametrize("family", _fast_first(FAMILIES, [GATED_DELTA_RULE]), ids=repr)
+@pytest.mark.usefixtures("fast_compile_if_slow")
 def test_float32_default_is_highest_bitwise(family):
     args, h0 = family.make(1, b=1, t=24, h=1, hv=2, dk=8, dv=6)
 
@@ -249,12 +263,14 @@ WIDE = dict(b=1, h=2, hv=4, dk=32, dv=32)
 
 
 @pytest.mark.parametrize("family", _fast_first(FAMILIES, [GATED_DELTA_RULE]), ids=repr)
+@pytest.mark.usefixtures("fast_compile_if_slow")
 def test_bfloat16_accuracy(family):
     _assert_within(_errors(family, 256, **FAST))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES, ids=repr)
+@pytest.mark.usefixtures("fast_compile_if_slow")
 def test_bfloat16_accuracy_long(family):
     _assert_within(_errors(family, 4096, **WIDE))
 
@@ -270,6 +286,7 @@ _CP_CASES = [(f, _LAYOUTS[i % 2], (2, 4, 8)[i % 3]) for i, f in enumerate(FAMILI
     _CP_CASES,
     ids=[f"{f!r}-{type(lay).__name__}-cp{cp}" for f, lay, cp in _CP_CASES],
 )
+@pytest.mark.usefixtures("fast_compile_if_slow")
 def test_bfloat16_accuracy_cp(family, layout, cp):
     """The error does not grow with the ranks: the chunk maps and their exchange are
     float32. Packed documents too (contiguous layout). The growth is checked before the
