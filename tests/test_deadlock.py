@@ -156,12 +156,11 @@ def _run_both(repeats: int) -> None:
                     proc.wait()
 
 
-# Slow only: about 40 s of both cores for each attempt, running (not compiling) programs at
-# the shapes of the hang. Fresh processes each time: a hang of this kind is a race, seen in
-# some runs only.
+# Slow only: about 45 s of both cores, running (not compiling) programs at the shapes of the
+# hang, ten times each in fresh processes: a hang of this kind is a race, seen in some runs
+# only.
 @pytest.mark.slow
-@pytest.mark.parametrize("attempt", range(2))
-def test_recurrences_do_not_hang_repeatedly(attempt):
+def test_recurrences_do_not_hang_repeatedly():
     _run_both(repeats=10)
 
 
