@@ -396,6 +396,7 @@ FLOAT32_SPECS = {
     "...ij,...jk->...ik": "_inverse_pow2",
     "...ti,...ij->...tj": "_momentum_decays",
     "...ti,...i->...t": "_momentum_decays",
+    "...kv,...kv->...k": "decay_cotangent",  # the chunk decay's, from the float32 states
 }
 
 

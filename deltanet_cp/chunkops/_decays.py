@@ -394,8 +394,7 @@ def _grams_bwd(strict, precision, res, ct):
     if strict:
         dx, dy = jnp.zeros_like(x), jnp.zeros_like(y)
     else:
-        eye = jnp.eye(n, dtype=bool)[:, None, :, None]
-        diag = jnp.sum(jnp.where(eye, ct, jnp.zeros((), ct.dtype)), axis=-2)  # (..., n, P, Q)
+        diag = jnp.moveaxis(jnp.diagonal(ct, axis1=-4, axis2=-2), -1, -3)  # (..., n, P, Q)
         dx = _sum_to(_combine(diag, y, precision), x.shape)
         dy = _sum_to(_combine(jnp.swapaxes(diag, -1, -2), x, precision), y.shape)
     dg = jnp.zeros((*full, *g.shape[-2:]), g.dtype)

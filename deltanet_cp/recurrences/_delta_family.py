@@ -47,7 +47,7 @@ from ..chunkops import (
     segment_sums,
     unit_lower_solve,
 )
-from ._helpers import check_arrays, lift, policy, prologue
+from ._helpers import check_arrays, decay_cotangent, lift, policy, prologue
 
 
 # How a delta-rule recurrence decays its state: per head, per key channel, optionally per
@@ -273,7 +273,7 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
             u=d_v_new,
             attn=einsum("nbhcv,nbhsv->nbhcs", d_o, v_new, precision=p),
             k_decayed_t=einsum("nbhkv,nbhsv->nbhks", d_next, v_new, precision=p),
-            gamma=jnp.sum(d_next * states, axis=-1),
+            gamma=decay_cotangent(d_next, states),
             precision=p,
             decays=f.decays,
         )

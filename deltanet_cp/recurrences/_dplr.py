@@ -37,7 +37,7 @@ from .._precision import accumulation_dtype, as_precision, PrecisionName
 from .._recurrence import AbstractRecurrence
 from .._validate import as_chunk_size, as_scale
 from ..chunkops import chunk_major, cumulative_decays, decayed_grams, einsum, unit_lower_inverse
-from ._helpers import check_arrays, lift, policy, prologue
+from ._helpers import check_arrays, decay_cotangent, lift, policy, prologue
 
 
 class DPLRInputs(eqx.Module):
@@ -203,7 +203,7 @@ class DPLRDeltaRule(AbstractRecurrence[DPLRInputs, DPLRFactors, AffineMap]):
             o_intra=d_outputs,
             b_decayed_t=einsum("nbhkv,nbhcv->nbhkc", d_next, reads, precision=p),
             U=d_next,
-            gamma=jnp.sum(d_next * states, axis=-1),
+            gamma=decay_cotangent(d_next, states),
             precision=p,
         )
 

@@ -24,7 +24,7 @@ from .._recurrence import AbstractRecurrence
 from .._run import Memory, run
 from .._validate import as_chunk_size, as_l2norm_flag, as_scale
 from ..chunkops import chunk_major, cumulative_decays, decayed_gram, einsum
-from ._helpers import check_arrays, policy, prologue
+from ._helpers import check_arrays, decay_cotangent, policy, prologue
 
 
 class GLAInputs(eqx.Module):
@@ -152,7 +152,7 @@ class GatedLinearAttention(
             o_intra=d_outputs,
             q_decayed=einsum("nbhcv,nbhkv->nbhck", d_o, states, precision=p),
             k_decayed_t=einsum("nbhkv,nbhcv->nbhkc", d_next, f.v, precision=p),
-            gamma=jnp.sum(d_next * states, axis=-1),
+            gamma=decay_cotangent(d_next, states),
             precision=p,
         )
 
