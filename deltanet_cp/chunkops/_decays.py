@@ -259,11 +259,10 @@ def decayed_grams(
     return out.reshape(*batch, *out.shape[1:])
 
 
-# The recursive-halving Gram and its VJP. On a CPU every level is bound by memory traffic, so a
-# level reads its rows once: its decays are running sums of a few gates written as unrolled adds
-# (fused with the `exp` and the scaling of the rows, where a cumulative sum would be a pass of its
-# own), sums over the few factors are unrolled adds (XLA:CPU's reduce fusions are slow on them),
-# and every product is a batched matmul, however small.
+# The recursive-halving Gram and its VJP. On a CPU every level is bound by memory traffic and by
+# how XLA:CPU runs small pieces: every product is a batched matmul, however small (a multiply and
+# a sum over K is several times slower), and the sums over the few factors are unrolled adds
+# (XLA:CPU's reduce fusion is slow on them).
 
 
 def _halves(x: Array, groups: int, trailing: int) -> tuple[Array, Array]:
@@ -283,24 +282,6 @@ def _unhalves(lower: Array, upper: Array, trailing: int) -> Array:
     return x.reshape(*lead, -1, *x.shape[x.ndim - trailing :])
 
 
-def _running(x: Array, reverse: bool = False, exclusive: bool = False) -> Array:
-    """Running sums over the rows of `x` `(..., h, K)`, each added directly term by term
-    (from the end if `reverse`; without the row's own term if `exclusive`): unrolled, so that
-    XLA fuses them with what reads them. For the short rows of one level (`h` up to half a
-    chunk)."""
-    rows = [x[..., i : i + 1, :] for i in range(x.shape[-2])]
-    if reverse:
-        rows = rows[::-1]
-    out, total = [], None
-    for row in rows:
-        if exclusive:
-            out.append(jnp.zeros_like(row) if total is None else total)
-        total = row if total is None else total + row
-        if not exclusive:
-            out.append(total)
-    return jnp.concatenate(out[::-1] if reverse else out, -2)
-
-
 def _small_sum(x: Array, axis: int) -> Array:
     """`x` summed over a short `axis` (a few factors) by unrolled adds."""
     parts = [jax.lax.index_in_dim(x, i, axis, keepdims=False) for i in range(x.shape[axis])]
@@ -312,8 +293,8 @@ def _level_decays(g: Array, groups: int) -> tuple[Array, Array]:
     `exp(sum_{t=j+1}^{m} g_t)` for the lower halves' rows `j` (`m` the group's midpoint),
     each `(..., groups, h, 1, K)` (to broadcast over the factors)."""
     lower, upper = _halves(g, groups, 1)
-    after = _running(lower, reverse=True, exclusive=True)  # sum_{t > j} inside the lower half
-    return jnp.exp(_running(upper))[..., None, :], jnp.exp(after)[..., None, :]
+    after = _up(cumsum(lower, -2, reverse=True))  # sum_{t > j} inside the lower half
+    return jnp.exp(cumsum(upper, -2))[..., None, :], jnp.exp(after)[..., None, :]
 
 
 def _up(x: Array) -> Array:
@@ -434,8 +415,8 @@ def _grams_bwd(strict, precision, res, ct):
         d_xs, d_ys = d_xs.reshape(xs.shape), d_ys.reshape(ys.shape)
         d_up = _small_sum(d_xs * xs, -2)  # d(sum_{m<t<=i} g_t)
         d_low = _small_sum(d_ys * ys, -2)  # d(sum_{j<t<=m} g_t)
-        dg_up = _running(d_up, reverse=True)  # sum over i >= t
-        dg_low = _running(d_low, exclusive=True)  # sum over j < t
+        dg_up = cumsum(d_up, -2, reverse=True)  # sum over i >= t
+        dg_low = _down(cumsum(d_low, -2))  # sum over j < t
         dx = dx + _sum_to(_unhalves(jnp.zeros_like(d_xs), d_xs * up, 2), x.shape)
         dy = dy + _sum_to(_unhalves(d_ys * low, jnp.zeros_like(d_ys), 2), y.shape)
         return dx, dy, dg + _unhalves(dg_low, dg_up, 1)
