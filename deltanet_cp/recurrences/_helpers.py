@@ -93,6 +93,6 @@ def check_arrays(arrays: dict[str, tuple[Any, tuple[str, ...]]]) -> dict[str, in
 def decay_cotangent(d_next: Array, states: Array) -> Array:
     """The cotangent of a chunk's decay per key channel, `sum_v d_next[k, v] h[k, v]`, from
     the states `(..., K, V)` entering the chunks and the cotangents of the states leaving
-    them: in the state's float32 under every policy, as a product (XLA:CPU's reduce fusion
-    takes about 35 times as long on it at Qwen3-Next's heads)."""
+    them: in the state's dtype (float32, or float64) under every policy, as a product
+    (XLA:CPU's reduce fusion takes about 35 times as long on it at Qwen3-Next's heads)."""
     return einsum("...kv,...kv->...k", d_next, states)
