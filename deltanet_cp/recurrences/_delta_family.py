@@ -47,7 +47,15 @@ from ..chunkops import (
     segment_sums,
     unit_lower_solve,
 )
-from ._helpers import check_arrays, decay_cotangent, lift, policy, prologue
+from ._helpers import (
+    check_arrays,
+    decay_cotangent,
+    flat_heads,
+    lift,
+    policy,
+    prologue,
+    value_heads,
+)
 
 
 # How a delta-rule recurrence decays its state: per head, per key channel, optionally per
@@ -297,26 +305,18 @@ def _factors(
     Products of keys with keys or queries are formed once per key head and broadcast over
     its `r` value heads, unless the decay is per channel (it then differs per value head).
     """
-    # (N, B, H) flattened into one axis: XLA:CPU's YNNPACK reduce fusions (jaxlib 0.10) crash
-    # or return wrong numbers on sums over small axes of rank-7 products, which the gradients
-    # of 6-axis (N, B, H, r, S, K) arrays under a `vmap` are (see tests/test_default_flags.py).
-    n, b, h = k.shape[:3]
-
-    def flat(x: Array) -> Array:
-        return x.reshape(n * b * h, *x.shape[3:])
-
-    q, k, v, beta = flat(q), flat(k), flat(v), flat(beta)
-    g = None if g is None else flat(g)
-    write = flat(write)
+    n, b = k.shape[:2]
+    q, k, v, beta = flat_heads(q), flat_heads(k), flat_heads(v), flat_heads(beta)
+    g = None if g is None else flat_heads(g)
+    write = flat_heads(write)
     dt = k.dtype
     s, dk = k.shape[-2], k.shape[-1]
-    r = v.shape[1]
     lead = v.shape[:2]  # (N B H, r)
     incl = lift(jnp.tril(jnp.ones((s, s), dtype=bool)), 4)
     strict = lift(jnp.tril(jnp.ones((s, s), dtype=bool), k=-1), 4)
     zero = jnp.zeros((), dt)
     kr, qr = k[:, None], q[:, None]  # (N B H, 1, ., K)
-    kwr = kr if k_write is None else flat(k_write)[:, None]  # the write key
+    kwr = kr if k_write is None else flat_heads(k_write)[:, None]  # the write key
     if g is not None and g.ndim == k.ndim + 1:  # one decay per key channel: exact blocked Gram
         kb, qb = jnp.broadcast_to(kr, (*lead, s, dk)), jnp.broadcast_to(qr, (*lead, s, dk))
         kwb = kb if k_write is None else jnp.broadcast_to(kwr, (*lead, s, dk))
@@ -355,8 +355,8 @@ def _factors(
     attn = jnp.broadcast_to(attn, (*lead, *attn.shape[-2:]))
     k_decayed = jnp.broadcast_to(k_decayed, (*lead, s, dk))
 
-    def heads(x):  # (N B H, r, ...) -> (N, B, HV, ...); value head j reads key head j // r
-        return x.reshape(n, b, h * r, *x.shape[2:])
+    def heads(x):
+        return value_heads(x, n, b)
 
     return DeltaFactors(
         wq=heads(jnp.concatenate([wu[..., :dk], q_decayed], axis=-2)),

@@ -37,7 +37,15 @@ from .._precision import accumulation_dtype, as_precision, PrecisionName
 from .._recurrence import AbstractRecurrence
 from .._validate import as_chunk_size, as_scale
 from ..chunkops import chunk_major, cumulative_decays, decayed_grams, einsum, unit_lower_inverse
-from ._helpers import check_arrays, decay_cotangent, lift, policy, prologue
+from ._helpers import (
+    check_arrays,
+    decay_cotangent,
+    flat_heads,
+    lift,
+    policy,
+    prologue,
+    value_heads,
+)
 
 
 class DPLRInputs(eqx.Module):
@@ -136,19 +144,17 @@ class DPLRDeltaRule(AbstractRecurrence[DPLRInputs, DPLRFactors, AffineMap]):
         hv, dv = chunks.v.shape[-2:]
         r = hv // h
 
-        # (N, B, H) flattened into one axis: on rank-6 arrays with a unit axis, XLA:CPU's
-        # reduce fusion (the VJP of the broadcasts over the value heads) takes about 30 times
-        # as long as on rank 4 (35 ms against 1.2 per block at Qwen3-Next's heads).
-        def flat(x):  # (N, B, H, *rest) -> (N B H, *rest)
-            return x.reshape(n * b * h, *x.shape[3:])
-
         def keys(x):  # (B, N, C, H, K) -> (N B H, 1, C, K): broadcasts over the r value heads
-            return flat(chunk_major(x.astype(dt)))[:, None]
+            return flat_heads(chunk_major(x.astype(dt)))[:, None]
 
         q, k = (keys(x) for x in prologue(chunks.q, chunks.k, dt, self.scale, False))
         a, bb = keys(chunks.a), keys(chunks.b)
-        v = flat(chunk_major(chunks.v.astype(dt).reshape(b, n, c, h, r, dv)))  # (N B H, r, C, V)
-        g = flat(chunk_major(chunks.gk.astype(dt).reshape(b, n, c, h, r, dk)))  # (N B H, r, C, K)
+        v = flat_heads(
+            chunk_major(chunks.v.astype(dt).reshape(b, n, c, h, r, dv))
+        )  # (N B H, r, C, V)
+        g = flat_heads(
+            chunk_major(chunks.gk.astype(dt).reshape(b, n, c, h, r, dk))
+        )  # (N B H, r, C, K)
         decay_in, decay_out = cumulative_decays(g, per_channel=True)  # e^{G_i}, e^{G_C - G_i}
         # A_a.[i, j] pairs a_i with the decays up to token i - 1: the inclusive product of
         # the next row's a, shifted down a row (exact for any gates, nothing overflows).
@@ -167,8 +173,8 @@ class DPLRDeltaRule(AbstractRecurrence[DPLRInputs, DPLRFactors, AffineMap]):
         b_decayed = bb * decay_out
         k_out = k * decay_out + einsum("...ji,...jk->...ik", t_ak, b_decayed, precision=p)
 
-        def heads(x):  # (N B H, r, ...) -> (N, B, HV, ...); value head j reads key head j // r
-            return x.reshape(n, b, h * r, *x.shape[2:])
+        def heads(x):
+            return value_heads(x, n, b)
 
         return DPLRFactors(
             wq=heads(jnp.concatenate([w, q * decay_in + a_qb_w], -2)),

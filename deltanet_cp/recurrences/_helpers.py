@@ -3,6 +3,7 @@ dtype and policy of a recurrence's products, the prologue of `prepare` and expli
 promotion. The public chunk algebra they are built from is `deltanet_cp.chunkops`.
 """
 
+import math
 from typing import Any
 
 import jax
@@ -96,3 +97,20 @@ def decay_cotangent(d_next: Array, states: Array) -> Array:
     them: in the state's dtype (float32, or float64) under every policy, as a product
     (XLA:CPU's reduce fusion takes about 35 times as long on it at Qwen3-Next's heads)."""
     return einsum("...kv,...kv->...k", d_next, states)
+
+
+def flat_heads(x: Array) -> Array:
+    """`(N, B, H, *rest)` -> `(N B H, *rest)`: the chunk, batch and key-head axes as one.
+
+    A recurrence's `prepare` broadcasts a key head's quantities over its `r` value heads.
+    On arrays of rank 6, `(N, B, H, r, C, K)`, the VJP of that broadcast is a reduce that
+    XLA:CPU's YNNPACK fusions (jaxlib 0.10) run about 30 times slower than at rank 4 (35
+    against 1.2 ms per block at Qwen3-Next's heads), and on rank-7 products under a `vmap`
+    they crash or return wrong numbers (see tests/test_default_flags.py)."""
+    return x.reshape(math.prod(x.shape[:3]), *x.shape[3:])
+
+
+def value_heads(x: Array, n: int, b: int) -> Array:
+    """`(N B H, r, *rest)` -> `(N, B, H r, *rest)`, the inverse of `flat_heads` with the
+    value heads merged: value head `j` reads key head `j // r`."""
+    return x.reshape(n, b, (x.shape[0] // (n * b)) * x.shape[1], *x.shape[2:])

@@ -51,7 +51,7 @@ from ..chunkops import (
     l2norm,
     unit_lower_solve,
 )
-from ._helpers import check_arrays, lift, policy, prologue
+from ._helpers import check_arrays, flat_heads, lift, policy, prologue, value_heads
 
 
 class MomentumInputs(eqx.Module):
@@ -175,16 +175,12 @@ class MomentumDeltaRule(AbstractRecurrence[MomentumInputs, MomentumFactors, Affi
         def gates(x):  # (B, N, C, HV) -> (N, B, H, r, C)
             return chunk_major(x.astype(dt).reshape(b, n, c, h, r), features=0)
 
-        # (N, B, H) flattened into one axis, as the delta family's factors are: XLA:CPU's
-        # reductions over the broadcast value-head axis of rank-6 products (the backward of
-        # the per-key-head products) are slow or wrong there.
-        def flat(x):
-            return x.reshape(n * b * h, *x.shape[3:])
-
-        q, k, p = flat(keys(q)), flat(keys(k)), flat(keys(p))
-        v = flat(chunk_major(chunks.v.astype(dt).reshape(b, n, c, h, r, dv)))  # (NBH, r, C, V)
-        la, lm = flat(gates(chunks.log_alpha)), flat(gates(chunks.log_mu))
-        beta, eta = flat(gates(chunks.beta)), flat(gates(chunks.eta))
+        q, k, p = flat_heads(keys(q)), flat_heads(keys(k)), flat_heads(keys(p))
+        v = flat_heads(
+            chunk_major(chunks.v.astype(dt).reshape(b, n, c, h, r, dv))
+        )  # (NBH, r, C, V)
+        la, lm = flat_heads(gates(chunks.log_alpha)), flat_heads(gates(chunks.log_mu))
+        beta, eta = flat_heads(gates(chunks.beta)), flat_heads(gates(chunks.eta))
         pm, sigma, a_in, b_in, mu_in, a_before, b_before = _momentum_decays(la, lm, beta)
         if self.use_p_times_alpha:
             read = jnp.exp(la)  # pi_t: the probe is alpha_t p_t
@@ -207,8 +203,8 @@ class MomentumDeltaRule(AbstractRecurrence[MomentumInputs, MomentumFactors, Affi
         k_out = jnp.concatenate([write_s, write_m], axis=-1)  # (N B H, r, C, 2K)
         decay = jnp.stack([a_in[..., -1], b_in[..., -1], mu_in[..., -1]], axis=-1)
 
-        def heads(x):  # (N B H, r, ...) -> (N, B, HV, ...); value head j reads key head j // r
-            return x.reshape((n, b, h * r) + x.shape[2:])
+        def heads(x):
+            return value_heads(x, n, b)
 
         return MomentumFactors(
             wq=heads(jnp.concatenate([wu[..., : 2 * dk], q_state], axis=-2)),
