@@ -11,6 +11,11 @@ elements, constants, bitcasts and the like are not ops. A `call` counts its call
 a `conditional` its largest branch. Trip counts come from XLA's `known_trip_count` (else
 the largest `s32` constant in the loop condition). The same count as
 `../shared/tools/seqdepth.py`, with the ops outside loops as well.
+
+The matmul FLOPs (`matmul_flops`) count a `conditional` in a loop body with as many
+branches as the loop has trips by the mean of its branches per trip: a `fori_loop` over a
+`switch` on its index (the levels of `decayed_grams`' VJP) takes each branch once. Any other
+`conditional` counts its largest branch.
 """
 
 import dataclasses
@@ -156,9 +161,14 @@ def _dot(line: str, shapes: dict[str, list[int]]) -> float:
     return 2.0 * n * contracted
 
 
-def _flops(computations, name, memo) -> float:
-    if name in memo:
-        return memo[name]
+def _flops(computations, name, memo, trips_here: int = 1) -> float:
+    """Matmul FLOPs of one computation, run `trips_here` times by the loop it is the body of
+    (1 outside loops): a `conditional` with that many branches takes each branch once (a
+    `fori_loop` over a `switch` on its index, as `decayed_grams`' VJP walks its levels), so
+    it counts the mean of its branches per trip; any other its largest branch."""
+    key = (name, trips_here)
+    if key in memo:
+        return memo[key]
     shapes = {}
     for line in computations.get(name, []):
         m = _DEF.match(line)
@@ -172,15 +182,20 @@ def _flops(computations, name, memo) -> float:
             total += _dot(line, shapes)
         elif op == "while":
             body = re.search(r"body=%?([\w.\-]+)", line).group(1)
-            total += _trips(line, computations) * _flops(computations, body, memo)
+            trips = _trips(line, computations)
+            total += trips * _flops(computations, body, memo, trips)
         else:
             for callee in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", line):
-                total += _flops(computations, callee, memo)
+                total += _flops(computations, callee, memo, trips_here)
             branches = re.search(r"branch_computations=\{([^}]*)\}", line)
             if branches:
                 names = re.findall(r"%?([\w.\-]+)", branches.group(1))
-                total += max((_flops(computations, b, memo) for b in names), default=0.0)
-    memo[name] = total
+                counts = [_flops(computations, b, memo) for b in names]
+                if len(names) == trips_here > 1:
+                    total += sum(counts) / len(counts)
+                else:
+                    total += max(counts, default=0.0)
+    memo[key] = total
     return total
 
 

@@ -23,6 +23,7 @@ compiled program (loop bodies times their trips) and the largest difference from
 library's output.
 
     python benchmarks/decayed_grams.py                 # about 2 minutes on 2 cores
+    python benchmarks/decayed_grams.py --factors 2,2   # DPLR's shape: [q; a] by [k; b]
     python benchmarks/decayed_grams.py --quick         # a smoke test
 """
 
@@ -79,14 +80,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="64 chunk-heads, 3 rounds")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--factors",
+        default="2,1",
+        help="P,Q: left and right factors per row (2,1: KDA's [beta k; q] by k; 2,2: DPLR's "
+        "[q; a] by [k; b])",
+    )
     args = parser.parse_args()
     n, rounds = (64, 3) if args.quick else (1024, args.rounds)
+    p, q = (int(f) for f in args.factors.split(","))
     c, k = 64, 128
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((n, c, 2, k)), jnp.float32)
-    y = jnp.asarray(rng.standard_normal((n, c, 1, k)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((n, c, p, k)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((n, c, q, k)), jnp.float32)
     g = jnp.asarray(-rng.uniform(0.01, 0.5, (n, c, k)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((c, 2, c, 1)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((c, p, c, q)), jnp.float32)
     variants = {
         "plain Gram (no decay)": lambda x, y, g: einsum("nipk,njqk->nipjq", x, y),
         "recursive halving (ours)": decayed_grams,
@@ -116,7 +124,7 @@ def main() -> None:
     print_table(
         ["design", "pass", "ms", "vs ours", "matmul GFLOP", "max diff from ours / max"],
         rows,
-        title=f"{n} chunk-heads of {c} rows, P = 2, Q = 1, K = {k}, float32; {rounds} rounds",
+        title=f"{n} chunk-heads of {c} rows, P = {p}, Q = {q}, K = {k}, float32; {rounds} rounds",
     )
 
 
