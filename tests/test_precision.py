@@ -358,7 +358,6 @@ FLOAT32_PLACES = (
     "_unit_lower_inverse_bwd",
     "_affine.py",
     "_momentum_decays",  # the momentum rule's 2 x 2 decays between tokens
-    "_l2norm_",  # the L2 norms of q and k and their VJP, in the accumulation dtype
 )
 
 
@@ -398,7 +397,6 @@ FLOAT32_SPECS = {
     "...ti,...ij->...tj": "_momentum_decays",
     "...ti,...i->...t": "_momentum_decays",
     "...kv,...kv->...k": "decay_cotangent",  # the chunk decay's, from the float32 states
-    "...k,...k->...": "_l2norm_",  # the norms of q and k and their VJP
 }
 
 
