@@ -315,12 +315,11 @@ def _pad_rows(x: Array, n: int, *axes: int) -> Array:
 
 
 def _level(x, y, g, half, n):
-    """The decayed upper rows `(..., G, h, P, K)`, lower rows `(..., G, h, Q, K)` and their
-    decays at the level whose groups are `2 half` rows."""
+    """The decays of the upper and lower rows at the level whose groups are `2 half` rows,
+    and those rows decayed: upper `(..., G, h, P, K)`, lower `(..., G, h, Q, K)`."""
     groups = n // (2 * half)
     up, low = _level_decays(g, groups)
-    x_up, y_low = _halves(x, groups, 2)[1], _halves(y, groups, 2)[0]
-    return x_up, y_low, up, low, x_up * up, y_low * low
+    return up, low, _halves(x, groups, 2)[1] * up, _halves(y, groups, 2)[0] * low
 
 
 def _grams(x, y, g, strict, precision):
@@ -400,7 +399,7 @@ def _grams_bwd(strict, precision, res, ct):
 
     def level(half, carry):
         dx, dy, dg = carry
-        x_up, y_low, up, low, xs, ys = _level(x, y, g, half, n)
+        up, low, xs, ys = _level(x, y, g, half, n)
         groups = n // (2 * half)
         # The cross blocks' cotangents: rows of the upper half, columns of the lower half.
         rows = [slice((2 * i + 1) * half, (2 * i + 2) * half) for i in range(groups)]
