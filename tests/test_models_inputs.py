@@ -360,7 +360,7 @@ def test_corrupt_safetensors_are_named(tmp_path):
     file.write_bytes(b"\x01")
     with pytest.raises(ValueError, match=r"'.*model\.safetensors' is corrupt"):
         Qwen3_5ForCausalLM.from_pretrained(path, chunk_size=4)
-    # The layer loader (the `safetensors` package's reader) names the file too.
+    # The layer loader (the same reader) names the file too.
     config = json.loads((DATA / "qwen3_5_gdn.json").read_text())
     layer = tmp_path / "layer.safetensors"
     layer.write_bytes((DATA / "qwen3_5_gdn.safetensors").read_bytes()[:-100])
@@ -376,7 +376,7 @@ def test_overlapping_safetensors_ranges_are_refused(tmp_path):
     # file; reading it would silently give both the same values).
     import struct
 
-    from deltanet_cp.interop._safetensors import read_header
+    from deltanet_cp.interop._checkpoint import read_header
 
     def write(offsets):
         header = {
