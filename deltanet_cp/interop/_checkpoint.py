@@ -7,7 +7,10 @@ layer and model loader (and the place to write them).
     reader refuses bfloat16, the dtype most checkpoints are stored in.
 - `Checkpoint`: the tensors of a file, of a folder, or of a sharded checkpoint's
     `model.safetensors.index.json`, by name; headers are read on opening, values when asked.
-- The files an index names are confined to its folder.
+- One rule for the files: the **names** a checkpoint gives (the index's `weight_map`) are
+    confined to its folder: a `.safetensors` file name, no absolute path, no `..`, no other
+    folder. A file in the folder may be a link to anywhere, and is followed: in the Hugging
+    Face cache, `snapshots/<rev>/*.safetensors` link to `../../blobs/<sha>`.
 - What the layer loaders share: config fields, the layer's prefix, and its tensors by short
     name with their shapes and dtypes checked.
 """
@@ -194,7 +197,7 @@ class Checkpoint(Mapping[str, np.ndarray]):
     @classmethod
     def from_index(cls, index: Path) -> "Checkpoint":
         """The tensors an index (`model.safetensors.index.json`) lists, each from the file its
-        `weight_map` names: a file in the index's folder."""
+        `weight_map` names: a file in the index's folder (followed if it is a link)."""
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
@@ -243,23 +246,24 @@ class Checkpoint(Mapping[str, np.ndarray]):
 
 
 def shard(index: Path, name: Any, file: Any) -> Path:
-    """The file of one `weight_map` entry, confined to the index's folder."""
+    """The file of one `weight_map` entry: a `.safetensors` file name in the index's folder
+    (no absolute path, `..` or other folder). The file may be a link, to anywhere."""
     if not isinstance(name, str) or not isinstance(file, str):
         raise ValueError(
             f"The `weight_map` of {str(index)!r} must map tensor names to file names; it maps "
             f"{name!r} to {file!r}."
         )
-    path = (index.parent / file).resolve()
     if (
-        Path(file).is_absolute()
-        or path.parent != index.parent.resolve()
+        Path(file).name != file
+        or any(sep in file for sep in (os.sep, os.altsep) if sep)
         or not file.endswith(".safetensors")
     ):
         raise ValueError(
             f"The index {str(index)!r} puts {name!r} in {file!r}: expected the name of a "
-            "`.safetensors` file in the checkpoint folder (no other folder, absolute path or "
-            "link out of it)."
+            "`.safetensors` file in the checkpoint folder (no absolute path, `..` or other "
+            "folder; the file itself may be a link, as in the Hugging Face cache)."
         )
+    path = index.parent / file
     if not path.is_file():
         raise FileNotFoundError(
             f"The index {str(index)!r} puts {name!r} in {file!r}, which does not exist"
