@@ -440,3 +440,39 @@ def test_overlapping_safetensors_ranges_are_refused(tmp_path):
         read_header(write({"a": (0, 8), "b": (4, 12)}))
     with pytest.raises(ValueError, match="belong to no tensor"):
         read_header(write({"a": (0, 8), "b": (12, 20)}))
+
+
+def _raw_safetensors(file: pathlib.Path, header: object, data: bytes = bytes(8)) -> None:
+    import struct
+
+    text = json.dumps(header).encode()
+    file.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def test_safetensors_headers_that_are_not_objects_are_named(tmp_path):
+    # Was: `AttributeError: 'list' object has no attribute 'items'` from `from_pretrained`.
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    shutil.copy(DATA / "qwen3_5_lm" / "config.json", path / "config.json")
+    config = json.loads((DATA / "qwen3_5_gdn.json").read_text())
+    for header in ([1, 2], "text", 3, None):
+        _raw_safetensors(path / "model.safetensors", header)
+        match = r"'.*model\.safetensors' is corrupt \(its header is a JSON \w+, not an object"
+        with pytest.raises(ValueError, match=match):
+            Qwen3_5ForCausalLM.from_pretrained(path, chunk_size=4)
+        with pytest.raises(ValueError, match=match):
+            gated_delta_net_from_hf(config, path / "model.safetensors")
+
+
+def test_negative_data_offsets_are_named(tmp_path):
+    # Was: "tensors None and 'a' share bytes".
+    file = tmp_path / "model.safetensors"
+    shutil.copy(DATA / "qwen3_5_lm" / "config.json", tmp_path / "config.json")
+    config = json.loads((DATA / "qwen3_5_gdn.json").read_text())
+    for offsets in ([-8, 0], [0, -8], [8, 0], [0], [0.0, 8]):
+        _raw_safetensors(file, {"a": {"dtype": "F32", "shape": [2], "data_offsets": offsets}})
+        match = rf"Tensor 'a' of the safetensors file '.*' has data_offsets \[{offsets[0]}"
+        with pytest.raises(ValueError, match=match):
+            Qwen3_5ForCausalLM.from_pretrained(tmp_path, chunk_size=4)
+        with pytest.raises(ValueError, match=match):
+            gated_delta_net_from_hf(config, file)

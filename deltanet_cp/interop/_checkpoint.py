@@ -97,6 +97,8 @@ def read_header(file: str | os.PathLike) -> dict[str, TensorInfo]:
         header = json.loads(text)
     except (ValueError, RecursionError) as e:  # not UTF-8, not JSON
         raise _corrupt(file, f"its header: {type(e).__name__}: {e}") from None
+    if not isinstance(header, dict):
+        raise _corrupt(file, f"its header is a JSON {type(header).__name__}, not an object")
     base = 8 + size
     out = {}
     for name, entry in header.items():
@@ -107,27 +109,36 @@ def read_header(file: str | os.PathLike) -> dict[str, TensorInfo]:
 
 
 def _entry(file: Path, name: str, entry: Any, base: int) -> TensorInfo:
-    """One tensor's header entry, checked."""
+    """One tensor's header entry, checked: a `ValueError` naming the tensor, its file and the
+    field that is wrong."""
     where = f"Tensor {name!r} of the safetensors file {str(file)!r}"
+    corrupt = "the file is corrupt; download it again."
     if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
-        raise _corrupt(file, f"its header entry of {name!r} is {entry!r}")
+        raise ValueError(
+            f"{where} has the header entry {entry!r}; expected an object with `dtype`, "
+            f"`shape` and `data_offsets`: {corrupt}"
+        )
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise ValueError(f"{where} has unsupported dtype {dtype!r} (read: {', '.join(DTYPES)}).")
     if not isinstance(shape, list) or not all(_is_int(n) and n >= 0 for n in shape):
-        raise _corrupt(file, f"{where} has shape {shape!r}, not a list of sizes")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(n) for n in offsets):
-        raise _corrupt(
-            file,
-            f"{where} has data_offsets {offsets!r}; expected [begin, end], two byte offsets",
+        raise ValueError(f"{where} has shape {shape!r}, not a list of sizes: {corrupt}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_int(n) and n >= 0 for n in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise ValueError(
+            f"{where} has data_offsets {offsets!r}; expected [begin, end], two byte offsets "
+            f"with 0 <= begin <= end: {corrupt}"
         )
     begin, end = offsets
-    count = int(np.prod(shape, dtype=np.int64))
-    if end - begin != count * np.dtype(DTYPES[dtype]).itemsize:
-        raise _corrupt(
-            file,
-            f"{where} has data_offsets {offsets}: {end - begin} bytes, where its shape "
-            f"{tuple(shape)} and dtype {dtype} take {count * np.dtype(DTYPES[dtype]).itemsize}",
+    size = int(np.prod(shape, dtype=np.int64)) * np.dtype(DTYPES[dtype]).itemsize
+    if end - begin != size:
+        raise ValueError(
+            f"{where} has data_offsets {offsets}, {end - begin} bytes, where its shape "
+            f"{tuple(shape)} and dtype {dtype} take {size}: {corrupt}"
         )
     return TensorInfo(file, name, dtype, tuple(shape), base + begin, base + end)
 
