@@ -16,6 +16,7 @@ layer and model loader (and the place to write them).
 """
 
 import json
+import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -134,7 +135,7 @@ def _entry(file: Path, name: str, entry: Any, base: int) -> TensorInfo:
             f"with 0 <= begin <= end: {corrupt}"
         )
     begin, end = offsets
-    size = int(np.prod(shape, dtype=np.int64)) * np.dtype(DTYPES[dtype]).itemsize
+    size = math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize
     if end - begin != size:
         raise ValueError(
             f"{where} has data_offsets {offsets}, {end - begin} bytes, where its shape "
@@ -211,7 +212,7 @@ class Checkpoint(Mapping[str, np.ndarray]):
         `weight_map` names: a file in the index's folder (followed if it is a link)."""
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(
                 f"Cannot read the `weight_map` of the index {str(index)!r}: {e!r}."
             ) from None
