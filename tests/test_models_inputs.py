@@ -324,15 +324,16 @@ def test_index_entries_stay_in_the_checkpoint_folder(tmp_path):
         "weight_map"
     ][NAME]
     shutil.copy(DATA / "qwen3_5_lm_tied" / shard, outside / "model.safetensors")
-    (tmp_path / "ckpt_link").mkdir()
     for file in [
         "../other/model.safetensors",
         str(outside / "model.safetensors"),
         "sub/../../other/model.safetensors",
-        "link.safetensors",
+        "sub/model.safetensors",
+        "..",
     ]:
         path = _sharded(tmp_path)
-        (path / "link.safetensors").symlink_to(outside / "model.safetensors")
+        (path / "sub").mkdir()
+        shutil.copy(outside / "model.safetensors", path / "sub" / "model.safetensors")
         _point(path, NAME, file)
         with pytest.raises(ValueError, match=rf"puts '{NAME}' in '{file}'.*checkpoint folder"):
             Qwen3_5ForCausalLM.from_pretrained(path, chunk_size=4)
@@ -340,10 +341,56 @@ def test_index_entries_stay_in_the_checkpoint_folder(tmp_path):
         with pytest.raises(ValueError, match=rf"puts '{NAME}' in '{file}'"):
             gated_delta_net_from_hf(config, path / "model.safetensors.index.json")
         shutil.rmtree(path)
+    # The names are confined, not the files: a file in the folder may link out of it (as the
+    # Hugging Face cache's do; see test_hugging_face_cache_layout_is_read). Was: refused.
+    path = _sharded(tmp_path)
+    (path / "link.safetensors").symlink_to(outside / "model.safetensors")
+    _point(path, NAME, "link.safetensors")
+    expected = Qwen3_5ForCausalLM.from_pretrained(DATA / "qwen3_5_lm_tied", chunk_size=4)
+    assert eqx.tree_equal(Qwen3_5ForCausalLM.from_pretrained(path, chunk_size=4), expected)
+    shutil.rmtree(path)
     path = _sharded(tmp_path)
     _point(path, NAME, 3)
     with pytest.raises(ValueError, match=rf"maps '{NAME}' to 3"):
         Qwen3_5ForCausalLM.from_pretrained(path, chunk_size=4)
+
+
+def _hub_cache(tmp_path, folder: pathlib.Path) -> pathlib.Path:
+    """`folder` as `huggingface_hub.snapshot_download` leaves it: every file a relative link
+    `snapshots/<rev>/<name> -> ../../blobs/<sha>`; returns the snapshot folder."""
+    repo = tmp_path / "hub" / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    for i, file in enumerate(sorted(folder.iterdir())):
+        blob = f"{i:040x}"
+        shutil.copy(file, repo / "blobs" / blob)
+        (snapshot / file.name).symlink_to(pathlib.Path("..", "..", "blobs", blob))
+    return snapshot
+
+
+def test_hugging_face_cache_layout_is_read(tmp_path):
+    # Was: every shard of a sharded snapshot refused as a "link out of the folder", while a
+    # single `model.safetensors` linking anywhere was read. One rule now: names confined,
+    # files in the folder followed wherever they link.
+    sharded = _hub_cache(tmp_path / "sharded", DATA / "qwen3_5_lm_tied")
+    assert (sharded / "model-00001-of-00005.safetensors").is_symlink()
+    model = Qwen3_5ForCausalLM.from_pretrained(sharded, chunk_size=4)
+    assert eqx.tree_equal(
+        model, Qwen3_5ForCausalLM.from_pretrained(DATA / "qwen3_5_lm_tied", chunk_size=4)
+    )
+    config = json.loads((sharded / "config.json").read_text())
+    prefix = "model.layers.0.linear_attn."
+    expected = gated_delta_net_from_hf(config, DATA / "qwen3_5_lm_tied", prefix=prefix)
+    for weights in (sharded, sharded / "model.safetensors.index.json"):
+        assert eqx.tree_equal(gated_delta_net_from_hf(config, weights, prefix=prefix), expected)
+    single = _hub_cache(tmp_path / "single", DATA / "qwen3_5_lm")
+    config = json.loads((single / "config.json").read_text())
+    expected = gated_delta_net_from_hf(
+        config, DATA / "qwen3_5_lm" / "model.safetensors", prefix=prefix
+    )
+    for weights in (single, single / "model.safetensors"):
+        assert eqx.tree_equal(gated_delta_net_from_hf(config, weights, prefix=prefix), expected)
 
 
 def test_corrupt_safetensors_are_named(tmp_path):
@@ -360,7 +407,7 @@ def test_corrupt_safetensors_are_named(tmp_path):
     file.write_bytes(b"\x01")
     with pytest.raises(ValueError, match=r"'.*model\.safetensors' is corrupt"):
         Qwen3_5ForCausalLM.from_pretrained(path, chunk_size=4)
-    # The layer loader (the `safetensors` package's reader) names the file too.
+    # The layer loader (the same reader) names the file too.
     config = json.loads((DATA / "qwen3_5_gdn.json").read_text())
     layer = tmp_path / "layer.safetensors"
     layer.write_bytes((DATA / "qwen3_5_gdn.safetensors").read_bytes()[:-100])
@@ -376,7 +423,7 @@ def test_overlapping_safetensors_ranges_are_refused(tmp_path):
     # file; reading it would silently give both the same values).
     import struct
 
-    from deltanet_cp.interop._safetensors import read_header
+    from deltanet_cp.interop._checkpoint import read_header
 
     def write(offsets):
         header = {
@@ -393,3 +440,39 @@ def test_overlapping_safetensors_ranges_are_refused(tmp_path):
         read_header(write({"a": (0, 8), "b": (4, 12)}))
     with pytest.raises(ValueError, match="belong to no tensor"):
         read_header(write({"a": (0, 8), "b": (12, 20)}))
+
+
+def _raw_safetensors(file: pathlib.Path, header: object, data: bytes = bytes(8)) -> None:
+    import struct
+
+    text = json.dumps(header).encode()
+    file.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def test_safetensors_headers_that_are_not_objects_are_named(tmp_path):
+    # Was: `AttributeError: 'list' object has no attribute 'items'` from `from_pretrained`.
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    shutil.copy(DATA / "qwen3_5_lm" / "config.json", path / "config.json")
+    config = json.loads((DATA / "qwen3_5_gdn.json").read_text())
+    for header in ([1, 2], "text", 3, None):
+        _raw_safetensors(path / "model.safetensors", header)
+        match = r"'.*model\.safetensors' is corrupt \(its header is a JSON \w+, not an object"
+        with pytest.raises(ValueError, match=match):
+            Qwen3_5ForCausalLM.from_pretrained(path, chunk_size=4)
+        with pytest.raises(ValueError, match=match):
+            gated_delta_net_from_hf(config, path / "model.safetensors")
+
+
+def test_negative_data_offsets_are_named(tmp_path):
+    # Was: "tensors None and 'a' share bytes".
+    file = tmp_path / "model.safetensors"
+    shutil.copy(DATA / "qwen3_5_lm" / "config.json", tmp_path / "config.json")
+    config = json.loads((DATA / "qwen3_5_gdn.json").read_text())
+    for offsets in ([-8, 0], [0, -8], [8, 0], [0], [0.0, 8]):
+        _raw_safetensors(file, {"a": {"dtype": "F32", "shape": [2], "data_offsets": offsets}})
+        match = rf"Tensor 'a' of the safetensors file '.*' has data_offsets \[{offsets[0]}"
+        with pytest.raises(ValueError, match=match):
+            Qwen3_5ForCausalLM.from_pretrained(tmp_path, chunk_size=4)
+        with pytest.raises(ValueError, match=match):
+            gated_delta_net_from_hf(config, file)

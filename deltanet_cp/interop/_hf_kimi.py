@@ -12,15 +12,15 @@ import jax.random as jr
 from .._run import Memory
 from .._validate import as_config_int
 from ..nn._kimi_delta_attention import KimiDeltaAttention
-from ._hf import (
-    _check_dtype,
-    _check_unexpected,
-    _config_float,
-    _config_value,
-    _find_prefix,
-    _read_tensors,
-    _Reader,
-    _text_config,
+from ._checkpoint import (
+    check_dtype,
+    check_unexpected,
+    config_float,
+    config_value,
+    find_prefix,
+    layer_tensors,
+    open_weights,
+    text_config,
 )
 
 
@@ -62,10 +62,10 @@ _FIELDS = (
 
 def _kimi_config_int(config: Any, field: str, nested: str) -> int:
     """A field of transformers' config, or of the checkpoint's `linear_attn_config`."""
-    value = _config_value(config, field)
+    value = config_value(config, field)
     if value is None:
-        linear = _config_value(config, "linear_attn_config") or {}
-        value = _config_value(linear, nested)
+        linear = config_value(config, "linear_attn_config") or {}
+        value = config_value(linear, nested)
         if value is not None:
             field = f"linear_attn_config.{nested}"
     if value is None:
@@ -131,23 +131,25 @@ def kimi_delta_attention_from_hf(
     one is missing, unsupported or not an integer; or naming `dtype` if it is not a
     floating-point dtype.
     """
-    config = _text_config(config)
-    if _config_value(config, "hidden_size") is None:
+    config = text_config(config)
+    if config_value(config, "hidden_size") is None:
         raise ValueError("The config is missing `hidden_size`.")
-    hidden = as_config_int("hidden_size", _config_value(config, "hidden_size"))
+    hidden = as_config_int("hidden_size", config_value(config, "hidden_size"))
     h, dk, width = (_kimi_config_int(config, *names) for names in _FIELDS)
-    act = _config_value(config, "hidden_act", "silu")
+    act = config_value(config, "hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ValueError(
             f"Only `hidden_act='silu'` is supported for the convolution; the config has {act!r}."
         )
-    eps = _config_float(config, "rms_norm_eps", 1e-5)
-    _check_dtype(dtype)
+    eps = config_float(config, "rms_norm_eps", 1e-5)
+    check_dtype(dtype)
 
-    reader = _Reader(weights)
-    prefix = _find_prefix(reader, prefix, ("forget_gate.A_log", "A_log"), "Kimi Delta Attention")
-    _check_unexpected(reader, prefix, _TRANSFORMERS + _MOONSHOT + _COMMON, "Kimi Delta Attention")
-    if prefix + "forget_gate.A_log" in reader or prefix + "conv1d.weight" in reader:
+    checkpoint = open_weights(weights)
+    prefix = find_prefix(checkpoint, prefix, ("forget_gate.A_log", "A_log"), "Kimi Delta Attention")
+    check_unexpected(
+        checkpoint, prefix, _TRANSFORMERS + _MOONSHOT + _COMMON, "Kimi Delta Attention"
+    )
+    if prefix + "forget_gate.A_log" in checkpoint or prefix + "conv1d.weight" in checkpoint:
         layout, names = "transformers", _TRANSFORMERS + _COMMON
     else:
         layout, names = "Moonshot", _MOONSHOT + _COMMON
@@ -170,7 +172,7 @@ def kimi_delta_attention_from_hf(
         expected[f"{x}_conv1d.weight"] = ((wide, 1, width),)
     expected |= {f"forget_gate.{n}": expected[n] for n in _MOONSHOT[3:]}
     sizes = f"hidden_size={hidden}, H={h}, K={dk}, conv kernel {width}"
-    tensors = _read_tensors(reader, prefix, names, expected, layout, sizes, dtype)
+    tensors = layer_tensors(checkpoint, prefix, names, expected, layout, sizes, dtype)
     if layout == "transformers":
         tensors |= {n: tensors[f"forget_gate.{n}"] for n in _MOONSHOT[3:]}
         conv = tensors["conv1d.weight"]

@@ -2,11 +2,10 @@
 every tensor by name."""
 
 import dataclasses
-import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import equinox as eqx
 import jax
@@ -14,11 +13,10 @@ import jax.numpy as jnp
 import jax.random as jr
 
 from .._run import Memory
+from ..interop._checkpoint import open_folder
 from ..interop._hf import split_qwen3_next_projections
-from ..interop._safetensors import read_header, read_tensor, TensorInfo
 from ..nn._gated_delta_net import GatedDeltaNet
 from ..nn._moe import SparseMoE
-from ._config import _QwenTextConfig
 
 
 # Tensors transformers itself skips when loading the text model: multi-token prediction
@@ -67,96 +65,6 @@ _ATTENTION: list[_Entry] = [
     ("self_attn.q_norm.weight", lambda b: b.mixer.q_norm.weight, None),
     ("self_attn.k_norm.weight", lambda b: b.mixer.k_norm.weight, None),
 ]
-
-
-def _header(file: Path) -> dict[str, TensorInfo]:
-    """`read_header`, its errors naming the file (a corrupt or truncated header)."""
-    try:
-        return read_header(file)
-    except OSError as e:
-        raise ValueError(f"Cannot read the safetensors file {str(file)!r}: {e}") from None
-    except (ValueError, KeyError, TypeError, OverflowError, MemoryError) as e:
-        raise ValueError(
-            f"The safetensors file {str(file)!r} is corrupt (its header: "
-            f"{type(e).__name__}: {e}). Download it again."
-        ) from None
-
-
-def _tensor(name: str, info: TensorInfo):
-    """`read_tensor`, its errors naming the tensor and its file (a truncated file)."""
-    size = info.file.stat().st_size
-    if not 0 <= info.start <= info.end <= size:
-        raise ValueError(
-            f"Tensor {name!r} of the safetensors file {str(info.file)!r} lies at bytes "
-            f"[{info.start}, {info.end}), past the file's {size} bytes: the file is truncated "
-            "or corrupt. Download it again."
-        )
-    try:
-        return read_tensor(info)
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        raise ValueError(
-            f"Cannot read tensor {name!r} of the safetensors file {str(info.file)!r}: {e}"
-        ) from None
-
-
-def _shard(index: Path, name: Any, file: Any) -> Path:
-    """The file of one `weight_map` entry, confined to the index's folder."""
-    if not isinstance(name, str) or not isinstance(file, str):
-        raise ValueError(
-            f"The `weight_map` of {str(index)!r} must map tensor names to file names; it maps "
-            f"{name!r} to {file!r}."
-        )
-    folder = index.parent.resolve()
-    path = (index.parent / file).resolve()
-    if Path(file).is_absolute() or path.parent != folder or not file.endswith(".safetensors"):
-        raise ValueError(
-            f"The index {str(index)!r} puts {name!r} in {file!r}: expected the name of a "
-            "`.safetensors` file in the checkpoint folder (no other folder, absolute path or "
-            "link out of it)."
-        )
-    if not path.is_file():
-        raise ValueError(
-            f"The index {str(index)!r} puts {name!r} in {file!r}, which does not exist."
-        )
-    return path
-
-
-def _tensors(path: Path) -> dict[str, TensorInfo]:
-    """Every tensor of the checkpoint directory, by name."""
-    index = path / "model.safetensors.index.json"
-    single = path / "model.safetensors"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(
-                f"Cannot read the `weight_map` of the index {str(index)!r}: {e!r}."
-            ) from None
-        if not isinstance(weight_map, dict):
-            raise ValueError(
-                f"The `weight_map` of {str(index)!r} must map tensor names to file names; got "
-                f"{type(weight_map).__name__}."
-            )
-        files = {n: _shard(index, n, f) for n, f in weight_map.items()}
-        headers = {f: _header(f) for f in sorted(set(files.values()))}
-        absent = sorted(n for n, f in files.items() if n not in headers[f])
-        if absent:
-            raise ValueError(f"The index of {str(path)!r} lists tensors its shards lack: {absent}.")
-        return {n: headers[f][n] for n, f in files.items()}
-    if single.exists():
-        return _header(single)
-    found = sorted(p.name for p in path.iterdir())
-    pickled = [f for f in found if f.endswith((".bin", ".pt", ".pth", ".ckpt"))]
-    hint = (
-        f" It holds {pickled}: pickle-based checkpoints are never read; convert them to "
-        "safetensors first."
-        if pickled
-        else ""
-    )
-    raise ValueError(
-        f"No model.safetensors or model.safetensors.index.json in {str(path)!r} (found "
-        f"{found}).{hint}"
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +155,7 @@ def _experts(prefix: str, i: int, moe: SparseMoE, fused: bool) -> list[_Group]:
     ]
 
 
-def _groups(model, base: str, tensors: Sequence[str] | dict) -> list[_Group]:
+def _groups(model, base: str, tensors: Mapping[str, Any]) -> list[_Group]:
     """Every parameter's group of checkpoint tensors; the layouts (Qwen3-Next's fused Gated
     DeltaNet projections, fused experts) as the checkpoint has them."""
     out = [
@@ -291,9 +199,16 @@ def _at(i: int, get: Callable) -> Callable:
     return lambda m: get(m.layers[i])
 
 
+@runtime_checkable
+class _ConfigClass(Protocol):
+    """A model's config class (`Qwen3_5Config`, ...): read from a `config.json`."""
+
+    def from_json(self, path: str | os.PathLike) -> Any: ...
+
+
 def load(
     cls,
-    config_cls: type[_QwenTextConfig],
+    config_cls: _ConfigClass,
     path: str | os.PathLike,
     *,
     dtype,
@@ -321,7 +236,7 @@ def load(
         key=jr.key(0),
         dtype=dtype,
     )
-    tensors = _tensors(path)
+    tensors = open_folder(path)
     nested = any(n.startswith("model.language_model.") for n in tensors)
     base = "model.language_model." if nested else "model."
     groups = _groups(skeleton, base, tensors)
@@ -334,10 +249,11 @@ def load(
         for name, want in zip(g.names, g.shapes):
             if name not in tensors:
                 continue
-            if tuple(tensors[name].shape) != tuple(want):
-                misshapen.append(f"{name}: {tuple(tensors[name].shape)}, expected {tuple(want)}")
-            elif not tensors[name].dtype.startswith(("F", "BF")):
-                misshapen.append(f"{name}: dtype {tensors[name].dtype}, expected floating-point")
+            info = tensors.info(name)
+            if tuple(info.shape) != tuple(want):
+                misshapen.append(f"{name}: {tuple(info.shape)}, expected {tuple(want)}")
+            elif not info.floating:
+                misshapen.append(f"{name}: dtype {info.dtype}, expected floating-point")
     if missing or unexpected or misshapen:
         lines = [f"The checkpoint in {str(path)!r} does not fit its config.json:"]
         for what, names in (
@@ -350,7 +266,7 @@ def load(
         raise ValueError("\n".join(lines))
     getters, values = [], []
     for g in groups:
-        xs = [jnp.asarray(_tensor(name, tensors[name])) for name in g.names]
+        xs = [jnp.asarray(tensors[name]) for name in g.names]
         for get, x in zip(g.params, g.convert(xs)):
             assert x.shape == get(skeleton).shape, (g.names[0], x.shape)
             getters.append(get)

@@ -1,0 +1,455 @@
+"""Hugging Face checkpoints in the safetensors format: the one room that reads them, for every
+layer and model loader (and the place to write them).
+
+- The format: an 8-byte little-endian header length, a JSON object mapping each tensor's name
+    to its `dtype`, `shape` and `data_offsets` (from the end of the header), then the bytes.
+    Read with numpy and `ml_dtypes` only (never pickle): the `safetensors` package's numpy
+    reader refuses bfloat16, the dtype most checkpoints are stored in.
+- `Checkpoint`: the tensors of a file, of a folder, or of a sharded checkpoint's
+    `model.safetensors.index.json`, by name; headers are read on opening, values when asked.
+- One rule for the files: the **names** a checkpoint gives (the index's `weight_map`) are
+    confined to its folder: a `.safetensors` file name, no absolute path, no `..`, no other
+    folder. A file in the folder may be a link to anywhere, and is followed: in the Hugging
+    Face cache, `snapshots/<rev>/*.safetensors` link to `../../blobs/<sha>`.
+- What the layer loaders share: config fields, the layer's prefix, and its tensors by short
+    name with their shapes and dtypes checked.
+"""
+
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from .._validate import as_config_float, as_config_int
+
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+# ---------------------------------------------------------------------------------------
+# The format
+# ---------------------------------------------------------------------------------------
+
+
+class TensorInfo:
+    """Where one tensor lies in a file: its name, dtype (the format's, e.g. `"BF16"`), shape
+    and byte range."""
+
+    def __init__(
+        self, file: Path, name: str, dtype: str, shape: tuple[int, ...], start: int, end: int
+    ):
+        self.file, self.name, self.dtype, self.shape = file, name, dtype, shape
+        self.start, self.end = start, end
+
+    @property
+    def floating(self) -> bool:
+        """Whether the tensor is floating-point (F64 ... F8, BF16)."""
+        return self.dtype.startswith(("F", "BF"))
+
+
+def _corrupt(file: Path, what: str) -> ValueError:
+    return ValueError(f"The safetensors file {str(file)!r} is corrupt ({what}). Download it again.")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def read_header(file: str | os.PathLike) -> dict[str, TensorInfo]:
+    """The tensors of one `.safetensors` file, by name (nothing is read but the header).
+
+    A `ValueError` naming the file (and the tensor) if the header is not what the format
+    says: a JSON object of entries with a known `dtype`, a `shape` of sizes and
+    `data_offsets` that tile the data within the file.
+    """
+    file = Path(file)
+    try:
+        with open(file, "rb") as f:
+            head = f.read(8)
+            size = int.from_bytes(head, "little")
+            length = os.fstat(f.fileno()).st_size
+            if len(head) < 8 or size > length - 8:
+                raise _corrupt(file, f"its {length} bytes hold no header of {size} bytes")
+            text = f.read(size)
+    except OSError as e:
+        raise ValueError(f"Cannot read the safetensors file {str(file)!r}: {e}") from None
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON
+        raise _corrupt(file, f"its header: {type(e).__name__}: {e}") from None
+    if not isinstance(header, dict):
+        raise _corrupt(file, f"its header is a JSON {type(header).__name__}, not an object")
+    base = 8 + size
+    out = {}
+    for name, entry in header.items():
+        if name != "__metadata__":
+            out[name] = _entry(file, name, entry, base)
+    _check_ranges(file, out, base, length)
+    return out
+
+
+def _entry(file: Path, name: str, entry: Any, base: int) -> TensorInfo:
+    """One tensor's header entry, checked: a `ValueError` naming the tensor, its file and the
+    field that is wrong."""
+    where = f"Tensor {name!r} of the safetensors file {str(file)!r}"
+    corrupt = "the file is corrupt; download it again."
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+        raise ValueError(
+            f"{where} has the header entry {entry!r}; expected an object with `dtype`, "
+            f"`shape` and `data_offsets`: {corrupt}"
+        )
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ValueError(f"{where} has unsupported dtype {dtype!r} (read: {', '.join(DTYPES)}).")
+    if not isinstance(shape, list) or not all(_is_int(n) and n >= 0 for n in shape):
+        raise ValueError(f"{where} has shape {shape!r}, not a list of sizes: {corrupt}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_int(n) and n >= 0 for n in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise ValueError(
+            f"{where} has data_offsets {offsets!r}; expected [begin, end], two byte offsets "
+            f"with 0 <= begin <= end: {corrupt}"
+        )
+    begin, end = offsets
+    size = math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize
+    if end - begin != size:
+        raise ValueError(
+            f"{where} has data_offsets {offsets}, {end - begin} bytes, where its shape "
+            f"{tuple(shape)} and dtype {dtype} take {size}: {corrupt}"
+        )
+    return TensorInfo(file, name, dtype, tuple(shape), base + begin, base + end)
+
+
+def _check_ranges(file: Path, tensors: dict[str, TensorInfo], base: int, length: int) -> None:
+    """The tensors' byte ranges tile the data from its start, in some order, as the format
+    requires (the `safetensors` package refuses the same files): no two share a byte, no
+    bytes are left between them, and the last ends within the file."""
+    at, before = base, None
+    for name, info in sorted(tensors.items(), key=lambda item: (item[1].start, item[1].end)):
+        if info.start < at:
+            raise _corrupt(
+                file, f"tensors {before!r} and {name!r} share bytes: their data_offsets overlap"
+            )
+        if info.start > at:
+            raise _corrupt(file, f"the bytes before tensor {name!r} belong to no tensor (a hole)")
+        if info.end > length:
+            raise ValueError(
+                f"Tensor {name!r} of the safetensors file {str(file)!r} lies at bytes "
+                f"[{info.start}, {info.end}), past the file's {length} bytes: the file is "
+                "truncated or corrupt. Download it again."
+            )
+        at, before = info.end, name
+
+
+def read_tensor(info: TensorInfo) -> np.ndarray:
+    """One tensor's values, as a numpy array (bfloat16 as `ml_dtypes.bfloat16`)."""
+    dtype = np.dtype(DTYPES[info.dtype])
+    if info.end == info.start:
+        return np.zeros(info.shape, dtype)
+    try:
+        with open(info.file, "rb") as f:
+            f.seek(info.start)
+            data = f.read(info.end - info.start)
+        return np.frombuffer(data, dtype).reshape(info.shape).copy()
+    except (OSError, ValueError) as e:  # a file changed or cut since its header was read
+        raise ValueError(
+            f"Cannot read tensor {info.name!r} of the safetensors file {str(info.file)!r}: {e}"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------
+# Checkpoints: files, folders, indices
+# ---------------------------------------------------------------------------------------
+
+
+class Checkpoint(Mapping[str, np.ndarray]):
+    """Tensors by name from safetensors files: the headers read on opening, each tensor's
+    values when it is asked for.
+
+    A name found in several files (a folder read without its index) must have the same
+    values in all of them.
+    """
+
+    def __init__(self, tensors: Mapping[str, Sequence[TensorInfo]]):
+        self._tensors = dict(tensors)
+
+    @classmethod
+    def from_files(cls, files: Sequence[Path]) -> "Checkpoint":
+        """Every tensor of `files`."""
+        tensors: dict[str, list[TensorInfo]] = {}
+        for file in files:
+            for name, info in read_header(file).items():
+                tensors.setdefault(name, []).append(info)
+        return cls(tensors)
+
+    @classmethod
+    def from_index(cls, index: Path) -> "Checkpoint":
+        """The tensors an index (`model.safetensors.index.json`) lists, each from the file its
+        `weight_map` names: a file in the index's folder (followed if it is a link)."""
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"Cannot read the `weight_map` of the index {str(index)!r}: {e!r}."
+            ) from None
+        if not isinstance(weight_map, Mapping):
+            raise ValueError(
+                f"The `weight_map` of {str(index)!r} must map tensor names to file names; got "
+                f"{type(weight_map).__name__}."
+            )
+        files = {name: shard(index, name, file) for name, file in weight_map.items()}
+        headers = {f: read_header(f) for f in sorted(set(files.values()))}
+        absent = [f"{n!r} is not in {str(f)!r}" for n, f in files.items() if n not in headers[f]]
+        if absent:
+            raise ValueError(
+                f"The index {str(index)!r} lists tensors its files lack: {'; '.join(absent)}."
+            )
+        return cls({n: [headers[f][n]] for n, f in files.items()})
+
+    def info(self, name: str) -> TensorInfo:
+        """Where `name` lies (in its first file): its dtype and shape, without reading it."""
+        return self._tensors[name][0]
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        first, *others = self._tensors[name]
+        x = read_tensor(first)
+        for other in others:
+            y = read_tensor(other)
+            if x.dtype != y.dtype or x.shape != y.shape or not np.array_equal(x, y):
+                raise ValueError(
+                    f"Tensor {name!r} is in both {first.file.name!r} and {other.file.name!r}, "
+                    "with different values: remove the stale file, or add the checkpoint's "
+                    f"`{INDEX}` (which says which file holds each tensor)."
+                )
+        return x
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+def shard(index: Path, name: Any, file: Any) -> Path:
+    """The file of one `weight_map` entry: a `.safetensors` file name in the index's folder
+    (no absolute path, `..` or other folder). The file may be a link, to anywhere."""
+    if not isinstance(name, str) or not isinstance(file, str):
+        raise ValueError(
+            f"The `weight_map` of {str(index)!r} must map tensor names to file names; it maps "
+            f"{name!r} to {file!r}."
+        )
+    if (
+        Path(file).name != file
+        or any(sep in file for sep in (os.sep, os.altsep) if sep)
+        or not file.endswith(".safetensors")
+    ):
+        raise ValueError(
+            f"The index {str(index)!r} puts {name!r} in {file!r}: expected the name of a "
+            "`.safetensors` file in the checkpoint folder (no absolute path, `..` or other "
+            "folder; the file itself may be a link, as in the Hugging Face cache)."
+        )
+    path = index.parent / file
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"The index {str(index)!r} puts {name!r} in {file!r}, which does not exist"
+            f"{' (a broken link)' if path.is_symlink() else ''}."
+        )
+    return path
+
+
+def open_weights(weights: Any) -> Mapping[str, Any]:
+    """A layer loader's `weights`: a mapping from names to arrays as it is, or the path of a
+    `.safetensors` file, of an index, or of a folder (read through its index if it has one,
+    else every `.safetensors` file in it)."""
+    if isinstance(weights, Mapping):
+        return weights
+    if not isinstance(weights, (str, os.PathLike)):
+        raise TypeError(
+            "`weights` must be a mapping from tensor names to arrays, or the path of a "
+            f"`.safetensors` file or of a directory of them; got {type(weights).__name__}."
+        )
+    path = Path(weights)
+    if path.is_dir() and (path / INDEX).is_file():
+        return Checkpoint.from_index(path / INDEX)
+    if path.name.endswith(".safetensors.index.json"):
+        return Checkpoint.from_index(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"No `.safetensors` files in the directory {str(path)!r}.")
+        return Checkpoint.from_files(files)
+    if path.suffix == ".safetensors":
+        if not path.exists():
+            raise FileNotFoundError(f"No such weights file: {str(path)!r}.")
+        return Checkpoint.from_files([path])
+    raise ValueError(
+        f"Only safetensors checkpoints are read (never pickle); got {str(path)!r}. "
+        "Convert it to `.safetensors` first, or pass a mapping of arrays."
+    )
+
+
+def open_folder(path: Path) -> Checkpoint:
+    """A model's checkpoint folder: its `model.safetensors.index.json` and the files it
+    names, or its `model.safetensors`."""
+    index, single = path / INDEX, path / SINGLE
+    if index.exists():
+        return Checkpoint.from_index(index)
+    if single.exists():
+        return Checkpoint.from_files([single])
+    found = sorted(p.name for p in path.iterdir())
+    pickled = [f for f in found if f.endswith((".bin", ".pt", ".pth", ".ckpt"))]
+    hint = (
+        f" It holds {pickled}: pickle-based checkpoints are never read; convert them to "
+        "safetensors first."
+        if pickled
+        else ""
+    )
+    raise ValueError(f"No {SINGLE} or {INDEX} in {str(path)!r} (found {found}).{hint}")
+
+
+# ---------------------------------------------------------------------------------------
+# What the layer loaders share: config fields, a layer's tensors
+# ---------------------------------------------------------------------------------------
+
+
+def config_value(config: Any, name: str, default: Any = None) -> Any:
+    """A field of a config: a mapping, or an object with attributes (a transformers config)."""
+    if isinstance(config, Mapping):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+def config_int(config: Any, name: str, default: Any = None) -> int:
+    """A positive int field of the config (`as_config_int`: an int or a NumPy integer)."""
+    return as_config_int(name, config_value(config, name, default))
+
+
+def config_float(config: Any, name: str, default: float) -> float:
+    """A float field of the config: a number (an int too), never a bool or a string."""
+    return as_config_float(name, config_value(config, name, default))
+
+
+def text_config(config: Any) -> Any:
+    """The language model's config: Qwen3.5's top-level config nests it in `text_config`."""
+    if config_value(config, "hidden_size") is None:
+        nested = config_value(config, "text_config")
+        if nested is not None:
+            return nested
+    return config
+
+
+def check_dtype(dtype) -> None:
+    """A `ValueError` naming `dtype` unless it is `None` or a floating-point dtype."""
+    if dtype is None:
+        return
+    try:
+        floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:
+        floating = False
+    if not floating:
+        raise ValueError(
+            f"`dtype` must be a floating-point dtype (jnp.float32, jnp.bfloat16, ...) or "
+            f"None; got {dtype!r}."
+        )
+
+
+def find_prefix(
+    tensors: Mapping[str, Any],
+    prefix: str | None,
+    markers: tuple[str, ...] = ("A_log",),
+    what: str = "Gated DeltaNet",
+) -> str:
+    """`prefix`, or the one prefix in front of a tensor named by one of `markers`."""
+    if prefix is not None:
+        return prefix
+    found = set()
+    for name in tensors.keys():
+        marker = next((m for m in markers if name.endswith(m)), None)
+        if marker is not None:
+            found.add(name[: -len(marker)])
+    candidates = sorted(found)
+    if len(candidates) == 1:
+        return candidates[0]
+    if not candidates:
+        raise ValueError(
+            f"No {what} weights found: expected a tensor named `{markers[0]}` (optionally "
+            "behind a prefix such as `model.layers.0.linear_attn.`)."
+        )
+    raise ValueError(
+        f"The weights hold {len(candidates)} {what} layers ({candidates[:4]}"
+        f"{' ...' if len(candidates) > 4 else ''}); pass `prefix=` to choose one."
+    )
+
+
+def check_unexpected(
+    tensors: Mapping[str, Any], prefix: str, allowed: tuple[str, ...], what: str
+) -> None:
+    """A `ValueError` naming the tensors behind `prefix` that are not in `allowed`."""
+    names = [n for n in tensors.keys() if n.startswith(prefix)]
+    unexpected = sorted(n for n in names if n[len(prefix) :] not in allowed)
+    if unexpected:
+        raise ValueError(
+            f"Unexpected tensor(s) {unexpected} for a {what} layer with prefix "
+            f"{prefix!r}; expected only {list(allowed)} (in one of the two layouts)."
+        )
+
+
+def layer_tensors(
+    tensors: Mapping[str, Any],
+    prefix: str,
+    shorts: tuple[str, ...],
+    expected: Mapping[str, tuple[tuple[int, ...], ...]],
+    layout: str,
+    sizes: str,
+    dtype,
+) -> dict[str, Any]:
+    """The tensors `prefix + short` for each of `shorts`, as JAX arrays in `dtype` (their own
+    if `None`); a `ValueError` naming one that is missing, misshapen (its shape not one of
+    `expected[short]`) or not floating-point."""
+    out = {}
+    for short in shorts:
+        name = prefix + short
+        if name not in tensors:
+            raise ValueError(f"Missing tensor {name!r} ({layout} layout: {', '.join(shorts)}).")
+        x = tensors[name]
+        if tuple(x.shape) not in expected[short]:
+            shapes = " or ".join(str(e) for e in expected[short])
+            raise ValueError(
+                f"Tensor {name!r} has shape {tuple(x.shape)}; expected {shapes} for this "
+                f"config ({sizes})."
+            )
+        x = jnp.asarray(x)
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(
+                f"Tensor {name!r} has dtype {x.dtype}; the layer's weights must be "
+                "floating-point (is the checkpoint quantised?)."
+            )
+        out[short] = x if dtype is None else x.astype(dtype)
+    return out
