@@ -304,8 +304,9 @@ class SwiGLUExperts(eqx.Module):
     32 per expert. Gradients (a hand-written backward over the same tiles) flow to the
     weights, the tokens and the routing weights (not to the choice of experts, an integer);
     forward-mode differentiation is not supported. A token whose output cotangent is zero
-    adds exact zeros to every gradient, even where its activations overflow (a masked
-    padding token poisons no expert's gradient).
+    (masked out of the loss before any nonlinearity) adds exact zeros to every gradient,
+    even where its activations overflow; a non-finite value of a token reaches the
+    gradients of the experts it is routed to only.
 
     The experts compute in their weights' dtype (`x` is cast to it), their sums in float32
     (float64 for float64 weights or routing weights), and return `x`'s dtype.
