@@ -32,7 +32,13 @@ from deltanet_cp.models import (
     Qwen3NextConfig,
     Qwen3NextForCausalLM,
 )
-from deltanet_cp.nn import expert_partition_specs, load_balancing_loss, SparseMoE, SwiGLU
+from deltanet_cp.nn import (
+    expert_partition_specs,
+    load_balancing_loss,
+    SparseMoE,
+    SwiGLU,
+    SwiGLUExperts,
+)
 
 from .helpers import pairwise, rel_err
 
@@ -280,6 +286,170 @@ def test_moe_gradients_flow_to_router_and_experts(getkey):
 
 
 # ---------------------------------------------------------------------------------------
+# The MoE layer: dtypes, non-finite tokens, empty sequences, ties
+# ---------------------------------------------------------------------------------------
+
+DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
+# The relative error of a layer computed in float32 and rounded to the narrower dtype of the
+# pair (a few of its ulps: bfloat16 has 8 bits, float16 11).
+DTYPE_TOL = {jnp.bfloat16: 3e-2, jnp.float16: 4e-3, jnp.float32: 1e-5}
+
+
+def _cast(tree, dtype):
+    return jax.tree.map(lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, tree)
+
+
+@ft.cache
+def _dtype_call():
+    """One jitted forward and gradient (recompiled per dtype pair, not per test)."""
+
+    def loss(m, x):
+        y, _ = m(x)
+        return jnp.sum(jnp.sin(y.astype(jnp.float32))), y
+
+    return eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))
+
+
+@pytest.mark.parametrize("params", list(DTYPES))
+@pytest.mark.parametrize("tokens", list(DTYPES))
+def test_moe_computes_in_the_parameters_dtype(tokens, params, getkey):
+    # Every pair of token and parameter dtypes (wider experts than tokens used to raise
+    # `lax.dynamic_update_slice requires arguments to have the same dtypes`): the output in
+    # the tokens' dtype, near the float64 reference of the same (rounded) numbers, and
+    # gradients in the parameters' dtypes.
+    xd, pd = DTYPES[tokens], DTYPES[params]
+    moe = _cast(SparseMoE(8, 4, 2, 6, 4, key=getkey()), pd)
+    x = jr.normal(getkey(), (10, 8)).astype(xd)
+    (_, y), grads = _dtype_call()(moe, x)
+    assert y.dtype == xd and y.shape == x.shape
+    ref = _dense_reference(moe, np.asarray(x, np.float64))
+    narrow = min(xd, pd, key=lambda d: jnp.finfo(d).nmant)  # the coarser of the two
+    assert rel_err(y, ref) <= DTYPE_TOL[narrow], (tokens, params, rel_err(y, ref))
+    leaves = jax.tree.leaves(grads)
+    assert all(g.dtype == pd and bool(jnp.all(jnp.isfinite(g))) for g in leaves)
+
+
+def test_moe_under_x64_mixes_float64_and_float32(getkey):
+    # float64 parameters with float32 tokens and the reverse (one raised), and float64
+    # throughout: accumulated in float64 (float32 sums were 6.5e-8 from the reference).
+    moe = SparseMoE(8, 4, 2, 6, 4, key=getkey())
+    x = jr.normal(getkey(), (10, 8))
+    with jax.enable_x64(True):
+        call = eqx.filter_jit(lambda m, x: m(x)[0])
+        for xd, pd in [(jnp.float32, jnp.float64), (jnp.float64, jnp.float32)]:
+            m = _cast(moe, pd)
+            y = call(m, x.astype(xd))
+            assert y.dtype == xd
+            ref = _dense_reference(m, np.asarray(x.astype(xd), np.float64))
+            assert rel_err(y, ref) <= 1e-6
+        m = _cast(moe, jnp.float64)
+        x64 = x.astype(jnp.float64)
+        y = call(m, x64)
+        assert y.dtype == jnp.float64
+        assert rel_err(y, _dense_reference(m, np.asarray(x64))) <= 1e-13
+
+
+def test_model_with_float32_experts_and_float16_other_weights(getkey):
+    # What a checkpoint with float32 experts and float16 other tensors loads as: every call
+    # used to raise. A one-layer model: its logits are float16, near the float32 model's.
+    fields = json.loads((DATA / "qwen3_5_moe" / "config.json").read_text())
+    fields.update(num_hidden_layers=1, layer_types=["full_attention"])
+    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeConfig.from_hf(fields), key=getkey())
+    moe = model.layers[0].mlp
+    assert isinstance(moe, SparseMoE)
+    mixed = eqx.tree_at(lambda m: m.layers[0].mlp.experts, _cast(model, jnp.float16), moe.experts)
+    tokens = jnp.arange(6) * 7 % fields["vocab_size"]
+    logits = eqx.filter_jit(lambda m, t: m(t))(mixed, tokens)
+    assert logits.dtype == jnp.float16
+    assert rel_err(logits, eqx.filter_jit(lambda m, t: m(t))(model, tokens)) <= 1e-2
+
+
+def _per_token_reference(experts: SwiGLUExperts, x, ids, weights, mask):
+    """The experts' gradients (weights, tokens, routing weights) of the masked loss, from a
+    loop over tokens in float64: each token through its own experts, nothing shared."""
+    g, u, d = (
+        np.asarray(a, np.float64) for a in (experts.gate_proj, experts.up_proj, experts.down_proj)
+    )
+    args = (g, u, d, np.asarray(x, np.float64), np.asarray(weights, np.float64))
+
+    def loss(g, u, d, x, w):
+        total = jnp.zeros((), jnp.float64)
+        for t in range(x.shape[0]):
+            y = jnp.zeros(x.shape[1], jnp.float64)
+            for j in range(ids.shape[1]):
+                e = int(ids[t, j])
+                h = jax.nn.silu(g[e] @ x[t]) * (u[e] @ x[t])
+                y = y + w[t, j] * (d[e] @ h)
+            total = total + jnp.sum(jnp.sin(jnp.where(mask[t], y, 0)))
+        return total
+
+    with jax.enable_x64(True):
+        return [np.asarray(a) for a in jax.jit(jax.grad(loss, argnums=range(5)))(*args)]
+
+
+def test_masked_overflowing_token_leaks_to_no_expert(getkey):
+    # Token 0's activations overflow float32 (its row times 1e20: `silu(a) * b` is inf) and
+    # it is masked out of the loss. Expert 1's last tile reads expert 2's first rows, token
+    # 0's: its `down_proj` gradient was NaN (0 x inf), though token 0 goes to experts 2, 3.
+    experts = SwiGLUExperts(4, 8, 6, key=getkey())
+    ids = np.asarray(
+        [[2, 3], [1, 0], [1, 3], [0, 2], [0, 3], [2, 0], [3, 0], [0, 2], [3, 2], [0, 3]], np.int32
+    )
+    x = jr.normal(getkey(), (10, 8)).at[0].multiply(1e20)
+    weights = jax.nn.softmax(jr.normal(getkey(), (10, 2)))
+    mask = np.arange(10) != 0
+    names = ["gate_proj", "up_proj", "down_proj", "x", "weights"]
+
+    def grads(where_before):
+        # The mask before the loss's nonlinearity gives token 0 a zero cotangent; after it,
+        # `0 * cos(NaN)`, a NaN one (as a masked cross-entropy of a NaN logit gives).
+        def loss(experts, x, weights):
+            y = experts(x, jnp.asarray(ids), weights)
+            if where_before:
+                return jnp.sum(jnp.sin(jnp.where(mask[:, None], y, 0)))
+            return jnp.sum(jnp.where(mask[:, None], jnp.sin(y), 0))
+
+        g, dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(experts, x, weights)
+        return [g.gate_proj, g.up_proj, g.down_proj, dx, dw]
+
+    # A zero cotangent: token 0 adds exact zeros everywhere, so every gradient is finite
+    # and equals a float64 loop over tokens (where nothing overflows).
+    want = _per_token_reference(experts, x, ids, weights, mask)
+    for name, a, b in zip(names, grads(True), want):
+        assert bool(jnp.all(jnp.isfinite(a))), name
+        assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
+    # A NaN cotangent: NaN reaches token 0's experts, as autodiff's would, and no other.
+    for name, a, b in zip(names[:3], grads(False)[:3], want[:3]):
+        assert bool(jnp.all(jnp.isfinite(a[:2]))), name
+        assert rel_err(a[:2], b[:2]) <= 1e-5, (name, rel_err(a[:2], b[:2]))
+
+
+def test_moe_on_an_empty_sequence(getkey):
+    moe = SparseMoE(8, 4, 2, 6, 4, key=getkey())
+    y, stats = moe(jnp.zeros((0, 8)))
+    assert y.shape == (0, 8) and y.dtype == jnp.float32
+    assert float(stats.tokens) == 0 and float(jnp.sum(stats.counts)) == 0
+    assert moe.experts(
+        jnp.zeros((0, 8)), jnp.zeros((0, 2), jnp.int32), jnp.zeros((0, 2))
+    ).shape == (
+        0,
+        8,
+    )
+
+
+def test_router_ties_choose_the_lower_expert(getkey):
+    # The documented rule (`jax.lax.top_k`'s): equal probabilities go to the lower id.
+    moe = SparseMoE(8, 6, 3, 4, 4, key=getkey())
+    moe = eqx.tree_at(lambda m: m.gate.weight, moe, jnp.zeros((6, 8)).at[4].set(1.0))
+    x = jnp.ones((2, 8)).at[1].set(-1.0)
+    _, experts, weights = moe.route(x)
+    # Token 0: expert 4 first, then the tie among the others in id order; token 1: expert 4
+    # last of all, so the first three ids.
+    np.testing.assert_array_equal(experts, [[4, 0, 1], [0, 1, 2]])
+    np.testing.assert_allclose(weights[1], [1 / 3] * 3, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------
 # Context x expert parallelism: an optax training step
 # ---------------------------------------------------------------------------------------
 
@@ -517,3 +687,62 @@ def test_expert_split_errors_name_what_to_change(getkey):
         call("ep", 2, replicated)
     with pytest.raises(ValueError, match=r"6 experts cannot be split evenly over 4 ranks"):
         call("ep", 4, replicated)
+
+
+@pytest.mark.usefixtures("fast_compile_one_test")
+def test_experts_on_the_wrong_mesh_axis_are_refused(getkey):
+    # Traced only. Four devices as (a=2, b=2); 4 experts sharded over "a" (2 a rank). With
+    # `expert_axis="b"` (as large) each rank ran another rank's experts; with `None` the
+    # ranks ran 2 of the 4 experts each: both silently wrong, now refused by the axes the
+    # weights vary over and the count of experts held.
+    moe = SparseMoE(8, 4, 2, 4, 4, key=getkey())
+    params, static = eqx.partition(moe, eqx.is_array)
+    mesh = jax.make_mesh(
+        (2, 2), ("a", "b"), devices=jax.devices()[:4], axis_types=(AxisType.Auto,) * 2
+    )
+
+    def trace(split, axis, call=lambda m, x, axis: m(x, expert_axis=axis)[0]):
+        f = jax.shard_map(
+            lambda p, x: call(eqx.combine(p, static), x, axis),
+            mesh=mesh,
+            in_specs=(expert_partition_specs(params, split), P(("a", "b"))),
+            out_specs=P(("a", "b")),
+        )
+        return jax.eval_shape(f, params, jnp.ones((16, 8)))
+
+    assert trace("a", "a").shape == (16, 8)  # the right axis
+    with pytest.raises(ValueError, match=r"`expert_axis='b'`, but the experts' weights are split"):
+        trace("a", "b")
+    with pytest.raises(ValueError, match=r"holds 2 of them with `expert_axis=None`.*\['a'\]"):
+        trace("a", None)
+
+    def experts_alone(m, x, axis):
+        ids = jnp.zeros((x.shape[0], 2), jnp.int32).at[:, 1].set(1)
+        return m.experts(x, ids, jnp.ones((x.shape[0], 2)), expert_axis=axis)
+
+    with pytest.raises(ValueError, match=r"`expert_axis='b'`, but the experts' weights are split"):
+        trace("a", "b", experts_alone)
+
+
+def test_bad_expert_arguments_name_what_to_change(getkey, without_runtime_typecheck):
+    moe = SparseMoE(8, 4, 2, 6, 4, key=getkey())
+    experts, x = moe.experts, jnp.ones((5, 8))
+    ids, weights = jnp.zeros((5, 2), jnp.int32).at[:, 1].set(1), jnp.ones((5, 2))
+    with pytest.raises(ValueError, match=r"`norm_topk_prob` must be True or False; got 'no'"):
+        SparseMoE(8, 4, 2, 6, 4, norm_topk_prob="no", key=getkey())  # pyright: ignore
+    with pytest.raises(TypeError, match=r"`expert_axis` must be None, the name of a mesh axis"):
+        moe(x, expert_axis=123)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match=r"`experts` must be an integer array.*float32"):
+        experts(x, ids.astype(jnp.float32), weights)
+    with pytest.raises(ValueError, match=r"`weights` must have the shape of `experts`, \(5, 2\)"):
+        experts(x, ids, weights[:, :1])
+    with pytest.raises(ValueError, match=r"`experts` must have shape \(seq, k\) with seq = 3"):
+        experts(x[:3], ids, weights)  # fewer tokens than rows of ids (a clamped gather)
+    with pytest.raises(ValueError, match=r"`x` must have shape \(seq, hidden\) with hidden = 8"):
+        moe(jnp.ones((5, 7)))
+    # Ids outside [0, E) were dropped silently: concrete ones at the call, traced ones when
+    # the computation runs.
+    with pytest.raises(ValueError, match=r"ids in \[0, 4\); got 4 at \(2, 1\)"):
+        experts(x, ids.at[2, 1].set(4), weights)
+    with pytest.raises(RuntimeError, match=r"ids in \[0, 4\)"):
+        eqx.filter_jit(lambda i: experts(x, i, weights))(ids.at[0, 0].set(-1)).block_until_ready()

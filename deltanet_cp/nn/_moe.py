@@ -8,11 +8,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from .._sharding import cotangent_like, varying
-from .._validate import as_positive_index
+from .._precision import accumulation_dtype
+from .._sharding import cotangent_like, varying, varying_axes
+from .._validate import as_flag, as_positive_index
 from ._hybrid import SwiGLU
 
 
@@ -92,7 +94,7 @@ def _rows(token, weight, x, start, valid, tile: int):
     tokens' rows of `x` (zero where not valid)."""
     idx = jax.lax.dynamic_slice_in_dim(token, start, tile)
     wt = jax.lax.dynamic_slice_in_dim(weight, start, tile)
-    ok = jnp.arange(tile) < valid
+    ok = jnp.arange(tile, dtype=valid.dtype) < valid
     return idx, wt, ok, jnp.where(ok[:, None], x[idx], 0)
 
 
@@ -109,7 +111,9 @@ def _routed(tile: int, x, token, weight, group_sizes, gate, up, down):
     how many pairs each expert has (pairs after them are not computed), both padded by
     `tile` at the end. A loop over tiles of `tile` pairs of one expert each: the rows
     computed are the routed ones plus under one tile per expert (no product over every
-    expert, as XLA:CPU's `ragged_dot` lowering forms). float32 accumulation; `x`'s dtype out.
+    expert, as XLA:CPU's `ragged_dot` lowering forms). `x` and the weights in one dtype;
+    the sums in the accumulation dtype (float64 for float64 operands, else float32);
+    `x`'s dtype out.
     """
     return _routed_fwd(tile, x, token, weight, group_sizes, gate, up, down)[0]
 
@@ -118,6 +122,7 @@ def _routed_fwd(tile, x, token, weight, group_sizes, gate, up, down):
     """The output, and as residuals the inputs and every pair's two projections (`gate`
     and `up`, in pair order): the backward then forms only the products autodiff would."""
     primals = (x, token, weight, group_sizes, gate, up, down)
+    acc = accumulation_dtype(x, weight)
     total = _tile(0, group_sizes, tile)[3]
 
     def body(n, carry):
@@ -128,11 +133,11 @@ def _routed_fwd(tile, x, token, weight, group_sizes, gate, up, down):
         keep = ok[:, None]
         pa = _put_rows(pa, jnp.where(keep, a, 0), start, keep)
         pb = _put_rows(pb, jnp.where(keep, b, 0), start, keep)
-        ys = ys.astype(jnp.float32) * wt[:, None].astype(jnp.float32)
+        ys = ys.astype(acc) * wt[:, None].astype(acc)
         return y.at[idx].add(jnp.where(keep, ys, 0)), pa, pb
 
     rows = (token.shape[0], gate.shape[1])
-    carry = (jnp.zeros(x.shape, jnp.float32), jnp.zeros(rows, x.dtype), jnp.zeros(rows, x.dtype))
+    carry = (jnp.zeros(x.shape, acc), jnp.zeros(rows, x.dtype), jnp.zeros(rows, x.dtype))
     y, pa, pb = jax.lax.fori_loop(0, total, body, varying(carry, primals))
     return y.astype(x.dtype), (primals, pa, pb)
 
@@ -147,44 +152,50 @@ def _put_rows(array, rows, start, keep):
 def _routed_bwd(tile, residuals, dy):
     primals, pa, pb = residuals
     x, token, weight, group_sizes, gate, up, down = primals
-    f32 = jnp.float32
+    acc = accumulation_dtype(x, weight)
     total = _tile(0, group_sizes, tile)[3]
 
-    def body(n, acc):
-        dx, dw, dg, du, dd = acc
+    def body(n, sums):
+        dx, dw, dg, du, dd = sums
         e, start, valid, _ = _tile(n, group_sizes, tile)
         idx, wt, ok, xs = _rows(token, weight, x, start, valid, tile)
-        keep = ok[:, None]
+        dys = jnp.where(ok[:, None], dy[idx], 0)
+        # The rows that enter the products: this expert's pairs (a tile's last rows may be
+        # the next expert's, whose projections `pa`, `pb` hold) whose token has a
+        # cotangent. The others are zeroed before any product, so that they add exact
+        # zeros even where their activations overflowed (0 x inf would be NaN).
+        keep = (ok & jnp.any(dys != 0, axis=-1))[:, None]
+        xs = jnp.where(keep, xs, 0)
         a = jax.lax.dynamic_slice_in_dim(pa, start, tile)
         b = jax.lax.dynamic_slice_in_dim(pb, start, tile)
         s = jax.nn.silu(a)
         h = s * b
-        dys = jnp.where(keep, dy[idx], 0)
         # The cotangent of the expert's output is `wt * dys`: through the down projection,
         # `wt * (dys @ down)`; the routing weight's, `dys . (h @ down.T) = (dys @ down) . h`.
         back = dys @ down[e]
-        dwt = jnp.sum(back.astype(f32) * h.astype(f32), axis=-1)
-        dw = _put_rows(dw, dwt, start, ok)
+        dwt = jnp.sum(back.astype(acc) * h.astype(acc), axis=-1)
+        dw = _put_rows(dw, jnp.where(keep[:, 0], dwt, 0), start, ok)
+        h = jnp.where(keep, h, 0)
         w = wt[:, None].astype(dys.dtype)
         dh = back * w
         sig = jax.nn.sigmoid(a)
-        da = dh * b * (sig * (1 + a * (1 - sig)))
-        db = dh * s
-        dd = dd.at[e].add(((dys * w).T @ h).astype(f32))
-        dg = dg.at[e].add((da.T @ xs).astype(f32))
-        du = du.at[e].add((db.T @ xs).astype(f32))
-        dx = dx.at[idx].add(jnp.where(keep, da @ gate[e] + db @ up[e], 0).astype(f32))
+        da = jnp.where(keep, dh * b * (sig * (1 + a * (1 - sig))), 0)
+        db = jnp.where(keep, dh * s, 0)
+        dd = dd.at[e].add(((dys * w).T @ h).astype(acc))
+        dg = dg.at[e].add((da.T @ xs).astype(acc))
+        du = du.at[e].add((db.T @ xs).astype(acc))
+        dx = dx.at[idx].add(jnp.where(keep, da @ gate[e] + db @ up[e], 0).astype(acc))
         return dx, dw, dg, du, dd
 
-    acc = (
-        jnp.zeros(x.shape, f32),
-        jnp.zeros(weight.shape, f32),
-        jnp.zeros(gate.shape, f32),
-        jnp.zeros(up.shape, f32),
-        jnp.zeros(down.shape, f32),
+    sums = (
+        jnp.zeros(x.shape, acc),
+        jnp.zeros(weight.shape, acc),
+        jnp.zeros(gate.shape, acc),
+        jnp.zeros(up.shape, acc),
+        jnp.zeros(down.shape, acc),
     )
-    acc = jax.lax.fori_loop(0, total, body, varying(acc, (*primals, dy)))
-    dx, dw, dg, du, dd = acc
+    sums = jax.lax.fori_loop(0, total, body, varying(sums, (*primals, dy)))
+    dx, dw, dg, du, dd = sums
     cts = (
         dx.astype(x.dtype),
         None,
@@ -200,6 +211,88 @@ def _routed_bwd(tile, residuals, dy):
 _routed.defvjp(_routed_fwd, _routed_bwd)
 
 
+def _as_expert_axis(expert_axis: object) -> ExpertAxis:
+    """`expert_axis` as passed: `None`, a mesh axis name or a non-empty tuple of names;
+    a `TypeError` naming the argument otherwise."""
+    if expert_axis is None or isinstance(expert_axis, str):
+        return expert_axis
+    if (
+        isinstance(expert_axis, tuple)
+        and expert_axis
+        and all(isinstance(a, str) for a in expert_axis)
+    ):
+        return expert_axis
+    raise TypeError(
+        "`expert_axis` must be None, the name of a mesh axis of the enclosing "
+        f"`jax.shard_map` (a str) or a non-empty tuple of names; got {expert_axis!r} of type "
+        f"{type(expert_axis).__name__}."
+    )
+
+
+def _axis_size(expert_axis: str | tuple[str, ...]) -> int:
+    """The ranks of `expert_axis`; a `ValueError` if the enclosing `jax.shard_map` has no
+    such axis."""
+    try:
+        return jax.lax.axis_size(expert_axis)
+    except NameError:
+        raise ValueError(
+            f"`expert_axis={expert_axis!r}` names a mesh axis of an enclosing "
+            "`jax.shard_map`, and there is none of that name here. Call the layer inside "
+            "`jax.shard_map` over a mesh with that axis, or pass `expert_axis=None`."
+        ) from None
+
+
+def _common_dtype(*dtypes) -> np.dtype:
+    """The dtype that holds all of `dtypes` (JAX's standard promotion, whatever the
+    configured one: float16 and bfloat16 meet in float32)."""
+    with jax.numpy_dtype_promotion("standard"):
+        return np.dtype(ft.reduce(jnp.promote_types, dtypes))
+
+
+def _check_x(x: object, hidden: int) -> None:
+    """A `ValueError` naming `x` unless it is a floating-point `(seq, hidden)` array."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            "`x` must be a floating-point array (seq, hidden); got "
+            f"{type(x).__name__ if dtype is None else dtype}. Cast it with `.astype(...)`."
+        )
+    shape = tuple(getattr(x, "shape", ()))
+    if len(shape) != 2 or shape[1] != hidden:
+        raise ValueError(
+            f"`x` must have shape (seq, hidden) with hidden = {hidden}; got {shape}. It "
+            "takes one sequence: `jax.vmap` it over a batch."
+        )
+
+
+def _check_ids(experts: Array, count: int, expert_axis: ExpertAxis) -> Array:
+    """`experts` with its ids checked to be in `[0, count)`: concrete ones with a
+    `ValueError`, traced ones through `equinox.error_if` (reduced over the mesh axes they
+    vary over, so that every rank fails together). A gather would silently clamp them."""
+    where = "" if expert_axis is None else f" (over the ranks of `expert_axis={expert_axis!r}`)"
+    message = f"`experts` must be expert ids in [0, {count}){where}"
+    try:
+        values = np.asarray(experts)
+    except jax.errors.TracerArrayConversionError:
+        values = None
+    if values is not None:
+        bad = np.argwhere((values < 0) | (values >= count))
+        if len(bad):
+            at = tuple(int(i) for i in bad[0])
+            raise ValueError(
+                f"{message}; got {int(values[at])} at {at} ({len(bad)} id(s) out of range). "
+                "A gather would silently clamp it: fix the ids."
+            )
+        return experts
+    bad = jnp.any((experts < 0) | (experts >= count))
+    axes = tuple(sorted(varying_axes(bad), key=str))
+    if axes:
+        bad = jax.lax.psum(bad.astype(jnp.int32), axes) > 0
+    # The check is made on a replicated zero added to the ids.
+    zero = eqx.error_if(jnp.zeros((), experts.dtype), bad, message + ".")
+    return experts + zero
+
+
 class SwiGLUExperts(eqx.Module):
     """`E` SwiGLU MLPs, `down_e(silu(gate_e(x)) * up_e(x))`, their weights stacked; each token
     goes through the experts it is routed to.
@@ -210,7 +303,13 @@ class SwiGLUExperts(eqx.Module):
     per expert, at most 1.25x the routed ones when the tokens times `top_k` are at least
     32 per expert. Gradients (a hand-written backward over the same tiles) flow to the
     weights, the tokens and the routing weights (not to the choice of experts, an integer);
-    forward-mode differentiation is not supported.
+    forward-mode differentiation is not supported. A token whose output cotangent is zero
+    (masked out of the loss before any nonlinearity) adds exact zeros to every gradient,
+    even where its activations overflow; a non-finite value of a token reaches the
+    gradients of the experts it is routed to only.
+
+    The experts compute in their weights' dtype (`x` is cast to it), their sums in float32
+    (float64 for float64 weights or routing weights), and return `x`'s dtype.
 
     With `expert_axis`, the experts are split over the ranks of that mesh axis (or axes)
     inside `jax.shard_map`: this module holds the rank's slice of them (`E / ranks`
@@ -284,8 +383,56 @@ class SwiGLUExperts(eqx.Module):
 
         $\\sum_j$ `weights[t, j]` $\\cdot$ `expert[experts[t, j]](x[t])` for every token `t`,
         in `x`'s dtype.
+
+        **Raises:**
+
+        `TypeError` for `experts` not of an integer dtype or an `expert_axis` that is not a
+        name or a tuple of names. `ValueError` for `x` not `(seq, hidden)`, `experts` and
+        `weights` not `(seq, k)` for `x`'s `seq`, an id outside `[0, E)` (under `jax.jit`
+        through `equinox.error_if`, when the computation runs), an `expert_axis` that names
+        no axis of the enclosing `jax.shard_map`, or experts whose weights vary over other
+        mesh axes than `expert_axis` (they are split over those: name them).
         """
+        expert_axis = _as_expert_axis(expert_axis)
+        self._check_arguments(x, experts, weights)
+        ranks = 1 if expert_axis is None else _check_placement(self, expert_axis, None)
+        experts = _check_ids(experts, self.num_experts * ranks, expert_axis)
+        return self._apply(x, experts, weights, expert_axis).astype(x.dtype)
+
+    def _check_arguments(self, x, experts, weights) -> None:
+        _check_x(x, self.gate_proj.shape[2])
+        dtype = getattr(experts, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+            raise TypeError(
+                "`experts` must be an integer array of expert ids, (seq, k); got "
+                f"{type(experts).__name__ if dtype is None else dtype}. Pass the router's "
+                "choice (`SparseMoE.route`), or cast whole-number ids with `.astype(jnp.int32)`."
+            )
+        shape = tuple(experts.shape)
+        if len(shape) != 2 or shape[0] != x.shape[0]:
+            raise ValueError(
+                f"`experts` must have shape (seq, k) with seq = {x.shape[0]}, one row of ids "
+                f"per token of `x`; got {shape}."
+            )
+        wdtype = getattr(weights, "dtype", None)
+        if wdtype is None or not jnp.issubdtype(wdtype, jnp.floating):
+            raise ValueError(
+                "`weights` must be a floating-point array (seq, k), the weight of each chosen "
+                f"expert; got {type(weights).__name__ if wdtype is None else wdtype}."
+            )
+        if tuple(weights.shape) != shape:
+            raise ValueError(
+                f"`weights` must have the shape of `experts`, {shape}: one weight per chosen "
+                f"expert; got {tuple(weights.shape)}."
+            )
+
+    def _apply(self, x, experts, weights, expert_axis: ExpertAxis) -> Array:
+        """The routed output in the experts' dtype, the arguments checked."""
+        dtype = _common_dtype(*(w.dtype for w in self._weights()))
         t, k = experts.shape
+        if t == 0:
+            return varying(jnp.zeros(x.shape, dtype), x)
+        x = x.astype(dtype)
         held = self.num_experts
         if expert_axis is None:
             rank = 0
@@ -302,7 +449,8 @@ class SwiGLUExperts(eqx.Module):
         tile = _tile_rows(t * k, held)
         token = jnp.pad((order // k).astype(jnp.int32), (0, tile))
         weight = jnp.pad(jnp.where(mine, weights.reshape(-1), 0)[order], (0, tile))
-        y = cast(Array, _routed(tile, x, token, weight, group_sizes, *self._weights()))
+        gate, up, down = (w.astype(dtype) for w in self._weights())
+        y = cast(Array, _routed(tile, x, token, weight, group_sizes, gate, up, down))
         if expert_axis is not None:
             y = jax.lax.psum_scatter(y, expert_axis, tiled=True)
         return y
@@ -358,7 +506,8 @@ class SparseMoE(eqx.Module):
 
         **Raises:**
 
-        `ValueError` if `top_k` is not in `[1, num_experts]`.
+        `ValueError` if `top_k` is not in `[1, num_experts]`, or `norm_topk_prob` is not a
+        bool.
         """
         e = as_positive_index(num_experts, "num_experts")
         k = as_positive_index(top_k, "top_k")
@@ -373,25 +522,33 @@ class SparseMoE(eqx.Module):
         self.shared_expert = SwiGLU(hidden_size, shared_intermediate_size, key=ks, dtype=dtype)
         self.shared_expert_gate = eqx.nn.Linear(hidden_size, 1, use_bias=False, key=kg, dtype=dtype)
         self.top_k = k
-        self.norm_topk_prob = bool(norm_topk_prob)
+        self.norm_topk_prob = as_flag(norm_topk_prob, "`norm_topk_prob`")
 
     def route(
         self, x: Float[Array, "seq hidden"]
     ) -> tuple[Float[Array, "seq experts"], Int[Array, "seq k"], Float[Array, "seq k"]]:
         """The router's decision for each token.
 
+        The logits in the router's dtype (`x` cast to it), the softmax in float32 (float64
+        for a float64 router). Ties go to the lower expert id (`jax.lax.top_k`'s rule), so
+        exactly equal probabilities choose the same experts on every backend; transformers'
+        `torch.topk` promises no order among ties (its CPU kernel's choice among equal
+        values even changes with `k`), so on such ties it may choose other experts.
+
         **Returns:**
 
-        `(probabilities, experts, weights)`: the softmax over all experts (float32), the
-        `top_k` chosen experts (most probable first) and their weights (renormalised if
+        `(probabilities, experts, weights)`: the softmax over all experts, the `top_k`
+        chosen experts (most probable first) and their weights (renormalised if
         `norm_topk_prob`, in `x`'s dtype).
         """
-        logits = x @ self.gate.weight.T
-        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        _check_x(x, self.gate.weight.shape[1])
+        w = self.gate.weight
+        logits = x.astype(w.dtype) @ w.T
+        probs = jax.nn.softmax(logits.astype(accumulation_dtype(logits)), axis=-1)
         top, experts = jax.lax.top_k(probs, self.top_k)
         if self.norm_topk_prob:
             top = top / jnp.sum(top, axis=-1, keepdims=True)
-        return probs, experts, top.astype(logits.dtype)
+        return probs, experts, top.astype(x.dtype)
 
     def __call__(
         self, x: Float[Array, "seq hidden"], *, expert_axis: ExpertAxis = None
@@ -408,6 +565,10 @@ class SparseMoE(eqx.Module):
             experts' pairs and the outputs are summed back onto their ranks. The router
             and the shared expert are whole on every rank.
 
+        Each part computes in its parameters' dtype (the router, the routed experts, the
+        shared expert and its gate may differ: a checkpoint with float32 experts and
+        bfloat16 other tensors), their sum in the dtype that holds them all.
+
         **Returns:**
 
         `(y, stats)`: the block's output, `x`'s shape and dtype, and the routing's
@@ -415,45 +576,79 @@ class SparseMoE(eqx.Module):
 
         **Raises:**
 
-        `ValueError` if `expert_axis` names no axis of the enclosing `jax.shard_map`, or if
-        its ranks times the experts this module holds are not the router's experts.
+        `TypeError` if `expert_axis` is not a name or a tuple of names; `ValueError` for
+        `x` not `(seq, hidden)`, if `expert_axis` names no axis of the enclosing
+        `jax.shard_map`, if its ranks times the experts this module holds are not the
+        router's experts (with `expert_axis=None`: if this module does not hold every
+        expert), or if the experts' weights vary over other mesh axes than `expert_axis`
+        (they are split over those).
         """
-        if expert_axis is not None:
-            self._check_split(expert_axis)
+        expert_axis = _as_expert_axis(expert_axis)
+        _check_placement(self.experts, expert_axis, self.gate.weight.shape[0])
         probs, experts, weights = self.route(x)
-        routed = self.experts(x, experts, weights, expert_axis=expert_axis)
-        shared = jax.vmap(self.shared_expert)(x)
-        gate = jax.nn.sigmoid(x @ self.shared_expert_gate.weight.T)
+        routed = self.experts._apply(x, experts, weights, expert_axis)
+        s, g = self.shared_expert.down_proj.weight, self.shared_expert_gate.weight
+        shared = jax.vmap(self.shared_expert)(x.astype(s.dtype))
+        gate = jax.nn.sigmoid(x.astype(g.dtype) @ g.T)
+        dtype = _common_dtype(routed.dtype, shared.dtype, gate.dtype)
+        y = routed.astype(dtype) + gate.astype(dtype) * shared.astype(dtype)
         stats = RouterStats(
             counts=jnp.zeros(probs.shape[-1], jnp.float32).at[experts.reshape(-1)].add(1.0),
-            probabilities=jnp.sum(probs, axis=0),
+            probabilities=jnp.sum(probs, axis=0).astype(jnp.float32),
             tokens=jnp.asarray(x.shape[0], jnp.float32),
         )
-        return routed + gate * shared, stats
+        return y.astype(x.dtype), stats
 
-    def _check_split(self, expert_axis: str | tuple[str, ...]) -> None:
-        try:
-            ranks = jax.lax.axis_size(expert_axis)
-        except NameError:
+
+def _check_placement(experts: SwiGLUExperts, expert_axis: ExpertAxis, total: int | None) -> int:
+    """The ranks of `expert_axis` (1 if `None`), after checking the experts' placement:
+    the mesh axes their weights vary over (inside `jax.shard_map`, those they are split
+    over) include `expert_axis`'s, and, given the router's `total` experts, the ranks
+    times the experts held are `total`. A `ValueError` naming the fix otherwise."""
+    held = experts.num_experts
+    split = frozenset().union(
+        *(varying_axes(w) for w in (experts.gate_proj, experts.up_proj, experts.down_proj))
+    )
+    split_names = sorted(split, key=str)
+    ranks = 1
+    if expert_axis is not None:
+        ranks = _axis_size(expert_axis)
+        names = (expert_axis,) if isinstance(expert_axis, str) else expert_axis
+        missing = [a for a in names if a not in split]
+        if split and missing:
             raise ValueError(
-                f"`expert_axis={expert_axis!r}` names a mesh axis of an enclosing "
-                "`jax.shard_map`, and there is none of that name here. Call the layer inside "
-                "`jax.shard_map` over a mesh with that axis, or pass `expert_axis=None`."
-            ) from None
-        total, held = self.gate.weight.shape[0], self.experts.num_experts
-        if held * ranks != total:
-            hint = (
-                f"{total} experts cannot be split evenly over {ranks} ranks: use an expert "
-                f"axis whose size divides {total}"
-                if total % ranks
-                else f"pass the experts' weights sharded over {expert_axis!r} on their first "
-                "dimension (`in_specs` from `deltanet_cp.nn.expert_partition_specs`), "
-                f"{total // ranks} per rank"
+                f"`expert_axis={expert_axis!r}`, but the experts' weights are split over the "
+                f"mesh axes {split_names} (they vary over those, not over {missing}): pass "
+                "`expert_axis` naming the axes of the weights' `in_specs`, or shard the "
+                f"weights over {expert_axis!r} (`in_specs` from "
+                f"`deltanet_cp.nn.expert_partition_specs(params, {expert_axis!r})`)."
             )
-            raise ValueError(
-                f"The router has {total} experts and this rank holds {held}, over the "
-                f"{ranks} ranks of `expert_axis={expert_axis!r}`: {hint}."
-            )
+    if total is None or held * ranks == total:
+        return ranks
+    if expert_axis is None:
+        where = (
+            f"its weights are split over the mesh axes {split_names}: pass `expert_axis` "
+            "naming them (and the tokens split over them too)"
+            if split
+            else "pass `expert_axis` naming the mesh axes the experts are split over "
+            "(inside `jax.shard_map`), or every expert's weights"
+        )
+        raise ValueError(
+            f"The router has {total} experts and this layer holds {held} of them with "
+            f"`expert_axis=None`, which runs every expert on every rank: {where}."
+        )
+    hint = (
+        f"{total} experts cannot be split evenly over {ranks} ranks: use an expert "
+        f"axis whose size divides {total}"
+        if total % ranks
+        else f"pass the experts' weights sharded over {expert_axis!r} on their first "
+        "dimension (`in_specs` from `deltanet_cp.nn.expert_partition_specs`), "
+        f"{total // ranks} per rank"
+    )
+    raise ValueError(
+        f"The router has {total} experts and this rank holds {held}, over the "
+        f"{ranks} ranks of `expert_axis={expert_axis!r}`: {hint}."
+    )
 
 
 def expert_partition_specs(tree: PyTree, expert_axis: str | tuple[str, ...]) -> PyTree:
