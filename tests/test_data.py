@@ -159,6 +159,37 @@ def test_vmapped_layer_takes_the_batched_cu_seqlens():
         np.testing.assert_allclose(out[r], alone(layer, x[r], cu), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # two compilations of a layer under shard_map: ~60 s on two shared cores
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["contiguous", "zigzag"])
+def test_batched_cu_seqlens_under_context_parallelism(layout):
+    """The rows' slices and global offsets (`make_global_batch`) through a layer vmapped
+    over rows inside `shard_map` at dp=2 x cp=4: one device's outputs, with documents
+    across rank boundaries, a row that is one document, and empty segments."""
+    docs = [[1] * 5, [2] * 11, [3] * 19, [4] * 3, [5] * 32, [6] * 2, [7] * 13]
+    packed = pack_documents(docs, 32, max_documents=3)
+    packed = PackedRows(*(np.resize(a, (4, *a.shape[1:])) for a in packed))
+    layer = dcp.nn.GatedDeltaNet(8, 2, 2, 4, 4, chunk_size=2, key=jr.key(0))
+    x = np.asarray(jr.normal(jr.key(1), (4, 32, 8)))
+    mesh = _mesh()
+    batch = make_global_batch(packed, mesh, layout, data_axis="dp", context_axis="cp")
+    xs = jax.device_put(layout.to_layout(x, 4), jax.sharding.NamedSharding(mesh, P("dp", "cp")))
+    cp = dcp.ContextParallel("cp", layout=layout)
+    params, static = eqx.partition(layer, eqx.is_array)
+
+    def per_rank(params, x, cu):
+        m = eqx.combine(params, static)
+        return jax.vmap(lambda xi, ci: m(xi, cp=cp, cu_seqlens=ci))(x, cu)
+
+    rows, seq = P("dp", None), P("dp", "cp")
+    out = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), seq, rows), out_specs=seq))(
+        params, xs, batch.cu_seqlens
+    )
+    one = eqx.filter_jit(lambda m, x, cu: jax.vmap(lambda xi, ci: m(xi, cu_seqlens=ci))(x, cu))(
+        layer, x, jnp.asarray(packed.cu_seqlens)
+    )
+    np.testing.assert_allclose(layout.from_layout(out, 4), one, rtol=1e-5, atol=1e-6)
+
+
 def _mesh():
     return jax.make_mesh((2, 4), ("dp", "cp"), devices=jax.devices()[:8])
 
@@ -255,9 +286,10 @@ def test_loss_over_ranks_is_the_batch_mean(layout):
         return loss, count, own[None, None], own_count[None, None]
 
     spec = P("dp", "cp")
-    loss, count, own, own_count = jax.jit(
+    sharded = jax.jit(
         jax.shard_map(per_rank, mesh=mesh, in_specs=(spec, spec), out_specs=(P(), P(), spec, spec))
-    )(z, batch.labels)
+    )
+    loss, count, own, own_count = sharded(z, batch.labels)
     one_loss, one_count = jax.jit(causal_lm_loss)(jnp.asarray(logits), jnp.asarray(labels))
     ref, ref_count = _reference_loss(logits, labels)
     assert int(count) == int(one_count) == ref_count
@@ -267,6 +299,11 @@ def test_loss_over_ranks_is_the_batch_mean(layout):
     own, own_count = np.asarray(own), np.asarray(own_count)
     assert len(set(own_count.ravel().tolist())) > 2
     assert abs(own[own_count > 0].mean() - ref) > 1e-2 * ref
+    # A label outside the vocabulary on one rank is an error (raised on every rank).
+    bad = np.asarray(batch.labels).copy()
+    bad[3, 5] = 11
+    with pytest.raises(Exception, match=r"must lie in \[0, 11\)"):
+        jax.block_until_ready(sharded(z, jax.device_put(bad, batch.labels.sharding)))
 
 
 def test_loss_checks_its_labels_and_casts_to_float32():
