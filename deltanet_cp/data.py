@@ -251,23 +251,20 @@ def pack_documents(
             piece = slice(start, start + row_length)
             units.append((i, start, ids[piece], labels[piece]))
 
-    # First fit: room left and documents held per row (grown as rows open).
-    room = np.zeros(0, np.int64)
+    # First fit over the rows opened so far (at most one per unit): the room left in each,
+    # -1 once it holds `max_documents`, so that no unit fits there any more.
+    room = np.full(len(units), -1, np.int64)
     held: list[list[tuple[int, int, np.ndarray, np.ndarray]]] = []
     for unit in units:
         n = unit[2].shape[0]
-        fits = room >= n
-        if max_documents is not None:
-            fits &= np.asarray([len(r) < max_documents for r in held], bool).reshape(room.shape)
-        candidates = np.flatnonzero(fits)
-        if candidates.size:
-            r = int(candidates[0])
-        else:
-            r = len(held)
+        r = int(np.argmax(room >= n)) if (room >= n).any() else len(held)
+        if r == len(held):
             held.append([])
-            room = np.append(room, row_length)
+            room[r] = row_length
         held[r].append(unit)
         room[r] -= n
+        if max_documents is not None and len(held[r]) == max_documents:
+            room[r] = -1
 
     width = max_documents if max_documents is not None else max(len(r) for r in held)
     rows = len(held)
