@@ -4,6 +4,7 @@ from importlib import metadata as _metadata
 
 from . import (
     chunkops as chunkops,
+    data as data,
     interop as interop,
     models as models,
     nn as nn,
