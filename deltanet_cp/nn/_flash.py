@@ -16,6 +16,10 @@ Every entry point takes a resolved precision policy (`.._precision`): the tile p
 (`q k^T` and `p v`, in the backward `do v^T`, `ds k`, `ds^T q` and `p^T do`) multiply under
 it, while the softmax statistics (running max, denominator, log-sum-exp), the accumulators
 and the gradients' sums stay in the accumulation dtype whatever the policy.
+
+A non-finite query, key or value reaches only the queries that see it (`mark_non_finite`):
+a masked score gives a zero weight, and `0 * nan` in the weights' product with the values
+would otherwise carry a NaN to every query of the tile, forward and backward.
 """
 
 import functools as ft
@@ -79,6 +83,34 @@ def _put(x: Array, y: Array, i: Array) -> Array:
     return jax.lax.dynamic_update_index_in_dim(x, y.astype(x.dtype), i, 0)
 
 
+def _rows_finite(x: Array) -> Array:
+    """Whether each row (the last axis: one token's vector for one head) is finite."""
+    return jnp.all(jnp.isfinite(x), axis=-1, keepdims=True)
+
+
+def mark_non_finite(q: Array, k: Array, v: Array) -> tuple[Array, Array, Array]:
+    """`(q, k, v)` with their non-finite rows made harmless to the queries that do not see
+    them: a query row holding a NaN or infinity becomes NaN, and so does the key of a key
+    or value row that does, whose value becomes 0.
+
+    A masked score gives a weight of exactly 0, which times a NaN value would still be NaN
+    in the weights' product with the values. Zero values make it 0, and the NaN key makes
+    the score NaN for the queries that do see the key, whose running maximum, and so
+    output, then turn NaN (their log-sum-exp too; see `_flash_finish`). The backward drops
+    the rows whose output is NaN (`_flash_grad_prep`) and multiplies finite copies of the
+    queries and keys (`_finite`), so that a NaN reaches no other query's gradients either.
+    Finite inputs pass unchanged.
+    """
+    ok = _rows_finite(k) & _rows_finite(v)
+    q = jnp.where(_rows_finite(q), q, jnp.nan)
+    return q, jnp.where(ok, k, jnp.nan), jnp.where(ok, v, 0)
+
+
+def _finite(x: Array) -> Array:
+    """`x` with its non-finite entries (the rows `mark_non_finite` made NaN) read as 0."""
+    return jnp.where(jnp.isfinite(x), x, 0)
+
+
 def _tile_scores(q, k, pos_q, pos_k, i, j, acc, precision):
     """Scores of tile `(i, j)`, `(heads, block, block)`, and the causal mask of the tile."""
     s = _dot("qhd,khd->hqk", _take(q, i), _take(k, j), precision, acc)
@@ -122,12 +154,14 @@ def _flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, state, precision):
 
 
 def _flash_finish(state: tuple[Array, Array, Array]) -> tuple[Array, Array]:
-    """`(out, lse)` from an online-softmax state: 0 and `-inf` where no key was seen."""
+    """`(out, lse)` from an online-softmax state: 0 and `-inf` where no key was seen, NaN
+    and NaN where a NaN score was (a query that saw a non-finite key, or is one)."""
     o, m, denom = state
     seen = denom > 0
     safe_l = jnp.where(seen, denom, 1)
     out = o / safe_l.transpose(0, 2, 1)[..., None]
-    lse = jnp.where(seen, m + jnp.log(safe_l), -jnp.inf)
+    unseen = jnp.where(jnp.isnan(denom), jnp.nan, -jnp.inf)
+    lse = jnp.where(seen, m + jnp.log(safe_l), unseen)
     return out, lse
 
 
@@ -178,6 +212,11 @@ def flash(
     each query's visible scores `(nq, heads, block)`, both in the accumulation dtype. A
     query that sees no key gets output 0 and log-sum-exp `-inf`. Partial results over
     disjoint keys merge with `logaddexp`; gradients flow through both outputs.
+
+    A query that sees a non-finite key or value row (a head of one token), or holds a
+    non-finite value itself, gets output and log-sum-exp NaN in that head, and takes no
+    part in the backward (its cotangent is not read); no other query's output or gradient
+    changes (`mark_non_finite`).
     """
     precision = check_precision(precision)
     return _flash_vjp(precision, gather, q, k, v, pos_q, pos_k, tiles, row, count)
@@ -190,43 +229,54 @@ def _gathered(x: Array, gather: str | None) -> Array:
 
 @ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _flash_vjp(precision, gather, q, k, v, pos_q, pos_k, tiles, row, count):
+    q, k, v = mark_non_finite(q, k, v)
     k, v = _gathered(k, gather), _gathered(v, gather)
     return _flash_forward(precision, q, k, v, pos_q, pos_k, tiles, row, count)
 
 
 def _flash_fwd(precision, gather, q, k, v, pos_q, pos_k, tiles, row, count):
+    q, k, v = mark_non_finite(q, k, v)
     k, v = _gathered(k, gather), _gathered(v, gather)
     out, lse = _flash_forward(precision, q, k, v, pos_q, pos_k, tiles, row, count)
     return (out, lse), (q, k, v, pos_q, pos_k, tiles, row, count, out, lse)
 
 
 def _flash_grad_prep(out, lse, d_out, d_lse):
-    """`(d_out, lse, delta)` for `_flash_grad_steps`: the output's cotangent in the
-    accumulation dtype, the log-sum-exp with `-inf` (no key seen) made 0, and
-    `delta = rowsum(d_out * out) - d_lse`, `(nq, heads, block)`."""
+    """`(d_out, lse, delta, keep)` for `_flash_grad_steps`: the output's cotangent in the
+    accumulation dtype, the log-sum-exp with `-inf` (no key seen) made 0,
+    `delta = rowsum(d_out * out) - d_lse`, `(nq, heads, block)`, and where the output is
+    not NaN (`keep`, `(nq, heads, block)`).
+
+    A query whose output is NaN (it saw a non-finite key, or is one: `mark_non_finite`)
+    takes no part in the backward: its cotangent and `delta` are made 0 and its tiles'
+    weights are masked, so that `0 * nan` carries no NaN to the keys it shares a tile with.
+    """
     acc = out.dtype
-    d_out = d_out.astype(acc)
+    keep = ~jnp.isnan(lse)
+    d_out = jnp.where(keep.transpose(0, 2, 1)[..., None], d_out.astype(acc), 0)
     delta = jnp.sum(d_out * out, axis=-1).transpose(0, 2, 1)
     if d_lse is not None:
         delta = delta - d_lse.astype(acc)
-    return d_out, jnp.where(jnp.isfinite(lse), lse, 0), delta
+    delta = jnp.where(keep, delta, 0)
+    return d_out, jnp.where(jnp.isfinite(lse), lse, 0), delta, keep
 
 
-def _flash_grad_steps(
-    q, k, v, pos_q, pos_k, tiles, row, count, lse, delta, d_out, grads, precision
-):
+def _flash_grad_steps(q, k, v, pos_q, pos_k, tiles, row, count, prep, grads, precision):
     """Add the listed tiles' gradients to `grads = (dq, dk, dv)` (accumulation dtype), the
-    tile products under `precision`.
+    tile products under `precision`; `prep = (d_out, lse, delta, keep)` from
+    `_flash_grad_prep`, `q` and `k` finite (`_finite`).
 
     The scores are recomputed tile by tile from the saved log-sum-exp:
     p = exp(s - lse), dp = dout v^T, ds = p * (dp - delta), delta = rowsum(dout * out) - dlse.
     """
     acc = accumulation_dtype(q)
+    d_out, lse, delta, keep = prep
 
     def body(t, carry):
         dq, dk, dv = carry
         i, j = _tile(tiles, row, t)
         s, mask = _tile_scores(q, k, pos_q, pos_k, i, j, acc, precision)
+        mask = mask & _take(keep, i)[..., None]
         p = jnp.where(mask, jnp.exp(s - _take(lse, i)[..., None]), 0)
         q_i, k_j = _take(q, i).astype(acc), _take(k, j).astype(acc)
         v_j, do_i = _take(v, j).astype(acc), _take(d_out, i)
@@ -245,12 +295,12 @@ def _flash_grad_steps(
 
 def _flash_bwd(precision, gather, res, cts):
     q, k, v, pos_q, pos_k, tiles, row, count, out, lse = res
-    d_out, lse, delta = _flash_grad_prep(out, lse, *cts)
+    prep = _flash_grad_prep(out, lse, *cts)
     acc = accumulation_dtype(q)
     init = (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
-    init = varying(init, (q, k, v, pos_q, pos_k, tiles, row, count, d_out, delta))
+    init = varying(init, (q, k, v, pos_q, pos_k, tiles, row, count, prep))
     dq, dk, dv = _flash_grad_steps(
-        q, k, v, pos_q, pos_k, tiles, row, count, lse, delta, d_out, init, precision
+        _finite(q), _finite(k), v, pos_q, pos_k, tiles, row, count, prep, init, precision
     )
     if gather is not None:
         # The transpose of the all-gather, summed over the ranks in the accumulation dtype.
@@ -339,6 +389,7 @@ class _Ring:
 def _ring_forward(ring: _Ring, q, k, v, pos_q, pos_k, *, precision: PrecisionName = "highest"):
     precision = check_precision(precision)
     rank = jax.lax.axis_index(ring.axis_name)
+    q, k, v = mark_non_finite(q, k, v)
     state = _flash_init(q, (q, k, v, pos_q, pos_k))
     state = _flash_steps(q, k, v, pos_q, pos_k, *ring.diagonal.at(rank), state, precision)
 
@@ -385,21 +436,22 @@ def _ring_fwd(ring: _Ring, precision, q, k, v, pos_q, pos_k):
 def _ring_bwd(ring: _Ring, precision, res, d_out):
     q, k, v, pos_q, pos_k, out, lse = res
     rank = jax.lax.axis_index(ring.axis_name)
-    d_out, lse, delta = _flash_grad_prep(out, lse, d_out, None)
+    prep = _flash_grad_prep(out, lse, d_out, None)
+    # The marked rows of the forward (`mark_non_finite`), finite: the values are already.
+    q, k, v = mark_non_finite(q, k, v)
+    q, k = _finite(q), _finite(k)
     acc = accumulation_dtype(q)
     grads = (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
-    grads = varying(grads, (q, k, v, pos_q, pos_k, d_out, delta))
+    grads = varying(grads, (q, k, v, pos_q, pos_k, prep))
     tiles, row, count = ring.diagonal.at(rank)
-    dq, dk, dv = _flash_grad_steps(
-        q, k, v, pos_q, pos_k, tiles, row, count, lse, delta, d_out, grads, precision
-    )
+    dq, dk, dv = _flash_grad_steps(q, k, v, pos_q, pos_k, tiles, row, count, prep, grads, precision)
 
     def body(step, carry):
         k, v, dq, dk, dv = carry
         k, v, dk, dv = ring.ppermute((k, v, dk, dv))
         pos_k, tiles, row, count = ring.step(rank, step)
         dq, dk, dv = _flash_grad_steps(
-            q, k, v, pos_q, pos_k, tiles, row, count, lse, delta, d_out, (dq, dk, dv), precision
+            q, k, v, pos_q, pos_k, tiles, row, count, prep, (dq, dk, dv), precision
         )
         return k, v, dq, dk, dv
 
