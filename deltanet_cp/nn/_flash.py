@@ -17,6 +17,9 @@ Every entry point takes a resolved precision policy (`.._precision`): the tile p
 it, while the softmax statistics (running max, denominator, log-sum-exp), the accumulators
 and the gradients' sums stay in the accumulation dtype whatever the policy.
 
+With packed documents (`cu_seqlens`) a query sees the keys of its own document only, and
+the tiles that leaves without a visible pair are dropped from the list (`document_tiles`).
+
 A non-finite query, key or value reaches only the queries that see it (`mark_non_finite`):
 a masked score gives a zero weight, and `0 * nan` in the weights' product with the values
 would otherwise carry a NaN to every query of the tile, forward and backward.
