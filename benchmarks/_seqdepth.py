@@ -161,7 +161,7 @@ def _dot(line: str, shapes: dict[str, list[int]]) -> float:
     return 2.0 * n * contracted
 
 
-def _flops(computations, name, memo, trips_here: int = 1) -> float:
+def _flops(computations, name, memo, trips_here: int = 1, unknown: int | None = None) -> float:
     """Matmul FLOPs of one computation, run `trips_here` times by the loop it is the body of
     (1 outside loops): a `conditional` with that many branches takes each branch once (a
     `fori_loop` over a `switch` on its index, as `decayed_grams`' VJP walks its levels), so
@@ -183,14 +183,16 @@ def _flops(computations, name, memo, trips_here: int = 1) -> float:
         elif op == "while":
             body = re.search(r"body=%?([\w.\-]+)", line).group(1)
             trips = _trips(line, computations)
-            total += trips * _flops(computations, body, memo, trips)
+            if unknown is not None and '"known_trip_count"' not in line:
+                trips = unknown
+            total += trips * _flops(computations, body, memo, trips, unknown)
         else:
             for callee in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", line):
-                total += _flops(computations, callee, memo, trips_here)
+                total += _flops(computations, callee, memo, trips_here, unknown)
             branches = re.search(r"branch_computations=\{([^}]*)\}", line)
             if branches:
                 names = re.findall(r"%?([\w.\-]+)", branches.group(1))
-                counts = [_flops(computations, b, memo) for b in names]
+                counts = [_flops(computations, b, memo, 1, unknown) for b in names]
                 if len(names) == trips_here > 1:
                     total += sum(counts) / len(counts)
                 else:
@@ -199,14 +201,16 @@ def _flops(computations, name, memo, trips_here: int = 1) -> float:
     return total
 
 
-def hlo_matmul_flops(hlo: str) -> float:
+def hlo_matmul_flops(hlo: str, unknown_trips: int | None = None) -> float:
     """Matmul FLOPs of a compiled module's HLO text: every `dot` (inside fusions and called
     computations too) as 2 x output elements x contracted elements, a `while` body times
-    its trips (XLA's own `cost_analysis` counts a loop body once)."""
+    its trips (XLA's own `cost_analysis` counts a loop body once). With `unknown_trips`, a
+    loop whose trip count XLA does not know (a bound computed at run time, such as the
+    number of tiles packed documents leave) runs that many trips."""
     computations, entry = _computations(hlo)
-    return _flops(computations, entry, {})
+    return _flops(computations, entry, {}, 1, unknown_trips)
 
 
-def matmul_flops(compiled) -> float:
+def matmul_flops(compiled, unknown_trips: int | None = None) -> float:
     """`hlo_matmul_flops` of a compiled JAX function."""
-    return hlo_matmul_flops(compiled.as_text())
+    return hlo_matmul_flops(compiled.as_text(), unknown_trips)

@@ -8,12 +8,14 @@ transposed: on one device, under every exchange and layout, forward and backward
 
 import functools as ft
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import deltanet_cp as dcp
+from deltanet_cp.nn._flash import blockwise_attention
 
 from .helpers import pairwise, rel_err
 from .registry import exchange_id, EXCHANGES, FAMILIES, Family, GATED_DELTA_RULE, GLA
@@ -205,3 +207,174 @@ def _packed_cases():
 @pytest.mark.parametrize("family, cp, layout, exchange", _packed_cases())
 def test_nan_stays_in_its_document(family, cp, layout, exchange):
     _check_both_ways(family, cp, layout, exchange)
+
+
+# ---------------------------------------------------------------------------------------
+# Softmax attention: a non-finite token reaches no earlier token
+# ---------------------------------------------------------------------------------------
+
+ATTN_T, ATTN_BAD = 32, 13  # tiles of 4: token 12 shares the bad token's diagonal tile
+ATTN_CASES = [pytest.param(None, None, None, id="one_device")] + [
+    pytest.param(4, layout, kv, id=f"cp4-{type(layout).__name__.lower()}-{kv}")
+    for layout in LAYOUTS
+    for kv in ("allgather", "ring")
+]
+
+
+def _earlier_loss(out):
+    """A loss of the outputs before the bad token only: its cotangents are 0 from there on."""
+    w = jnp.asarray(_weights(out.shape, np.cos), out.dtype)
+    return jnp.sum(jnp.where(jnp.arange(out.shape[0])[:, None] < ATTN_BAD, jnp.sin(out) * w, 0))
+
+
+def _on_ranks(fn, cp: int | None, layout):
+    """`fn(params, x) -> out` (`x`, `out` sequence-major) on one device, or inside
+    `jax.shard_map` over `cp` ranks in `layout`, called on global arrays in sequence order:
+    `(params, x) -> out`, `fn` then taking `ctx` (a `ContextParallel` or `None`)."""
+    if cp is None:
+        return ft.partial(fn, ctx=None)
+    auto = (jax.sharding.AxisType.Auto,)  # the global arrays are laid out inside `jit`
+    mesh = jax.make_mesh((cp,), ("cp",), axis_types=auto, devices=jax.devices()[:cp])
+    ctx = dcp.ContextParallel("cp", layout=layout)
+    spec = jax.sharding.PartitionSpec("cp")
+    local = jax.shard_map(
+        ft.partial(fn, ctx=ctx),
+        mesh=mesh,
+        in_specs=(jax.sharding.PartitionSpec(), spec),
+        out_specs=spec,
+    )
+
+    def run(params, x):
+        return layout.from_layout(local(params, layout.to_layout(x, cp, axis=0)), cp, axis=0)
+
+    return run
+
+
+@ft.cache
+def _attention_grad_fn(cp: int | None, layout, kv_schedule):
+    """Jitted `x -> (out, d earlier loss / dx)` of one attention layer (grouped queries,
+    output gate, q/k norms: Qwen3.5's), on one device or on `cp` ranks."""
+    attn = dcp.nn.CausalSelfAttention(
+        16, 4, 8, num_kv_heads=2, output_gate=True, qk_norm=True, tile_size=4, key=jax.random.key(0)
+    )
+    params, static = eqx.partition(attn, eqx.is_array)
+
+    def call(params, x, ctx):
+        return eqx.combine(params, static)(x, cp=ctx, kv_schedule=kv_schedule or "allgather")
+
+    run = _on_ranks(call, cp, layout)
+
+    @jax.jit
+    def fn(x):
+        out, vjp = jax.vjp(lambda x: run(params, x), x)
+        (dx,) = vjp(jax.grad(_earlier_loss)(out))
+        return out, dx
+
+    return fn
+
+
+def _check_earlier_tokens(fn, x, bad_x):
+    """`fn(x) -> (out, dx)`: with `bad_x` (non-finite from token `ATTN_BAD` on) the outputs
+    and gradients of the earlier tokens are finite and equal the clean run's, exactly; the
+    bad token's own outputs are non-finite."""
+    clean_out, clean_dx = (np.asarray(a) for a in fn(x))
+    out, dx = (np.asarray(a) for a in fn(bad_x))
+    assert np.all(np.isfinite(out[:ATTN_BAD])) and np.all(np.isfinite(dx[:ATTN_BAD]))
+    assert np.array_equal(out[:ATTN_BAD], clean_out[:ATTN_BAD])
+    assert np.array_equal(dx[:ATTN_BAD], clean_dx[:ATTN_BAD])
+    assert not np.any(np.isfinite(out[ATTN_BAD]))
+
+
+@pytest.mark.parametrize("cp, layout, kv_schedule", ATTN_CASES)
+def test_attention_non_finite_token_reaches_no_earlier_token(cp, layout, kv_schedule):
+    # A NaN (then an infinity) in one token's input: every earlier token's output and
+    # gradient is the clean run's, on one device and on 4 ranks (both layouts, both
+    # exchanges of the keys and values), forward and backward.
+    fn = _attention_grad_fn(cp, layout, kv_schedule)
+    x = jnp.asarray(_weights((ATTN_T, 16), np.sin))
+    for value in (np.nan, np.inf):
+        _check_earlier_tokens(fn, x, x.at[ATTN_BAD, 3].set(value))
+
+
+def test_attention_kernel_non_finite_rows():
+    # The kernel alone: a NaN value, an infinite key, a NaN query, each in one row of one
+    # head: no other query's output or gradient changes; the queries that see the row are
+    # non-finite in that head's group only.
+    t, kvh, group, d = 16, 2, 2, 4
+    rng = np.random.default_rng(0)
+    q, k, v = (
+        jnp.asarray(rng.normal(size=(t, h, d)), jnp.float32) for h in (kvh * group, kvh, kvh)
+    )
+    pos = jnp.arange(t, dtype=jnp.int32)
+
+    @jax.jit
+    def fn(q, k, v):
+        def f(q, k, v):
+            out, _ = blockwise_attention(
+                q, k, v, pos, cp=None, kv_schedule="allgather", tile_size=4
+            )
+            return out
+
+        out, vjp = jax.vjp(f, q, k, v)
+        ct = jnp.where(jnp.arange(t)[:, None, None] < 9, 1.0, 0.0) * jnp.cos(out)
+        return out, vjp(ct.astype(out.dtype))
+
+    clean_out, clean_grads = fn(q, k, v)
+    for arg, head, value in [(2, 1, np.nan), (1, 0, np.inf), (0, 3, np.nan)]:
+        args = [q, k, v]
+        args[arg] = args[arg].at[9, head, 1].set(value)
+        out, grads = fn(*args)
+        out = np.asarray(out)
+        assert np.array_equal(out[:9], clean_out[:9])
+        for g, c in zip(grads, clean_grads):
+            assert np.array_equal(g[:9], c[:9]), arg
+        seen = [head] if arg == 0 else [head * group + i for i in range(group)]
+        others = [h for h in range(kvh * group) if h not in seen]
+        # A bad query spoils its own row; a bad key or value every later query of its group.
+        rows = slice(9, 10) if arg == 0 else slice(9, t)
+        assert not np.any(np.isfinite(np.asarray(out)[rows][:, seen]))
+        assert np.array_equal(out[rows][:, others], clean_out[rows][:, others])
+
+
+@ft.cache
+def _model_grad_fn(cp: int | None, layout, kv_schedule):
+    """Jitted `embedding table -> (logits, d earlier loss / d table)` of a two-block
+    attention `HybridLM` on tokens `0 .. T - 1` (token `i` at position `i`)."""
+    model = dcp.nn.HybridLM(
+        ATTN_T,
+        16,
+        2,
+        mixers=["attention", "attention"],
+        num_attention_heads=2,
+        attention_head_dim=8,
+        intermediate_size=16,
+        tile_size=4,
+        key=jax.random.key(0),
+    )
+    tokens = jnp.arange(ATTN_T, dtype=jnp.int32)
+
+    def call(table, tokens, ctx):
+        m = eqx.tree_at(lambda m: m.embed.weight, model, table)
+        return m(tokens, cp=ctx, kv_schedule=kv_schedule or "allgather")
+
+    run = _on_ranks(call, cp, layout)
+
+    @jax.jit
+    def fn(table):
+        out, vjp = jax.vjp(lambda table: run(table, tokens), table)
+        (d_table,) = vjp(jax.grad(_earlier_loss)(out))
+        return out, d_table
+
+    return fn, model.embed.weight
+
+
+@pytest.mark.parametrize(
+    "cp, layout, kv_schedule",
+    [ATTN_CASES[0], pytest.param(4, dcp.Zigzag(), "ring", id="cp4-zigzag-ring")],
+)
+def test_model_non_finite_token_reaches_no_earlier_token(cp, layout, kv_schedule):
+    # Through a model: a NaN in one token's embedding leaves every earlier token's logits
+    # and the gradients of the earlier tokens' embeddings (token i at position i) as in the
+    # clean run, though the later blocks' backward makes the bad token's cotangents NaN.
+    fn, table = _model_grad_fn(cp, layout, kv_schedule)
+    _check_earlier_tokens(fn, table, table.at[ATTN_BAD].set(np.nan))

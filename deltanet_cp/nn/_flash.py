@@ -16,6 +16,13 @@ Every entry point takes a resolved precision policy (`.._precision`): the tile p
 (`q k^T` and `p v`, in the backward `do v^T`, `ds k`, `ds^T q` and `p^T do`) multiply under
 it, while the softmax statistics (running max, denominator, log-sum-exp), the accumulators
 and the gradients' sums stay in the accumulation dtype whatever the policy.
+
+With packed documents (`cu_seqlens`) a query sees the keys of its own document only, and
+the tiles that leaves without a visible pair are dropped from the list (`document_tiles`).
+
+A non-finite query, key or value reaches only the queries that see it (`mark_non_finite`):
+a masked score gives a zero weight, and `0 * nan` in the weights' product with the values
+would otherwise carry a NaN to every query of the tile, forward and backward.
 """
 
 import functools as ft
@@ -29,6 +36,7 @@ from jaxtyping import Array, Float, Int
 from .._parallel import ContextParallel, Contiguous
 from .._precision import accumulation_dtype, as_precision, einsum, PrecisionName
 from .._sharding import varying
+from ._context import document_starts
 from ._schedule import check_kv_schedule, Schedule, tile_loops, tile_side, tiling
 
 
@@ -79,11 +87,68 @@ def _put(x: Array, y: Array, i: Array) -> Array:
     return jax.lax.dynamic_update_index_in_dim(x, y.astype(x.dtype), i, 0)
 
 
-def _tile_scores(q, k, pos_q, pos_k, i, j, acc, precision):
-    """Scores of tile `(i, j)`, `(heads, block, block)`, and the causal mask of the tile."""
+def _rows_finite(x: Array) -> Array:
+    """Whether each row (the last axis: one token's vector for one head) is finite."""
+    return jnp.all(jnp.isfinite(x), axis=-1, keepdims=True)
+
+
+def mark_non_finite(q: Array, k: Array, v: Array) -> tuple[Array, Array, Array]:
+    """`(q, k, v)` with their non-finite rows made harmless to the queries that do not see
+    them: a query row holding a NaN or infinity becomes NaN, and so does the key of a key
+    or value row that does, whose value becomes 0.
+
+    A masked score gives a weight of exactly 0, which times a NaN value would still be NaN
+    in the weights' product with the values. Zero values make it 0, and the NaN key makes
+    the score NaN for the queries that do see the key, whose running maximum, and so
+    output, then turn NaN (their log-sum-exp too; see `_flash_finish`). The backward drops
+    the rows whose output is NaN (`_flash_grad_prep`) and multiplies finite copies of the
+    queries and keys (`_finite`), so that a NaN reaches no other query's gradients either.
+    Finite inputs pass unchanged.
+    """
+    ok = _rows_finite(k) & _rows_finite(v)
+    q = jnp.where(_rows_finite(q), q, jnp.nan)
+    return q, jnp.where(ok, k, jnp.nan), jnp.where(ok, v, 0)
+
+
+def _finite(x: Array) -> Array:
+    """`x` with its non-finite entries (the rows `mark_non_finite` made NaN) read as 0."""
+    return jnp.where(jnp.isfinite(x), x, 0)
+
+
+def _tile_scores(q, k, pos_q, pos_k, starts, i, j, acc, precision):
+    """Scores of tile `(i, j)`, `(heads, block, block)`, and the mask of the tile: causal,
+    and with `starts` (per query, its document's first position) within each document."""
     s = _dot("qhd,khd->hqk", _take(q, i), _take(k, j), precision, acc)
-    mask = _take(pos_q, i)[:, None] >= _take(pos_k, j)[None, :]
+    pos_k_j = _take(pos_k, j)[None, :]
+    mask = _take(pos_q, i)[:, None] >= pos_k_j
+    if starts is not None:
+        mask = mask & (_take(starts, i)[:, None] <= pos_k_j)
     return s, mask[None]
+
+
+def document_tiles(
+    schedule: tuple[Array, Array, Array], starts: Array | None, pos_k: Array
+) -> tuple[Array, Array, Array]:
+    """The listed tiles `(tiles, row, count)` less those whose keys all precede the
+    document start of every query of the tile (`starts`, `(nq, block)`, or `None`: all of
+    them), as a table of one row: the kept tiles first, in their order, and their count.
+
+    A kept tile holds a visible (query, key) pair: its last key is at or after the first
+    query's document start, and (a listed tile holds a causal pair; a block's positions
+    are consecutive) before that query, or one of the tile's queries itself. So the loop
+    over tiles runs exactly the tiles the document mask leaves: a packed row costs what
+    its documents cost apart, up to the tiles that straddle a document boundary.
+    """
+    if starts is None:
+        return schedule
+    tiles, row, count = schedule
+    listed = jax.lax.dynamic_index_in_dim(tiles, row, 0, keepdims=False)  # (pairs, 2)
+    first_q = jnp.min(starts, axis=1)
+    last_k = jnp.max(pos_k, axis=1)
+    listed_here = jnp.arange(listed.shape[0], dtype=count.dtype) < count
+    need = (first_q[listed[:, 0]] <= last_k[listed[:, 1]]) & listed_here
+    order = jnp.argsort(~need, stable=True)
+    return listed[order][None], jnp.zeros((), row.dtype), jnp.sum(need, dtype=count.dtype)
 
 
 def _flash_init(q: Array, like) -> tuple[Array, Array, Array]:
@@ -99,7 +164,7 @@ def _flash_init(q: Array, like) -> tuple[Array, Array, Array]:
     return varying(init, like)
 
 
-def _flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, state, precision):
+def _flash_steps(q, k, v, pos_q, pos_k, starts, tiles, row, count, state, precision):
     """Run the listed tiles into the online-softmax `state` (see `_flash_init`), the tile
     products under `precision`."""
     acc = accumulation_dtype(q)
@@ -107,7 +172,7 @@ def _flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, state, precision):
     def body(t, carry):
         o, m, denom = carry
         i, j = _tile(tiles, row, t)
-        s, mask = _tile_scores(q, k, pos_q, pos_k, i, j, acc, precision)
+        s, mask = _tile_scores(q, k, pos_q, pos_k, starts, i, j, acc, precision)
         s = jnp.where(mask, s, -jnp.inf)
         m_old = _take(m, i)
         m_new = jnp.maximum(m_old, jnp.max(s, axis=-1))
@@ -122,18 +187,20 @@ def _flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, state, precision):
 
 
 def _flash_finish(state: tuple[Array, Array, Array]) -> tuple[Array, Array]:
-    """`(out, lse)` from an online-softmax state: 0 and `-inf` where no key was seen."""
+    """`(out, lse)` from an online-softmax state: 0 and `-inf` where no key was seen, NaN
+    and NaN where a NaN score was (a query that saw a non-finite key, or is one)."""
     o, m, denom = state
     seen = denom > 0
     safe_l = jnp.where(seen, denom, 1)
     out = o / safe_l.transpose(0, 2, 1)[..., None]
-    lse = jnp.where(seen, m + jnp.log(safe_l), -jnp.inf)
+    unseen = jnp.where(jnp.isnan(denom), jnp.nan, -jnp.inf)
+    lse = jnp.where(seen, m + jnp.log(safe_l), unseen)
     return out, lse
 
 
-def _flash_forward(precision, q, k, v, pos_q, pos_k, tiles, row, count):
-    state = _flash_init(q, (q, k, v, pos_q, pos_k, tiles, row, count))
-    state = _flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, state, precision)
+def _flash_forward(precision, q, k, v, pos_q, pos_k, starts, tiles, row, count):
+    state = _flash_init(q, (q, k, v, pos_q, pos_k, starts, tiles, row, count))
+    state = _flash_steps(q, k, v, pos_q, pos_k, starts, tiles, row, count, state, precision)
     return _flash_finish(state)
 
 
@@ -149,6 +216,7 @@ def flash(
     *,
     precision: PrecisionName = "highest",
     gather: str | None = None,
+    starts=None,
 ):
     """Blockwise causal attention over a list of tiles, with an online softmax.
 
@@ -171,6 +239,9 @@ def flash(
         the backward their gradients are reduce-scattered back in the accumulation dtype
         and only then cast to the inputs' dtype, so the sum over the ranks' queries is
         not rounded to bfloat16.
+    - `starts`: per query, the first position it sees, `(nq, block)` (its document's
+        start, for packed documents: query `a` then sees key `c` iff
+        `starts[a] <= pos_k[c] <= pos_q[a]`), or `None` (no such bound).
 
     **Returns:**
 
@@ -178,9 +249,14 @@ def flash(
     each query's visible scores `(nq, heads, block)`, both in the accumulation dtype. A
     query that sees no key gets output 0 and log-sum-exp `-inf`. Partial results over
     disjoint keys merge with `logaddexp`; gradients flow through both outputs.
+
+    A query that sees a non-finite key or value row (a head of one token), or holds a
+    non-finite value itself, gets output and log-sum-exp NaN in that head, and takes no
+    part in the backward (its cotangent is not read); no other query's output or gradient
+    changes (`mark_non_finite`).
     """
     precision = check_precision(precision)
-    return _flash_vjp(precision, gather, q, k, v, pos_q, pos_k, tiles, row, count)
+    return _flash_vjp(precision, gather, q, k, v, pos_q, pos_k, starts, tiles, row, count)
 
 
 def _gathered(x: Array, gather: str | None) -> Array:
@@ -189,44 +265,55 @@ def _gathered(x: Array, gather: str | None) -> Array:
 
 
 @ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _flash_vjp(precision, gather, q, k, v, pos_q, pos_k, tiles, row, count):
+def _flash_vjp(precision, gather, q, k, v, pos_q, pos_k, starts, tiles, row, count):
+    q, k, v = mark_non_finite(q, k, v)
     k, v = _gathered(k, gather), _gathered(v, gather)
-    return _flash_forward(precision, q, k, v, pos_q, pos_k, tiles, row, count)
+    return _flash_forward(precision, q, k, v, pos_q, pos_k, starts, tiles, row, count)
 
 
-def _flash_fwd(precision, gather, q, k, v, pos_q, pos_k, tiles, row, count):
+def _flash_fwd(precision, gather, q, k, v, pos_q, pos_k, starts, tiles, row, count):
+    q, k, v = mark_non_finite(q, k, v)
     k, v = _gathered(k, gather), _gathered(v, gather)
-    out, lse = _flash_forward(precision, q, k, v, pos_q, pos_k, tiles, row, count)
-    return (out, lse), (q, k, v, pos_q, pos_k, tiles, row, count, out, lse)
+    out, lse = _flash_forward(precision, q, k, v, pos_q, pos_k, starts, tiles, row, count)
+    return (out, lse), (q, k, v, pos_q, pos_k, starts, tiles, row, count, out, lse)
 
 
 def _flash_grad_prep(out, lse, d_out, d_lse):
-    """`(d_out, lse, delta)` for `_flash_grad_steps`: the output's cotangent in the
-    accumulation dtype, the log-sum-exp with `-inf` (no key seen) made 0, and
-    `delta = rowsum(d_out * out) - d_lse`, `(nq, heads, block)`."""
+    """`(d_out, lse, delta, keep)` for `_flash_grad_steps`: the output's cotangent in the
+    accumulation dtype, the log-sum-exp with `-inf` (no key seen) made 0,
+    `delta = rowsum(d_out * out) - d_lse`, `(nq, heads, block)`, and where the output is
+    not NaN (`keep`, `(nq, heads, block)`).
+
+    A query whose output is NaN (it saw a non-finite key, or is one: `mark_non_finite`)
+    takes no part in the backward: its cotangent and `delta` are made 0 and its tiles'
+    weights are masked, so that `0 * nan` carries no NaN to the keys it shares a tile with.
+    """
     acc = out.dtype
-    d_out = d_out.astype(acc)
+    keep = ~jnp.isnan(lse)
+    d_out = jnp.where(keep.transpose(0, 2, 1)[..., None], d_out.astype(acc), 0)
     delta = jnp.sum(d_out * out, axis=-1).transpose(0, 2, 1)
     if d_lse is not None:
         delta = delta - d_lse.astype(acc)
-    return d_out, jnp.where(jnp.isfinite(lse), lse, 0), delta
+    delta = jnp.where(keep, delta, 0)
+    return d_out, jnp.where(jnp.isfinite(lse), lse, 0), delta, keep
 
 
-def _flash_grad_steps(
-    q, k, v, pos_q, pos_k, tiles, row, count, lse, delta, d_out, grads, precision
-):
+def _flash_grad_steps(q, k, v, pos_q, pos_k, starts, tiles, row, count, prep, grads, precision):
     """Add the listed tiles' gradients to `grads = (dq, dk, dv)` (accumulation dtype), the
-    tile products under `precision`.
+    tile products under `precision`; `prep = (d_out, lse, delta, keep)` from
+    `_flash_grad_prep`, `q` and `k` finite (`_finite`).
 
     The scores are recomputed tile by tile from the saved log-sum-exp:
     p = exp(s - lse), dp = dout v^T, ds = p * (dp - delta), delta = rowsum(dout * out) - dlse.
     """
     acc = accumulation_dtype(q)
+    d_out, lse, delta, keep = prep
 
     def body(t, carry):
         dq, dk, dv = carry
         i, j = _tile(tiles, row, t)
-        s, mask = _tile_scores(q, k, pos_q, pos_k, i, j, acc, precision)
+        s, mask = _tile_scores(q, k, pos_q, pos_k, starts, i, j, acc, precision)
+        mask = mask & _take(keep, i)[..., None]
         p = jnp.where(mask, jnp.exp(s - _take(lse, i)[..., None]), 0)
         q_i, k_j = _take(q, i).astype(acc), _take(k, j).astype(acc)
         v_j, do_i = _take(v, j).astype(acc), _take(d_out, i)
@@ -244,13 +331,14 @@ def _flash_grad_steps(
 
 
 def _flash_bwd(precision, gather, res, cts):
-    q, k, v, pos_q, pos_k, tiles, row, count, out, lse = res
-    d_out, lse, delta = _flash_grad_prep(out, lse, *cts)
+    q, k, v, pos_q, pos_k, starts, tiles, row, count, out, lse = res
+    prep = _flash_grad_prep(out, lse, *cts)
     acc = accumulation_dtype(q)
     init = (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
-    init = varying(init, (q, k, v, pos_q, pos_k, tiles, row, count, d_out, delta))
+    init = varying(init, (q, k, v, pos_q, pos_k, starts, tiles, row, count, prep))
+    q, k = _finite(q), _finite(k)
     dq, dk, dv = _flash_grad_steps(
-        q, k, v, pos_q, pos_k, tiles, row, count, lse, delta, d_out, init, precision
+        q, k, v, pos_q, pos_k, starts, tiles, row, count, prep, init, precision
     )
     if gather is not None:
         # The transpose of the all-gather, summed over the ranks in the accumulation dtype.
@@ -258,7 +346,7 @@ def _flash_bwd(precision, gather, res, cts):
             jax.lax.psum_scatter(g, gather, scatter_dimension=0, tiled=True) for g in (dk, dv)
         )
     grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
-    return grads + (None, None, None, None, None)
+    return grads + (None, None, None, None, None, None)
 
 
 _flash_vjp.defvjp(_flash_fwd, _flash_bwd)
@@ -281,11 +369,16 @@ def _attend(
     *,
     precision: PrecisionName = "highest",
     gather: str | None = None,
+    starts: Array | None = None,
 ):
     """`flash` on `(rows, heads, dim)` arrays, `b` keys and `b * group` query rows a tile,
     the tile products under `precision` (`k`, `v` gathered over the axis `gather` if
-    given): `(out (rows, heads, dim), lse (rows, heads))`."""
-    tiles, row, count = tiles
+    given; `pos_k` the positions of the keys after it), each query seeing no key before
+    its entry of `starts` if given (the tiles that leaves empty not run):
+    `(out (rows, heads, dim), lse (rows, heads))`."""
+    pos_k = to_blocks(pos_k, b)
+    starts = None if starts is None else to_blocks(starts, b * group)
+    tiles, row, count = document_tiles(tiles, starts, pos_k)
     out, lse = cast(
         tuple[Array, Array],
         flash(
@@ -293,12 +386,13 @@ def _attend(
             to_blocks(k, b),
             to_blocks(v, b),
             to_blocks(pos_q, b * group),
-            to_blocks(pos_k, b),
+            pos_k,
             tiles,
             row,
             count,
             precision=precision,
             gather=gather,
+            starts=starts,
         ),
     )
     t = q.shape[0]
@@ -328,36 +422,41 @@ class _Ring:
         perm = [(j, (j + 1) % self.cp) for j in range(self.cp)]
         return jax.lax.ppermute(x, self.axis_name, perm)
 
-    def step(self, rank: Array, step: Array):
+    def step(self, rank: Array, step: Array, starts: Array | None):
         """`(pos_k, tiles, row, count)` of ring step `step > 0` on rank `rank`: the
-        positions of the keys it holds (those of rank `rank - step`) and its tiles."""
+        positions of the keys it holds (those of rank `rank - step`) and its tiles (those
+        `starts` leaves: `document_tiles`)."""
         pos_k = _take(jnp.asarray(self.positions), (rank - step) % self.cp)
-        tiles, row, count = self.stacked.at((step - 1) * self.cp + rank)
-        return pos_k, tiles, row, count
+        schedule = self.stacked.at((step - 1) * self.cp + rank)
+        return (pos_k, *document_tiles(schedule, starts, pos_k))
 
 
-def _ring_forward(ring: _Ring, q, k, v, pos_q, pos_k, *, precision: PrecisionName = "highest"):
+def _ring_forward(
+    ring: _Ring, q, k, v, pos_q, pos_k, starts=None, *, precision: PrecisionName = "highest"
+):
     precision = check_precision(precision)
     rank = jax.lax.axis_index(ring.axis_name)
-    state = _flash_init(q, (q, k, v, pos_q, pos_k))
-    state = _flash_steps(q, k, v, pos_q, pos_k, *ring.diagonal.at(rank), state, precision)
+    q, k, v = mark_non_finite(q, k, v)
+    state = _flash_init(q, (q, k, v, pos_q, pos_k, starts))
+    diagonal = document_tiles(ring.diagonal.at(rank), starts, pos_k)
+    state = _flash_steps(q, k, v, pos_q, pos_k, starts, *diagonal, state, precision)
 
     def body(step, carry):
         k, v, state = carry
         k, v = ring.ppermute((k, v))
-        pos_k, tiles, row, count = ring.step(rank, step)
-        state = _flash_steps(q, k, v, pos_q, pos_k, tiles, row, count, state, precision)
+        pos_k, tiles, row, count = ring.step(rank, step, starts)
+        state = _flash_steps(q, k, v, pos_q, pos_k, starts, tiles, row, count, state, precision)
         return k, v, state
 
     _, _, state = ring.ring_loop(body, (k, v, state))
     return _flash_finish(state)
 
 
-def _ring(ring: _Ring, q, k, v, pos_q, pos_k, *, precision: PrecisionName = "highest"):
+def _ring(ring: _Ring, q, k, v, pos_q, pos_k, starts=None, *, precision: PrecisionName = "highest"):
     """Causal attention of the local queries to the whole sequence's keys, passed around
     the ring: `out`, `(nq, block, heads, dim)` in the accumulation dtype (arguments in
-    blocks as for `flash`, `precision` too; `k`, `v` and their positions `pos_k` this
-    rank's own).
+    blocks as for `flash`, `precision` and `starts` too; `k`, `v` and their positions
+    `pos_k` this rank's own).
 
     At step 0 the queries attend to the local keys (the causal diagonal); at each step
     `i = 1 .. cp - 1` of a loop the keys and values move one rank on (rank `r` then holds
@@ -369,44 +468,47 @@ def _ring(ring: _Ring, q, k, v, pos_q, pos_k, *, precision: PrecisionName = "hig
     adds its tiles' contributions (recomputed from the log-sum-exp, as `flash` does); one
     last step brings the accumulators home, where each holds its rank's `dk`, `dv`.
     """
-    return _ring_vjp(ring, check_precision(precision), q, k, v, pos_q, pos_k)
+    return _ring_vjp(ring, check_precision(precision), q, k, v, pos_q, pos_k, starts)
 
 
 @ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ring_vjp(ring: _Ring, precision, q, k, v, pos_q, pos_k):
-    return _ring_forward(ring, q, k, v, pos_q, pos_k, precision=precision)[0]
+def _ring_vjp(ring: _Ring, precision, q, k, v, pos_q, pos_k, starts):
+    return _ring_forward(ring, q, k, v, pos_q, pos_k, starts, precision=precision)[0]
 
 
-def _ring_fwd(ring: _Ring, precision, q, k, v, pos_q, pos_k):
-    out, lse = _ring_forward(ring, q, k, v, pos_q, pos_k, precision=precision)
-    return out, (q, k, v, pos_q, pos_k, out, lse)
+def _ring_fwd(ring: _Ring, precision, q, k, v, pos_q, pos_k, starts):
+    out, lse = _ring_forward(ring, q, k, v, pos_q, pos_k, starts, precision=precision)
+    return out, (q, k, v, pos_q, pos_k, starts, out, lse)
 
 
 def _ring_bwd(ring: _Ring, precision, res, d_out):
-    q, k, v, pos_q, pos_k, out, lse = res
+    q, k, v, pos_q, pos_k, starts, out, lse = res
     rank = jax.lax.axis_index(ring.axis_name)
-    d_out, lse, delta = _flash_grad_prep(out, lse, d_out, None)
+    prep = _flash_grad_prep(out, lse, d_out, None)
+    # The marked rows of the forward (`mark_non_finite`), finite: the values are already.
+    q, k, v = mark_non_finite(q, k, v)
+    q, k = _finite(q), _finite(k)
     acc = accumulation_dtype(q)
     grads = (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
-    grads = varying(grads, (q, k, v, pos_q, pos_k, d_out, delta))
-    tiles, row, count = ring.diagonal.at(rank)
+    grads = varying(grads, (q, k, v, pos_q, pos_k, starts, prep))
+    tiles, row, count = document_tiles(ring.diagonal.at(rank), starts, pos_k)
     dq, dk, dv = _flash_grad_steps(
-        q, k, v, pos_q, pos_k, tiles, row, count, lse, delta, d_out, grads, precision
+        q, k, v, pos_q, pos_k, starts, tiles, row, count, prep, grads, precision
     )
 
     def body(step, carry):
         k, v, dq, dk, dv = carry
         k, v, dk, dv = ring.ppermute((k, v, dk, dv))
-        pos_k, tiles, row, count = ring.step(rank, step)
+        pos_k, tiles, row, count = ring.step(rank, step, starts)
         dq, dk, dv = _flash_grad_steps(
-            q, k, v, pos_q, pos_k, tiles, row, count, lse, delta, d_out, (dq, dk, dv), precision
+            q, k, v, pos_q, pos_k, starts, tiles, row, count, prep, (dq, dk, dv), precision
         )
         return k, v, dq, dk, dv
 
     _, _, dq, dk, dv = ring.ring_loop(body, (k, v, dq, dk, dv))
     if ring.cp > 1:
         dk, dv = ring.ppermute((dk, dv))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
 _ring_vjp.defvjp(_ring_fwd, _ring_bwd)
@@ -439,9 +541,18 @@ def blockwise_attention(
     tile_size: int,
     return_lse: bool = False,
     precision: PrecisionName = "highest",
+    cu_seqlens: Int[Array, " docs_plus_one"] | None = None,
 ) -> tuple[Array, Array | None]:
     """Causal softmax attention of this rank's queries (global positions `pos_q`, RoPE
-    already applied, not yet scaled) against every earlier key of the sequence.
+    already applied, not yet scaled) against every earlier key of the sequence (of the
+    query's document, with `cu_seqlens`).
+
+    With `cu_seqlens` (packed documents: the global offsets `[0, ..., T]`, an int32
+    array checked by the caller, as `documents` in `_context.py` does), a query sees the
+    keys of its own document only, at or before it; the tiles that leaves without a
+    visible pair are not run (`document_tiles`), under either schedule and layout, so a
+    packed row costs about what its documents cost apart. (The rotary positions, which
+    restart at each document, are the caller's: `Documents.positions`.)
 
     Query head `h` reads key/value head `h // (heads // kv_heads)` (grouped-query
     attention); the keys and values travel with `kv_heads` heads.
@@ -465,6 +576,8 @@ def blockwise_attention(
     group = h // k.shape[1]
     q = group_queries(q * (d**-0.5), group)
     pos_q_rows = jnp.repeat(pos_q, group)
+    starts = None if cu_seqlens is None else document_starts(cu_seqlens, pos_q)
+    starts_rows = None if starts is None else jnp.repeat(starts, group)
 
     def finish(out, lse):
         out = ungroup_queries(out.reshape(t * group, *out.shape[-2:]), group)
@@ -475,7 +588,18 @@ def blockwise_attention(
     if cp is None:
         b = tile_side(tile_size, t, "the sequence length")
         ((schedule,),) = tile_loops(Contiguous().held(1), t // b, "allgather")
-        att = _attend(q, k, v, pos_q_rows, pos_q, schedule.at(0), b, group, precision=precision)
+        att = _attend(
+            q,
+            k,
+            v,
+            pos_q_rows,
+            pos_q,
+            schedule.at(0),
+            b,
+            group,
+            precision=precision,
+            starts=starts_rows,
+        )
         return finish(*att)
     n = jax.lax.axis_size(cp.axis_name)
     rank = jax.lax.axis_index(cp.axis_name)
@@ -485,14 +609,25 @@ def blockwise_attention(
     if kv_schedule == "allgather":
         pos_k, tiles = jnp.asarray(table.reshape(-1)), loops[0][0].at(rank)
         att = _attend(
-            q, k, v, pos_q_rows, pos_k, tiles, b, group, precision=precision, gather=cp.axis_name
+            q,
+            k,
+            v,
+            pos_q_rows,
+            pos_k,
+            tiles,
+            b,
+            group,
+            precision=precision,
+            gather=cp.axis_name,
+            starts=starts_rows,
         )
         return finish(*att)
     (diagonal,), steps = loops
     ring = _Ring(cp.axis_name, n, diagonal, steps, table.reshape(n, -1, b))
     qb, pos_qb = to_blocks(q, b * group), to_blocks(pos_q_rows, b * group)
     kb, vb, pos_kb = to_blocks(k, b), to_blocks(v, b), to_blocks(pos_q, b)
+    sb = None if starts_rows is None else to_blocks(starts_rows, b * group)
     if return_lse:
-        out, lse = _ring_forward(ring, qb, kb, vb, pos_qb, pos_kb, precision=precision)
+        out, lse = _ring_forward(ring, qb, kb, vb, pos_qb, pos_kb, sb, precision=precision)
         return finish(out, lse.transpose(0, 2, 1))
-    return finish(_ring(ring, qb, kb, vb, pos_qb, pos_kb, precision=precision), None)
+    return finish(_ring(ring, qb, kb, vb, pos_qb, pos_kb, sb, precision=precision), None)
