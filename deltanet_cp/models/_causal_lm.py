@@ -130,13 +130,18 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
             `config.json`'s `dtype` says it (the embedding's dtype if `None`).
         - `experts`: a mixture-of-experts model's expert layout: `"fused"`
             (`mlp.experts.gate_up_proj` `(E, 2I, H)`, gate rows first, and
-            `mlp.experts.down_proj` `(E, H, I)`, as transformers' Qwen3.5-MoE module
-            holds them and the released Qwen3.5-MoE checkpoints store them) or
-            `"per_expert"` (`mlp.experts.{j}.gate_proj.weight`, `up_proj`, `down_proj`,
-            as the released Qwen3-Next checkpoints store them). `None`: the model's
-            own, `"fused"` for [`deltanet_cp.models.Qwen3_5MoeForCausalLM`][] and
-            `"per_expert"` for [`deltanet_cp.models.Qwen3NextForCausalLM`][].
-            `from_pretrained` and transformers read both.
+            `mlp.experts.down_proj` `(E, H, I)`: the parameters of transformers'
+            Qwen3.5-MoE experts module, the released Qwen3.5-MoE checkpoints' layout, what
+            transformers' `save_pretrained(..., save_original_format=False)` writes) or
+            `"per_expert"` (`mlp.experts.{j}.gate_proj.weight`, `up_proj`, `down_proj`:
+            the released Qwen3-Next checkpoints' layout, what transformers 5's default
+            `save_pretrained` writes for both models). `None`: the released checkpoints'
+            layout of the model, `"fused"` for
+            [`deltanet_cp.models.Qwen3_5MoeForCausalLM`][] and `"per_expert"` for
+            [`deltanet_cp.models.Qwen3NextForCausalLM`][]. `from_pretrained` and
+            transformers read both. (The names are the text model's, `model.layers.N...`,
+            with its `config.json`, in either layout; the released Qwen3.5 checkpoints
+            nest them under the multimodal model's `model.language_model.`.)
         - `max_shard_size`: the most bytes in one file: an int, or a string as
             transformers takes it (`"5GB"` is 5 * 10^9 bytes, `"5GiB"` 5 * 2^30; `MB`,
             `MiB`, `KB`, `KiB` too). A tensor larger than that gets a file of its own.
