@@ -15,13 +15,14 @@ layer and model loader (and the place to write them).
     name with their shapes and dtypes checked.
 """
 
+import itertools
 import json
 import math
 import os
 import shutil
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -484,32 +485,61 @@ def dtype_name(dtype: Any) -> str:
     return _DTYPE_NAMES[dtype]
 
 
-def write_safetensors(file: str | os.PathLike, tensors: Mapping[str, np.ndarray]) -> None:
-    """Write `tensors` to one `.safetensors` file, in their order: the header (each tensor's
-    `dtype`, `shape` and `data_offsets`, and `__metadata__` `{"format": "pt"}`, as torch's
-    writer gives it, padded with spaces to a multiple of 8 bytes), then the bytes (C order,
-    little-endian)."""
+def write_safetensors(
+    file: str | os.PathLike,
+    tensors: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]],
+    layout: Mapping[str, tuple[tuple[int, ...], Any]] | None = None,
+) -> None:
+    """Write one `.safetensors` file: the header (each tensor's `dtype`, `shape` and
+    `data_offsets`, and `__metadata__` `{"format": "pt"}` as torch's writer gives it, padded
+    with spaces to a multiple of 8 bytes), then the bytes (C order, little-endian), flushed
+    to disk.
+
+    **Arguments:**
+
+    - `file`: the file to write.
+    - `tensors`: a mapping from names to numpy arrays, written in its order; or, with
+        `layout`, `(name, array)` pairs in `layout`'s order, each written as it comes (one
+        tensor in memory at a time).
+    - `layout`: every tensor's name, shape and numpy dtype, in order, when `tensors` is a
+        stream; a pair that differs from it is an `AssertionError`.
+    """
+    plan: Mapping[str, tuple[tuple[int, ...], Any]]
+    if layout is None:
+        if not isinstance(tensors, Mapping):
+            raise TypeError("`tensors` must be a mapping from names to arrays without `layout`.")
+        arrays = {n: np.asarray(x) for n, x in cast(Mapping[str, Any], tensors).items()}
+        plan = {n: (tuple(x.shape), x.dtype) for n, x in arrays.items()}
+        pairs: Iterator[tuple[str, np.ndarray]] = iter(arrays.items())
+    else:
+        plan = layout
+        pairs = iter(cast(Iterable[tuple[str, np.ndarray]], tensors))
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     at = 0
-    arrays = []
-    for name, x in tensors.items():
-        x = np.ascontiguousarray(x)
-        if x.dtype.byteorder == ">":
-            x = x.astype(x.dtype.newbyteorder("<"))
+    for name, (shape, dtype) in plan.items():
+        size = math.prod(shape) * np.dtype(dtype).itemsize
         header[name] = {
-            "dtype": dtype_name(x.dtype),
-            "shape": list(x.shape),
-            "data_offsets": [at, at + x.nbytes],
+            "dtype": dtype_name(dtype),
+            "shape": list(shape),
+            "data_offsets": [at, at + size],
         }
-        at += x.nbytes
-        arrays.append(x)
+        at += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     with open(file, "wb") as f:
         f.write(len(text).to_bytes(8, "little"))
         f.write(text)
-        for x in arrays:
-            f.write(x.tobytes())
+        for want, (shape, dtype) in plan.items():
+            name, x = next(pairs)
+            x = np.ascontiguousarray(x)
+            if name != want or x.shape != tuple(shape) or x.dtype != np.dtype(dtype):
+                raise AssertionError(
+                    f"Tensor {name!r} {x.shape} {x.dtype} where the layout has {want!r} "
+                    f"{tuple(shape)} {np.dtype(dtype)}."
+                )
+            if x.dtype.byteorder == ">":
+                x = x.astype(x.dtype.newbyteorder("<"))
+            f.write(x.reshape(-1).view(np.uint8).data)
         f.flush()
         os.fsync(f.fileno())
 
@@ -579,8 +609,8 @@ def save_folder(
     - `config`: the contents of `config.json`.
     - `layout`: every tensor's name, in order, with its shape and numpy dtype: how the files
         are split is planned from it before any tensor is computed.
-    - `tensors`: `(name, array)` pairs in `layout`'s order, consumed one file at a time (so
-        only one file's tensors are in memory together).
+    - `tensors`: `(name, array)` pairs in `layout`'s order, each written as it comes (one
+        tensor in memory at a time).
     - `max_shard_size`: the most bytes in one file, an int or a string (`shard_size`).
     - `write`: `False` consumes `tensors` without writing anything (a process other than
         the one writing, whose gathers must still take part).
@@ -603,19 +633,12 @@ def save_folder(
     try:
         stream = iter(tensors)
         for file, names in zip(files, shards):
-            shard = {}
-            for want in names:
-                name, x = next(stream)
-                shape, dtype = layout[want]
-                if name != want or tuple(x.shape) != tuple(shape) or x.dtype != np.dtype(dtype):
-                    raise AssertionError(
-                        f"Tensor {name!r} {x.shape} {x.dtype} where the layout has {want!r} "
-                        f"{shape} {np.dtype(dtype)}."
-                    )
-                shard[name] = x
-            if temp is not None:
-                write_safetensors(temp / file, shard)
-            del shard
+            pairs = itertools.islice(stream, len(names))
+            if temp is None:
+                for _ in pairs:
+                    pass
+            else:
+                write_safetensors(temp / file, pairs, {n: layout[n] for n in names})
         if temp is None:
             return
         if n > 1:

@@ -115,7 +115,7 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
         README) are kept.
 
         **Sharded parameters.** Parameters sharded over a mesh are gathered one tensor at
-        a time (only one file's tensors are on the host together). With several
+        a time (one tensor on the host at a time, written as it comes). With several
         processes, every process must call `save_pretrained` with the same arguments
         (the gathers are collectives: `jax.experimental.multihost_utils.process_allgather`
         of each parameter a process does not hold whole); process 0 writes the files and
