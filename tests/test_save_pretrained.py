@@ -316,3 +316,15 @@ def test_save_pretrained_from_two_processes(tmp_path):
     for file in files:
         assert (tmp_path / "one" / file).read_bytes() == (out / file).read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]
+
+
+def test_save_pretrained_through_a_link(tmp_path):
+    # A `path` that is a link to a folder: the checkpoint goes where it points, the link stays.
+    model = _model("qwen3_5_lm")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    model.save_pretrained(tmp_path / "link")
+    model.save_pretrained(tmp_path / "link")
+    assert (tmp_path / "link").is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+    assert eqx.tree_equal(Qwen3_5ForCausalLM.from_pretrained(tmp_path / "link"), model)

@@ -623,6 +623,8 @@ def save_folder(
     n = len(shards)
     files = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     path = Path(path)
+    if path.is_symlink():  # write where the link points; the link stays
+        path = path.resolve()
     if path.exists() and not path.is_dir():
         raise ValueError(f"Cannot save a checkpoint to {str(path)!r}: it is a file, not a folder.")
     temp = None
