@@ -37,7 +37,7 @@ def main():
             return x
         x = np.asarray(x)
         axis = next((i for i, n in enumerate(x.shape) if n % 4 == 0), None)
-        spec = [None] * x.ndim
+        spec: list[str | None] = [None] * x.ndim
         if axis is not None:
             spec[axis] = "x"
         sharding = NamedSharding(mesh, P(*spec))
