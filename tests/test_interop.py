@@ -28,6 +28,8 @@ from deltanet_cp.interop import (
     fla,
     gated_delta_net_from_hf,
     gated_delta_net_to_hf,
+    kimi_delta_attention_from_hf,
+    kimi_delta_attention_to_hf,
     transformers as hf,
 )
 from deltanet_cp.nn import GatedDeltaNet
@@ -143,6 +145,30 @@ def test_export_round_trip(layout):
     other = "qwen3_5" if layout == "qwen3_next" else "qwen3_next"
     again = gated_delta_net_from_hf(config, gated_delta_net_to_hf(layer, layout=other))
     assert eqx.tree_equal(again, layer)
+
+
+@pytest.mark.parametrize("layout", ["transformers", "moonshot"])
+def test_kimi_delta_attention_export_round_trip(layout, tmp_path, without_runtime_typecheck):
+    """`kimi_delta_attention_to_hf` reproduces transformers' tensors of the Kimi fixture
+    exactly, and `kimi_delta_attention_from_hf` reads both layouts back bit-identically (from
+    a mapping and from a safetensors file)."""
+    config = json.loads((DATA / "kimi_kda.json").read_text())
+    weights = load_file(str(DATA / "kimi_kda.safetensors"))
+    prefix = config["weight_prefix"]
+    layer = kimi_delta_attention_from_hf(config, weights)
+    exported = kimi_delta_attention_to_hf(layer, layout=layout, prefix=prefix)
+    if layout == "transformers":
+        assert sorted(exported) == sorted(weights)
+        for key, value in weights.items():
+            assert exported[key].dtype == value.dtype, key
+            np.testing.assert_array_equal(exported[key], value, err_msg=key)
+    else:
+        assert prefix + "q_conv1d.weight" in exported and prefix + "conv1d.weight" not in exported
+    save_file(exported, tmp_path / "kda.safetensors")
+    for source in (exported, tmp_path / "kda.safetensors"):
+        assert eqx.tree_equal(kimi_delta_attention_from_hf(config, source), layer)
+    with pytest.raises(ValueError, match="layout"):
+        kimi_delta_attention_to_hf(layer, layout="fla")  # pyright: ignore[reportArgumentType]
 
 
 def test_weights_sources(tmp_path):

@@ -15,12 +15,14 @@ layer and model loader (and the place to write them).
     name with their shapes and dtypes checked.
 """
 
+import itertools
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+import shutil
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -453,3 +455,248 @@ def layer_tensors(
             )
         out[short] = x if dtype is None else x.astype(dtype)
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# Writing: safetensors files, sharded checkpoint folders, atomically
+# ---------------------------------------------------------------------------------------
+
+_DTYPE_NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
+CONFIG = "config.json"
+_SIZE_UNITS = {
+    "GIB": 2**30,
+    "MIB": 2**20,
+    "KIB": 2**10,
+    "GB": 10**9,
+    "MB": 10**6,
+    "KB": 10**3,
+    "B": 1,
+}
+
+
+def dtype_name(dtype: Any) -> str:
+    """The format's name of a numpy dtype (`"F32"`, `"BF16"`, ...)."""
+    dtype = np.dtype(dtype)
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(
+            f"The safetensors format has no dtype {dtype}; write one of "
+            f"{', '.join(str(np.dtype(d)) for d in DTYPES.values())}."
+        )
+    return _DTYPE_NAMES[dtype]
+
+
+def write_safetensors(
+    file: str | os.PathLike,
+    tensors: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]],
+    layout: Mapping[str, tuple[tuple[int, ...], Any]] | None = None,
+) -> None:
+    """Write one `.safetensors` file: the header (each tensor's `dtype`, `shape` and
+    `data_offsets`, and `__metadata__` `{"format": "pt"}` as torch's writer gives it, padded
+    with spaces to a multiple of 8 bytes), then the bytes (C order, little-endian), flushed
+    to disk.
+
+    **Arguments:**
+
+    - `file`: the file to write.
+    - `tensors`: a mapping from names to numpy arrays, written in its order; or, with
+        `layout`, `(name, array)` pairs in `layout`'s order, each written as it comes (one
+        tensor in memory at a time).
+    - `layout`: every tensor's name, shape and numpy dtype, in order, when `tensors` is a
+        stream; a pair that differs from it is an `AssertionError`.
+    """
+    plan: Mapping[str, tuple[tuple[int, ...], Any]]
+    if layout is None:
+        if not isinstance(tensors, Mapping):
+            raise TypeError("`tensors` must be a mapping from names to arrays without `layout`.")
+        arrays = {n: np.asarray(x) for n, x in cast(Mapping[str, Any], tensors).items()}
+        plan = {n: (tuple(x.shape), x.dtype) for n, x in arrays.items()}
+        pairs: Iterator[tuple[str, np.ndarray]] = iter(arrays.items())
+    else:
+        plan = layout
+        pairs = iter(cast(Iterable[tuple[str, np.ndarray]], tensors))
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    at = 0
+    for name, (shape, dtype) in plan.items():
+        size = math.prod(shape) * np.dtype(dtype).itemsize
+        header[name] = {
+            "dtype": dtype_name(dtype),
+            "shape": list(shape),
+            "data_offsets": [at, at + size],
+        }
+        at += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(file, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for want, (shape, dtype) in plan.items():
+            name, x = next(pairs)
+            x = np.ascontiguousarray(x)
+            if name != want or x.shape != tuple(shape) or x.dtype != np.dtype(dtype):
+                raise AssertionError(
+                    f"Tensor {name!r} {x.shape} {x.dtype} where the layout has {want!r} "
+                    f"{tuple(shape)} {np.dtype(dtype)}."
+                )
+            if x.dtype.byteorder == ">":
+                x = x.astype(x.dtype.newbyteorder("<"))
+            f.write(x.reshape(-1).view(np.uint8).data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def shard_size(max_shard_size: int | str) -> int:
+    """`max_shard_size` in bytes: an int, or a string as transformers takes it (`"5GB"` is
+    5 * 10**9 bytes, `"5GiB"` 5 * 2**30, and so for `MB`, `MiB`, `KB`, `KiB`)."""
+    if isinstance(max_shard_size, (int, np.integer)) and not isinstance(max_shard_size, bool):
+        size = int(max_shard_size)
+    elif isinstance(max_shard_size, str):
+        text = max_shard_size.strip().upper()
+        unit = next((u for u in _SIZE_UNITS if text.endswith(u)), None)
+        try:
+            size = int(float(text[: -len(unit)] if unit else text) * _SIZE_UNITS[unit or "B"])
+        except ValueError:
+            size = 0
+    else:
+        size = 0
+    if size <= 0:
+        raise ValueError(
+            f"`max_shard_size` must be a positive number of bytes, an int or a string such as "
+            f'"5GB" or "500MiB"; got {max_shard_size!r}.'
+        )
+    return size
+
+
+def plan_shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
+    """The tensors (by name, in order, with their sizes in bytes) in files of at most
+    `max_bytes` each, as transformers splits them: the next tensor starts a new file when it
+    would not fit (a tensor larger than `max_bytes` gets a file of its own)."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes.items():
+        if shards[-1] and used + size > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+def save_folder(
+    path: str | os.PathLike,
+    config: Mapping[str, Any],
+    layout: Mapping[str, tuple[tuple[int, ...], Any]],
+    tensors: Iterator[tuple[str, np.ndarray]],
+    *,
+    max_shard_size: int | str = "5GB",
+    write: bool = True,
+) -> None:
+    """Write a checkpoint folder as transformers' `save_pretrained` does, atomically.
+
+    `config.json`, and the tensors in files of at most `max_shard_size`: one
+    `model.safetensors`, or `model-0000i-of-0000n.safetensors` with a
+    `model.safetensors.index.json` (its `weight_map`, and `metadata.total_size`).
+
+    Everything is written into a new folder beside `path` (`.<name>.saving-<id>`), each file
+    flushed to disk, then renamed into place: a crash while writing leaves the old
+    checkpoint as it was. An existing `path` is first renamed aside and removed after the
+    new one is in place; its other files (a tokenizer, a README) are carried over (hard
+    links where the file system allows), its checkpoint files (`config.json`,
+    `*.safetensors`, the index) replaced.
+
+    **Arguments:**
+
+    - `path`: the checkpoint folder (created with its parents if absent).
+    - `config`: the contents of `config.json`.
+    - `layout`: every tensor's name, in order, with its shape and numpy dtype: how the files
+        are split is planned from it before any tensor is computed.
+    - `tensors`: `(name, array)` pairs in `layout`'s order, each written as it comes (one
+        tensor in memory at a time).
+    - `max_shard_size`: the most bytes in one file, an int or a string (`shard_size`).
+    - `write`: `False` consumes `tensors` without writing anything (a process other than
+        the one writing, whose gathers must still take part).
+    """
+    max_bytes = shard_size(max_shard_size)
+    sizes = {
+        name: math.prod(shape) * np.dtype(dtype).itemsize for name, (shape, dtype) in layout.items()
+    }
+    shards = plan_shards(sizes, max_bytes)
+    n = len(shards)
+    files = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    path = Path(path)
+    if path.is_symlink():  # write where the link points; the link stays
+        path = path.resolve()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"Cannot save a checkpoint to {str(path)!r}: it is a file, not a folder.")
+    temp = None
+    if write:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp = path.parent / f".{path.name}.saving-{os.getpid()}-{os.urandom(4).hex()}"
+        temp.mkdir()
+    try:
+        stream = iter(tensors)
+        for file, names in zip(files, shards):
+            pairs = itertools.islice(stream, len(names))
+            if temp is None:
+                for _ in pairs:
+                    pass
+            else:
+                write_safetensors(temp / file, pairs, {n: layout[n] for n in names})
+        if temp is None:
+            return
+        if n > 1:
+            index = {
+                "metadata": {"total_size": sum(sizes.values())},
+                "weight_map": {
+                    name: file for file, names in zip(files, shards) for name in sorted(names)
+                },
+            }
+            _write_text(temp / INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
+        _write_text(temp / CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _swap(temp, path)
+        temp = None
+    finally:
+        if temp is not None:
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+def _write_text(file: Path, text: str) -> None:
+    with open(file, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _is_checkpoint_file(name: str) -> bool:
+    return name in (CONFIG, INDEX) or name.endswith(".safetensors")
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _swap(new: Path, path: Path) -> None:
+    """Put the finished folder `new` at `path`: carry over `path`'s other files, rename the
+    old folder aside, rename `new` into place, remove the old."""
+    if not path.exists():
+        os.rename(new, path)
+        return
+    for entry in path.iterdir():
+        if _is_checkpoint_file(entry.name) and not entry.is_dir():
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, new / entry.name, symlinks=True, copy_function=_link_or_copy)
+        elif entry.is_symlink():
+            os.symlink(os.readlink(entry), new / entry.name)
+        else:
+            _link_or_copy(str(entry), str(new / entry.name))
+    old = path.parent / f".{path.name}.old-{os.getpid()}-{os.urandom(4).hex()}"
+    os.rename(path, old)
+    try:
+        os.rename(new, path)
+    except OSError:
+        os.rename(old, path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

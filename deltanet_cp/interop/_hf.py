@@ -64,6 +64,30 @@ def split_qwen3_next_projections(
     return qkv, z, b, a
 
 
+def fuse_qwen3_next_projections(
+    qkv: Any, z: Any, b: Any, a: Any, h: int, hv: int, dk: int, dv: int
+) -> tuple[Any, Any]:
+    """The inverse of `split_qwen3_next_projections`, in numpy: Qwen3.5's `in_proj_qkv`,
+    `in_proj_z`, `in_proj_b`, `in_proj_a` weights as Qwen3-Next's fused `(in_proj_qkvz,
+    in_proj_ba)` (`None` for a pair that is `None`)."""
+    r = hv // h
+    qkvz = ba = None
+    if qkv is not None and z is not None:
+        qkv, z = np.asarray(qkv), np.asarray(z)
+        hidden = qkv.shape[-1]
+        q = qkv[: h * dk].reshape(h, dk, hidden)
+        k = qkv[h * dk : 2 * h * dk].reshape(h, dk, hidden)
+        v = qkv[2 * h * dk :].reshape(h, r * dv, hidden)
+        qkvz = np.concatenate([q, k, v, z.reshape(h, r * dv, hidden)], axis=1)
+        qkvz = qkvz.reshape(-1, hidden)
+    if b is not None and a is not None:
+        b, a = np.asarray(b), np.asarray(a)
+        hidden = b.shape[-1]
+        ba = np.concatenate([b.reshape(h, r, hidden), a.reshape(h, r, hidden)], axis=1)
+        ba = ba.reshape(2 * hv, hidden)
+    return qkvz, ba
+
+
 def gated_delta_net_from_hf(
     config: Any,
     weights: Mapping[str, Any] | str | os.PathLike,
@@ -224,19 +248,14 @@ def gated_delta_net_to_hf(
     """
     h, hv = layer.num_key_heads, layer.num_value_heads
     dk, dv = layer.key_head_dim, layer.value_head_dim
-    r, hidden = hv // h, layer.hidden_size
     qkv = np.asarray(layer.in_proj_qkv.weight)
     z = np.asarray(layer.in_proj_z.weight)
     b, a = np.asarray(layer.in_proj_b.weight), np.asarray(layer.in_proj_a.weight)
     out: dict[str, np.ndarray] = {}
     if layout == "qwen3_next":
-        q = qkv[: h * dk].reshape(h, dk, hidden)
-        k = qkv[h * dk : 2 * h * dk].reshape(h, dk, hidden)
-        v = qkv[2 * h * dk :].reshape(h, r * dv, hidden)
-        zz = z.reshape(h, r * dv, hidden)
-        out["in_proj_qkvz.weight"] = np.concatenate([q, k, v, zz], axis=1).reshape(-1, hidden)
-        ba = np.concatenate([b.reshape(h, r, hidden), a.reshape(h, r, hidden)], axis=1)
-        out["in_proj_ba.weight"] = ba.reshape(2 * hv, hidden)
+        out["in_proj_qkvz.weight"], out["in_proj_ba.weight"] = fuse_qwen3_next_projections(
+            qkv, z, b, a, h, hv, dk, dv
+        )
     elif layout == "qwen3_5":
         out["in_proj_qkv.weight"], out["in_proj_z.weight"] = qkv, z
         out["in_proj_b.weight"], out["in_proj_a.weight"] = b, a

@@ -3,11 +3,12 @@
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import equinox as eqx
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 
 from .._run import Memory
 from .._validate import as_config_int
@@ -206,3 +207,55 @@ def kimi_delta_attention_from_hf(
         (lambda m: m.out_proj.weight, tensors["o_proj.weight"]),
     ]
     return eqx.tree_at(lambda m: [get(m) for get, _ in leaves], skeleton, [x for _, x in leaves])
+
+
+def kimi_delta_attention_to_hf(
+    layer: KimiDeltaAttention,
+    *,
+    layout: Literal["transformers", "moonshot"] = "transformers",
+    prefix: str = "",
+) -> dict[str, np.ndarray]:
+    """The inverse of [`deltanet_cp.interop.kimi_delta_attention_from_hf`][]: Kimi Linear
+    weights for `layer`.
+
+    **Arguments:**
+
+    - `layer`: the layer to export.
+    - `layout`: `"transformers"` (transformers' `KimiLinearDeltaAttention`: one stacked
+        `conv1d`, the gate under `forget_gate.`) or `"moonshot"` (Moonshot's checkpoint:
+        `q_conv1d`, `k_conv1d`, `v_conv1d`, and `f_a_proj`, `f_b_proj`, `dt_bias`, `A_log`
+        beside the projections).
+    - `prefix`: put in front of every name, e.g. `"model.layers.0.self_attn."`.
+
+    **Returns:**
+
+    A dict from tensor names to numpy arrays (in the parameters' dtypes), ready for
+    `safetensors.numpy.save_file`: `A_log` as `(1, 1, H, 1)` and `dt_bias` as `(H * K,)`,
+    the shapes both layouts store.
+    """
+    if layout not in ("transformers", "moonshot"):
+        raise ValueError(f"`layout` must be 'transformers' or 'moonshot'; got {layout!r}.")
+    h, wide = layer.num_heads, layer.num_heads * layer.head_dim
+    qkv = np.asarray(layer.in_proj_qkv.weight)
+    conv = np.asarray(layer.conv1d.weight)[:, None, :]
+    out: dict[str, np.ndarray] = {
+        f"{x}_proj.weight": qkv[i * wide : (i + 1) * wide] for i, x in enumerate("qkv")
+    }
+    gate = {
+        "f_a_proj.weight": np.asarray(layer.f_a_proj.weight),
+        "f_b_proj.weight": np.asarray(layer.f_b_proj.weight),
+        "dt_bias": np.asarray(layer.dt_bias).reshape(wide),
+        "A_log": np.asarray(layer.A_log).reshape(1, 1, h, 1),
+    }
+    if layout == "transformers":
+        out["conv1d.weight"] = conv
+        out |= {f"forget_gate.{n}": x for n, x in gate.items()}
+    else:
+        out |= {f"{x}_conv1d.weight": conv[i * wide : (i + 1) * wide] for i, x in enumerate("qkv")}
+        out |= gate
+    out["b_proj.weight"] = np.asarray(layer.b_proj.weight)
+    out["g_a_proj.weight"] = np.asarray(layer.g_a_proj.weight)
+    out["g_b_proj.weight"] = np.asarray(layer.g_b_proj.weight)
+    out["o_norm.weight"] = np.asarray(layer.norm.weight)
+    out["o_proj.weight"] = np.asarray(layer.out_proj.weight)
+    return {prefix + name: np.ascontiguousarray(x) for name, x in out.items()}

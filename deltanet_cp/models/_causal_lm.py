@@ -1,6 +1,7 @@
 """What the Qwen3.5 dense, Qwen3-Next and Qwen3.5 MoE text models share: the forward, the
 cache, prefill, decoding and greedy generation, on their common decoder layer."""
 
+import os
 from typing import Any, Generic, overload, TypeVar
 
 import equinox as eqx
@@ -22,6 +23,7 @@ from ..nn._tokens import check_tokens
 from ._cache import check_cache, concrete, Qwen3_5Cache, Qwen3_5Checkpoints, restore
 from ._config import _QwenTextConfig
 from ._decoder_layer import Qwen3_5DecoderLayer
+from ._weights import ExpertLayout, save
 
 
 # The default room `prefill` leaves after the prompt for the tokens to decode.
@@ -85,6 +87,72 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
     lm_head: eqx.AbstractVar[eqx.nn.Linear | None]
     config: eqx.AbstractVar[_Config]
     precision: eqx.AbstractVar[PrecisionName | None]
+
+    def save_pretrained(
+        self,
+        path: str | os.PathLike,
+        *,
+        dtype=None,
+        experts: ExpertLayout | None = None,
+        max_shard_size: int | str = "5GB",
+    ) -> None:
+        """Save the model as a Hugging Face checkpoint, which `from_pretrained` and
+        transformers read: `config.json` and the weights in safetensors files.
+
+        The tensors are named and shaped as transformers' own `save_pretrained` writes the
+        text model (`model.layers.N...`, `lm_head.weight` unless the embedding is tied):
+        the depthwise convolution as `(channels, 1, kernel)`, Qwen3-Next's Gated DeltaNet
+        projections fused and grouped per key head (`in_proj_qkvz`, `in_proj_ba`), the
+        stacked experts as the checkpoint stores them. Every conversion is a reshape,
+        slice or concatenation: `from_pretrained` reads back bit-identical parameters.
+        The files are as transformers splits them: one `model.safetensors`, or
+        `model-0000i-of-0000n.safetensors` of at most `max_shard_size` each and
+        `model.safetensors.index.json`.
+
+        **Atomic.** Everything is written into a new folder beside `path`, each file
+        flushed to disk, then renamed into place: a crash while writing leaves the old
+        checkpoint at `path` as it was. Other files in an existing `path` (a tokenizer, a
+        README) are kept.
+
+        **Sharded parameters.** Parameters sharded over a mesh are gathered one tensor at
+        a time (one tensor on the host at a time, written as it comes). With several
+        processes, every process must call `save_pretrained` with the same arguments
+        (the gathers are collectives: `jax.experimental.multihost_utils.process_allgather`
+        of each parameter a process does not hold whole); process 0 writes the files and
+        every process returns once they are in place. `path` must then be on a file
+        system process 0 writes and the others read, if they are to load it.
+
+        **Arguments:**
+
+        - `path`: the checkpoint folder (created with its parents if absent).
+        - `dtype`: the dtype to write every tensor in (e.g. `jnp.bfloat16`; the cast
+            rounds to nearest even, as `astype` does); each parameter's own if `None`.
+            `config.json`'s `dtype` says it (the embedding's dtype if `None`).
+        - `experts`: a mixture-of-experts model's expert layout: `"fused"`
+            (`mlp.experts.gate_up_proj` `(E, 2I, H)`, gate rows first, and
+            `mlp.experts.down_proj` `(E, H, I)`: the parameters of transformers'
+            Qwen3.5-MoE experts module, the released Qwen3.5-MoE checkpoints' layout, what
+            transformers' `save_pretrained(..., save_original_format=False)` writes) or
+            `"per_expert"` (`mlp.experts.{j}.gate_proj.weight`, `up_proj`, `down_proj`:
+            the released Qwen3-Next checkpoints' layout, what transformers 5's default
+            `save_pretrained` writes for both models). `None`: the released checkpoints'
+            layout of the model, `"fused"` for
+            [`deltanet_cp.models.Qwen3_5MoeForCausalLM`][] and `"per_expert"` for
+            [`deltanet_cp.models.Qwen3NextForCausalLM`][]. `from_pretrained` and
+            transformers read both. (The names are the text model's, `model.layers.N...`,
+            with its `config.json`, in either layout; the released Qwen3.5 checkpoints
+            nest them under the multimodal model's `model.language_model.`.)
+        - `max_shard_size`: the most bytes in one file: an int, or a string as
+            transformers takes it (`"5GB"` is 5 * 10^9 bytes, `"5GiB"` 5 * 2^30; `MB`,
+            `MiB`, `KB`, `KiB` too). A tensor larger than that gets a file of its own.
+
+        **Raises:**
+
+        `ValueError` naming the argument: a `dtype` that is not floating-point, an
+        `experts` layout that is not one of the two (or any on a dense model), a
+        `max_shard_size` that is not a positive size, a `path` that is a file.
+        """
+        save(self, path, dtype=dtype, experts=experts, max_shard_size=max_shard_size)
 
     def _logits(self, x):
         x = self.norm(x)

@@ -193,6 +193,28 @@ class _QwenTextConfig:
                 kwargs[name] = tuple(kwargs[name])
         return cls(**kwargs)
 
+    def to_hf(self) -> dict[str, Any]:
+        """The inverse of `from_hf`: this config as transformers' `config.json` of the text
+        model writes it (`model_type`, the fields by transformers' names, `layer_types`
+        spelled out, the rotary embedding's base and fraction in `rope_parameters`), read
+        back by `from_hf` and by transformers to the same config."""
+        out: dict[str, Any] = {
+            "model_type": self._MODEL_TYPES[0],
+            "hidden_act": "silu",
+            "attention_bias": False,
+        }
+        for f in dataclasses.fields(self):
+            if f.name in ("rope_theta", "partial_rotary_factor", "full_attention_interval"):
+                continue
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        out["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": self.rope_theta,
+            "partial_rotary_factor": self.partial_rotary_factor,
+        }
+        return out
+
     @classmethod
     def _check_model_type(cls, top: Mapping[str, Any], text: Mapping[str, Any]) -> None:
         for where in (text, top):

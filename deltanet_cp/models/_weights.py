@@ -3,20 +3,23 @@ every tensor by name."""
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
+from jax.experimental import multihost_utils
 
 from .._run import Memory
-from ..interop._checkpoint import open_folder
-from ..interop._hf import split_qwen3_next_projections
+from ..interop._checkpoint import check_dtype, open_folder, save_folder
+from ..interop._hf import fuse_qwen3_next_projections, split_qwen3_next_projections
 from ..nn._gated_delta_net import GatedDeltaNet
 from ..nn._moe import SparseMoE
+from ._config import Qwen3NextConfig
 
 
 # Tensors transformers itself skips when loading the text model: multi-token prediction
@@ -71,17 +74,21 @@ _ATTENTION: list[_Entry] = [
 class _Group:
     """Checkpoint tensors (`names`, of `shapes`) that `convert` turns into parameters (read
     from the model by `params`): one to one, or fused tensors split, or per-expert ones
-    stacked."""
+    stacked; `to_hf` is the inverse (the parameters' values, as numpy arrays, to the
+    tensors), exact: reshapes, slices and concatenations only."""
 
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     params: tuple[Callable, ...]
     convert: Callable[[list[Any]], list[Any]]
+    to_hf: Callable[[list[np.ndarray]], list[np.ndarray]]
 
 
 def _one(name: str, get: Callable, ours: tuple[int, ...], to_hf: Callable | None) -> _Group:
     want = ours if to_hf is None else tuple(to_hf(ours))
-    return _Group((name,), (want,), (get,), lambda xs: [xs[0].reshape(ours)])
+    return _Group(
+        (name,), (want,), (get,), lambda xs: [xs[0].reshape(ours)], lambda ps: [ps[0].reshape(want)]
+    )
 
 
 def _qwen3_next_projections(prefix: str, i: int, gdn: GatedDeltaNet) -> list[_Group]:
@@ -100,18 +107,26 @@ def _qwen3_next_projections(prefix: str, i: int, gdn: GatedDeltaNet) -> list[_Gr
         _, _, b, a = split_qwen3_next_projections(None, xs[0], h, hv, dk, dv)
         return [b, a]
 
+    def fuse_qkvz(ps):
+        return [fuse_qwen3_next_projections(ps[0], ps[1], None, None, h, hv, dk, dv)[0]]
+
+    def fuse_ba(ps):
+        return [fuse_qwen3_next_projections(None, None, ps[0], ps[1], h, hv, dk, dv)[1]]
+
     return [
         _Group(
             (prefix + "linear_attn.in_proj_qkvz.weight",),
             ((2 * h * dk + 2 * hv * dv, hidden),),
             (get("in_proj_qkv"), get("in_proj_z")),
             qkvz,
+            fuse_qkvz,
         ),
         _Group(
             (prefix + "linear_attn.in_proj_ba.weight",),
             ((2 * hv, hidden),),
             (get("in_proj_b"), get("in_proj_a")),
             ba,
+            fuse_ba,
         ),
     ]
 
@@ -131,12 +146,14 @@ def _experts(prefix: str, i: int, moe: SparseMoE, fused: bool) -> list[_Group]:
                 ((e, 2 * inter, hidden),),
                 (get("gate_proj"), get("up_proj")),
                 lambda xs: [xs[0][:, :inter], xs[0][:, inter:]],
+                lambda ps: [np.concatenate(ps, axis=1)],
             ),
             _Group(
                 (prefix + "mlp.experts.down_proj",),
                 ((e, hidden, inter),),
                 (get("down_proj"),),
                 lambda xs: [xs[0]],
+                lambda ps: [ps[0]],
             ),
         ]
     shapes = {
@@ -150,14 +167,19 @@ def _experts(prefix: str, i: int, moe: SparseMoE, fused: bool) -> list[_Group]:
             (shape,) * e,
             (get(field),),
             lambda xs: [jnp.stack(xs)],
+            lambda ps: list(ps[0]),
         )
         for field, shape in shapes.items()
     ]
 
 
-def _groups(model, base: str, tensors: Mapping[str, Any]) -> list[_Group]:
-    """Every parameter's group of checkpoint tensors; the layouts (Qwen3-Next's fused Gated
-    DeltaNet projections, fused experts) as the checkpoint has them."""
+def _groups(
+    model, base: str, qwen3_next: Callable[[str], bool], fused: Callable[[str], bool]
+) -> list[_Group]:
+    """Every parameter's group of checkpoint tensors, in transformers' order (embedding,
+    final norm, LM head, the layers); the layouts as the two predicates of a layer's
+    prefix say: Qwen3-Next's fused Gated DeltaNet projections (`qwen3_next`), fused experts
+    (`fused`)."""
     out = [
         _one(
             base + "embed_tokens.weight", lambda m: m.embed.weight, model.embed.weight.shape, None
@@ -173,10 +195,7 @@ def _groups(model, base: str, tensors: Mapping[str, Any]) -> list[_Group]:
         entries = list(_COMMON)
         if isinstance(block.mixer, GatedDeltaNet):
             entries += _LINEAR
-            if any(
-                prefix + "linear_attn." + n in tensors
-                for n in ("in_proj_qkvz.weight", "in_proj_ba.weight")
-            ):
+            if qwen3_next(prefix):
                 out += _qwen3_next_projections(prefix, i, block.mixer)
             else:
                 entries += _QWEN3_5_PROJECTIONS
@@ -184,10 +203,7 @@ def _groups(model, base: str, tensors: Mapping[str, Any]) -> list[_Group]:
             entries += _ATTENTION
         if isinstance(block.mlp, SparseMoE):
             entries += _SPARSE_MLP
-            fused = any(
-                prefix + "mlp.experts." + n in tensors for n in ("gate_up_proj", "down_proj")
-            )
-            out += _experts(prefix, i, block.mlp, fused)
+            out += _experts(prefix, i, block.mlp, fused(prefix))
         else:
             entries += _DENSE_MLP
         for suffix, get, to_hf in entries:
@@ -239,7 +255,17 @@ def load(
     tensors = open_folder(path)
     nested = any(n.startswith("model.language_model.") for n in tensors)
     base = "model.language_model." if nested else "model."
-    groups = _groups(skeleton, base, tensors)
+    groups = _groups(
+        skeleton,
+        base,
+        lambda prefix: any(
+            prefix + "linear_attn." + n in tensors
+            for n in ("in_proj_qkvz.weight", "in_proj_ba.weight")
+        ),
+        lambda prefix: any(
+            prefix + "mlp.experts." + n in tensors for n in ("gate_up_proj", "down_proj")
+        ),
+    )
     expected = {name for g in groups for name in g.names}
     skipped = _SKIPPED + (("lm_head.weight",) if skeleton.lm_head is None else ())
     missing = [name for g in groups for name in g.names if name not in tensors]
@@ -275,3 +301,65 @@ def load(
     left = [x for x in jax.tree.leaves(model) if isinstance(x, jax.ShapeDtypeStruct)]
     assert not left, f"{len(left)} parameters were not loaded"
     return model
+
+
+ExpertLayout = Literal["fused", "per_expert"]
+
+
+def _host(x) -> np.ndarray:
+    """A parameter's values on this host: gathered across processes if this process does
+    not hold all of it (a collective: every process calls it, in the same order)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))
+
+
+def save(
+    model,
+    path: str | os.PathLike,
+    *,
+    dtype,
+    experts: ExpertLayout | None,
+    max_shard_size: int | str,
+) -> None:
+    """`save_pretrained` of the Qwen3.5 family's models: see its docstring. Qwen3-Next
+    writes its own checkpoints' layout (fused, head-grouped Gated DeltaNet projections; one
+    tensor per expert), Qwen3.5 (MoE) its own (separate projections; fused experts)."""
+    qwen3_next = isinstance(model.config, Qwen3NextConfig)
+    default_experts = "per_expert" if qwen3_next else "fused"
+    check_dtype(dtype)
+    sparse = any(isinstance(block.mlp, SparseMoE) for block in model.layers)
+    if experts is not None and experts not in ("fused", "per_expert"):
+        raise ValueError(f"`experts` must be 'fused', 'per_expert' or None; got {experts!r}.")
+    if experts is not None and not sparse:
+        raise ValueError(
+            f"`experts={experts!r}` is for a mixture-of-experts model; this "
+            f"{type(model).__name__} has none. Pass `experts=None`."
+        )
+    fused = (experts or default_experts) == "fused"
+    groups = _groups(model, "model.", lambda _: qwen3_next, lambda _: fused)
+    out_dtype = None if dtype is None else np.dtype(jnp.dtype(dtype))
+    layout: dict[str, tuple[tuple[int, ...], Any]] = {}
+    for g in groups:
+        kind = out_dtype or np.dtype(jnp.result_type(*(get(model).dtype for get in g.params)))
+        for name, shape in zip(g.names, g.shapes):
+            layout[name] = (shape, kind)
+    config = {"architectures": [type(model).__name__], **model.config.to_hf()}
+    config["dtype"] = str(out_dtype or np.dtype(model.embed.weight.dtype))
+
+    def tensors():
+        for g in groups:
+            params = [_host(get(model)) for get in g.params]
+            for name, x in zip(g.names, g.to_hf(params)):
+                yield name, np.ascontiguousarray(x.astype(layout[name][1], copy=False))
+
+    save_folder(
+        path,
+        config,
+        layout,
+        tensors(),
+        max_shard_size=max_shard_size,
+        write=jax.process_index() == 0,
+    )
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"deltanet_cp save_pretrained {os.fspath(path)}")
