@@ -5,7 +5,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -215,16 +215,9 @@ def _at(i: int, get: Callable) -> Callable:
     return lambda m: get(m.layers[i])
 
 
-@runtime_checkable
-class _ConfigClass(Protocol):
-    """A model's config class (`Qwen3_5Config`, ...): read from a `config.json`."""
-
-    def from_json(self, path: str | os.PathLike) -> Any: ...
-
-
 def load(
     cls,
-    config_cls: _ConfigClass,
+    config_cls: type[Any],  # the model's config class: its `from_json` reads config.json
     path: str | os.PathLike,
     *,
     dtype,
