@@ -319,6 +319,28 @@ def test_readme_and_site_share_one_quickstart():
     )
 
 
+def _table_rows(text: str) -> list[str]:
+    """The rows of every Markdown table in `text` (header and separator included)."""
+    return [line.rstrip() for line in text.splitlines() if line.startswith("|")]
+
+
+def test_readme_figures_are_the_benchmarks_pages():
+    # The README's benchmark figures come from the run the benchmarks page reports: every
+    # table row under its "## Benchmarks" heading stands on the page as it is, so a page
+    # measured again cannot leave the README behind.
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Benchmarks") :]
+    section = section[: section.find("\n## ", 1) if "\n## " in section[1:] else len(section)]
+    rows = _table_rows(section)
+    assert rows, "the README's benchmarks section shows the page's peer table"
+    page = set(_table_rows((DOCS / "benchmarks.md").read_text()))
+    stale = [row for row in rows if row not in page]
+    assert not stale, (
+        "README.md's benchmark rows must be the benchmarks page's (copy them from "
+        f"docs/benchmarks.md): not on the page: {stale}"
+    )
+
+
 def test_readme_and_front_page_run_as_written():
     # In a fresh process, with no XLA flags of ours: the quickstart sets its own, for 4
     # simulated devices, before it imports jax. The check appended after it makes sure it did.
