@@ -41,6 +41,7 @@ DOCS = ROOT / "docs"
 PUBLIC_MODULES = [
     "deltanet_cp",
     "deltanet_cp.chunkops",
+    "deltanet_cp.internal",
     "deltanet_cp.nn",
     "deltanet_cp.models",
     "deltanet_cp.interop",
