@@ -328,7 +328,7 @@ def ours_ep(*, t, h, e, k, i, s, split: int) -> Prepared:
     axis) and `T / split` of the tokens; the router and shared expert are replicated.
 
     Its info adds what the busiest rank receives, read from the compiled HLO's collectives
-    (`deltanet_cp.received_bytes_per_rank`), and the number of collectives, per pass.
+    (`deltanet_cp.internal.received_bytes_per_rank`), and the number of collectives, per pass.
     """
     import inspect
 
@@ -370,8 +370,10 @@ def ours_ep(*, t, h, e, k, i, s, split: int) -> Prepared:
         compiled = jax.jit(fn).lower(*args).compile()
         _compile_info(info, name, compiled, time.perf_counter() - start)
         text = compiled.as_text() or ""
-        info[f"received {name}"] = max(dcp.received_bytes_per_rank(text).values(), default=0)
-        info[f"collectives {name}"] = len(dcp.collectives(text))
+        info[f"received {name}"] = max(
+            dcp.internal.received_bytes_per_rank(text).values(), default=0
+        )
+        info[f"collectives {name}"] = len(dcp.internal.collectives(text))
         calls[name] = lambda c=compiled, a=args: jax.block_until_ready(c(*a))
 
     def outputs():

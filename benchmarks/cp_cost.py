@@ -10,7 +10,7 @@ chunk 64, q/k L2 norm, float32. Four tables (`--only` picks some):
   once): what phase 1 (composing the rank's chunks into its map `(M, U)`) and the exchange
   add to the single-device kernel on the same tokens.
 - `payload`: bytes received per rank, read from the collectives of the compiled HLO
-  (`deltanet_cp.received_bytes_per_rank`), beside the exchange's cost model
+  (`deltanet_cp.internal.received_bytes_per_rank`), beside the exchange's cost model
   (`_common.payload_bytes`), cp = 2, 4, 8: flat in the sequence length.
 - `memory`: temporaries per device, `memory_analysis()`, at several tokens per rank.
 - `layouts`: contiguous vs zigzag shards at T = 4096 on cp = 4, each exchange: bytes the
@@ -147,7 +147,7 @@ def temp_bytes(compiled) -> int:
 
 def received(compiled) -> int:
     """Bytes the busiest rank receives, from the collectives of the compiled HLO."""
-    return max(dcp.received_bytes_per_rank(compiled.as_text() or "").values(), default=0)
+    return max(dcp.internal.received_bytes_per_rank(compiled.as_text() or "").values(), default=0)
 
 
 def mib(x: float, digits: int = 3) -> str:
@@ -302,7 +302,7 @@ def layouts_tables(case: Case) -> None:
                 + [
                     x
                     for c in (fwd_unused_c, unused_c)
-                    for x in (f"{received(c):,}", len(dcp.collectives(c.as_text() or "")))
+                    for x in (f"{received(c):,}", len(dcp.internal.collectives(c.as_text() or "")))
                 ]
             )
             print(f"  {ex_name}, {lay_name}: compiled", flush=True)

@@ -280,7 +280,7 @@ def received(compiled, kinds: tuple[str, ...] = (*EXCHANGES, "all-reduce")) -> i
                 total[r] = total.get(r, 0) + times * b
 
         lines = computations.get(name, [])
-        add(dcp.received_bytes_per_rank("\n".join(lines), kinds))
+        add(dcp.internal.received_bytes_per_rank("\n".join(lines), kinds))
         for line in lines:
             if re.search(r"\bwhile\(", line):
                 body = re.search(r"body=%?([\w.\-]+)", line)

@@ -1,10 +1,13 @@
 """Context parallelism for matrix-valued linear RNNs (Gated DeltaNet and friends) in JAX."""
 
+import warnings as _warnings
 from importlib import metadata as _metadata
+from typing import Any as _Any, TYPE_CHECKING as _TYPE_CHECKING
 
 from . import (
     chunkops as chunkops,
     data as data,
+    internal as internal,
     interop as interop,
     models as models,
     nn as nn,
@@ -24,25 +27,13 @@ from ._exchange import (
     PPermute as PPermute,
     Ring as Ring,
 )
-from ._hlo import (
-    Collective as Collective,
-    collectives as collectives,
-    received_bytes_per_rank as received_bytes_per_rank,
-)
 from ._layout import (
     AbstractLayout as AbstractLayout,
     Contiguous as Contiguous,
     from_zigzag as from_zigzag,
     Layout as Layout,
     to_zigzag as to_zigzag,
-    Walk as Walk,
     Zigzag as Zigzag,
-)
-from ._packing import (
-    pack as pack,
-    Segments as Segments,
-    segments as segments,
-    unpack as unpack,
 )
 from ._parallel import ContextParallel as ContextParallel
 from ._recurrence import AbstractRecurrence as AbstractRecurrence
@@ -50,7 +41,6 @@ from ._run import (
     default_block_size as default_block_size,
     Memory as Memory,
     run as run,
-    run_contiguous as run_contiguous,
 )
 from ._shift import previous_tokens as previous_tokens
 from .recurrences._delta import (
@@ -60,17 +50,15 @@ from .recurrences._delta import (
 )
 from .recurrences._delta_family import (
     AbstractDeltaRule as AbstractDeltaRule,
-    DeltaFactors as DeltaFactors,
     DeltaInputs as DeltaInputs,
 )
 from .recurrences._delta_product import (
     chunk_gated_delta_product as chunk_gated_delta_product,
-    GatedDeltaProduct as GatedDeltaProduct,
+    GatedDeltaProductRule as GatedDeltaProductRule,
     recurrent_gated_delta_product as recurrent_gated_delta_product,
 )
 from .recurrences._dplr import (
     DPLRDeltaRule as DPLRDeltaRule,
-    DPLRFactors as DPLRFactors,
     DPLRInputs as DPLRInputs,
 )
 from .recurrences._dplr_functions import (
@@ -84,24 +72,22 @@ from .recurrences._gated_delta import (
 )
 from .recurrences._gdn2 import (
     chunk_gdn2 as chunk_gdn2,
-    GatedDeltaNet2 as GatedDeltaNet2,
+    GatedDeltaNet2Rule as GatedDeltaNet2Rule,
     recurrent_gdn2 as recurrent_gdn2,
 )
 from .recurrences._gla import (
     chunk_gla as chunk_gla,
-    GatedLinearAttention as GatedLinearAttention,
-    GatedLinearAttentionFactors as GatedLinearAttentionFactors,
     GLAInputs as GLAInputs,
+    GLARule as GLARule,
     recurrent_gla as recurrent_gla,
 )
 from .recurrences._kda import (
     chunk_kda as chunk_kda,
-    KimiDeltaAttention as KimiDeltaAttention,
+    KimiDeltaRule as KimiDeltaRule,
     recurrent_kda as recurrent_kda,
 )
 from .recurrences._momentum import (
     MomentumDeltaRule as MomentumDeltaRule,
-    MomentumFactors as MomentumFactors,
     MomentumInputs as MomentumInputs,
 )
 from .recurrences._momentum_functions import (
@@ -110,7 +96,7 @@ from .recurrences._momentum_functions import (
 )
 from .recurrences._precond import (
     PrecondGatedDeltaRule as PrecondGatedDeltaRule,
-    PrecondKimiDeltaAttention as PrecondKimiDeltaAttention,
+    PrecondKimiDeltaRule as PrecondKimiDeltaRule,
 )
 from .recurrences._precond_functions import (
     chunk_precond_gated_delta_rule as chunk_precond_gated_delta_rule,
@@ -121,3 +107,74 @@ from .recurrences._precond_functions import (
 
 
 __version__ = _metadata.version("deltanet_cp")
+
+
+# Names that moved to `deltanet_cp.internal` (what only people extending the engine need),
+# and the recurrence configurations renamed so as not to share a name with a layer of
+# `deltanet_cp.nn`: the old paths work for one release, with a `DeprecationWarning`.
+_MOVED = (
+    "Collective",
+    "collectives",
+    "DeltaFactors",
+    "DPLRFactors",
+    "GatedLinearAttentionFactors",
+    "MomentumFactors",
+    "pack",
+    "received_bytes_per_rank",
+    "run_contiguous",
+    "Segments",
+    "segments",
+    "unpack",
+    "Walk",
+)
+_RENAMED = {
+    "GatedDeltaNet2": "GatedDeltaNet2Rule",
+    "GatedDeltaProduct": "GatedDeltaProductRule",
+    "GatedLinearAttention": "GLARule",
+    "KimiDeltaAttention": "KimiDeltaRule",
+    "PrecondKimiDeltaAttention": "PrecondKimiDeltaRule",
+}
+
+if _TYPE_CHECKING:  # the old paths, for static type checkers
+    from .internal import (
+        Collective as Collective,
+        collectives as collectives,
+        DeltaFactors as DeltaFactors,
+        DPLRFactors as DPLRFactors,
+        GatedLinearAttentionFactors as GatedLinearAttentionFactors,
+        MomentumFactors as MomentumFactors,
+        pack as pack,
+        received_bytes_per_rank as received_bytes_per_rank,
+        run_contiguous as run_contiguous,
+        Segments as Segments,
+        segments as segments,
+        unpack as unpack,
+        Walk as Walk,
+    )
+    from .recurrences._delta_product import GatedDeltaProductRule as GatedDeltaProduct  # noqa: F401
+    from .recurrences._gdn2 import GatedDeltaNet2Rule as GatedDeltaNet2  # noqa: F401
+    from .recurrences._gla import GLARule as GatedLinearAttention  # noqa: F401
+    from .recurrences._kda import KimiDeltaRule as KimiDeltaAttention  # noqa: F401
+    from .recurrences._precond import PrecondKimiDeltaRule as PrecondKimiDeltaAttention  # noqa: F401
+
+
+def __getattr__(name: str) -> _Any:
+    if name in _MOVED:
+        _warnings.warn(
+            f"`deltanet_cp.{name}` moved to `deltanet_cp.internal.{name}` (the names only "
+            "people extending the engine need); the old path goes in the next release.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(internal, name)
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        _warnings.warn(
+            f"The recurrence `deltanet_cp.{name}` is now `deltanet_cp.{new}` (the name "
+            f"`{name}` is the layer `deltanet_cp.nn.{name}`); the old name goes in the next "
+            "release.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[new]
+    raise AttributeError(f"module 'deltanet_cp' has no attribute {name!r}")

@@ -112,7 +112,7 @@ def collectives(hlo_text: str) -> list[Collective]:
 
     **Returns:**
 
-    A list of [`deltanet_cp.Collective`][], in the order they appear in the text.
+    A list of [`deltanet_cp.internal.Collective`][], in the order they appear in the text.
     """
     found = []
     for line in hlo_text.splitlines():

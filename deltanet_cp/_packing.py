@@ -22,6 +22,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jaxtyping import Array, Int, Shaped
 
 
@@ -65,12 +66,51 @@ def as_cu_seqlens(
 
     Shapes, dtypes and concrete values' range are checked at once (`cu_seqlens_array`);
     the values (starting at 0, not decreasing, ending at the global length `total`, or at
-    or after it if `at_least`) with `equinox.error_if` (`check_cu_seqlens`), so they are
-    checked under `jax.jit` too: a bad traced value raises when the computation runs. Inside
-    `jax.shard_map`, pass the context-parallel `axis_name`: every rank then raises together.
+    or after it if `at_least`) at once too where they are known (a list, a NumPy array, a
+    concrete JAX array: `check_offsets`), else with `equinox.error_if`
+    (`check_cu_seqlens`), so that a bad traced value under `jax.jit` raises when the
+    computation runs. Inside `jax.shard_map`, pass the context-parallel `axis_name`: every
+    rank then raises together.
     """
     cu = cu_seqlens_array(cu_seqlens, batch)
+    values = concrete_offsets(cu_seqlens)
+    if values is not None:
+        check_offsets(values, total, at_least=at_least)
+        return cu
     return check_cu_seqlens(cu, total, at_least=at_least, axis_name=axis_name)
+
+
+def concrete_offsets(cu_seqlens: Any) -> np.ndarray | None:
+    """The values of a `cu_seqlens` that `cu_seqlens_array` accepted, if they are known
+    now (a list, a NumPy array, a JAX array that is not traced); else `None`."""
+    if isinstance(cu_seqlens, Tracer):
+        return None
+    return np.asarray(cu_seqlens).astype(np.int64)
+
+
+def check_offsets(values: np.ndarray, total: int, *, at_least: bool = False) -> None:
+    """A `ValueError` saying which rule the document offsets `values` break (see
+    `as_cu_seqlens`), with the values."""
+    shown = values.tolist() if values.size <= 12 else f"{values[:12].tolist()} ..."
+    end = f"at or after position {total}" if at_least else f"at the sequence length {total}"
+    rules = (
+        "`cu_seqlens` holds the document offsets [0, len_0, len_0 + len_1, ..., T]: it must "
+        f"start at 0, not decrease, and end {end}"
+    )
+    if values[0] != 0:
+        raise ValueError(f"`cu_seqlens` must start at 0; got {shown} ({rules}).")
+    drops = np.flatnonzero(values[1:] < values[:-1])
+    if drops.size:
+        i = int(drops[0]) + 1
+        raise ValueError(
+            f"`cu_seqlens` must not decrease; got {values[i]} after {values[i - 1]} at index "
+            f"{i} of {shown} ({rules})."
+        )
+    if (values[-1] < total) if at_least else (values[-1] != total):
+        raise ValueError(
+            f"`cu_seqlens` must end {end} (the tokens of the whole sequence, over every rank "
+            f"under context parallelism); got {shown}, which ends at {values[-1]} ({rules})."
+        )
 
 
 _INT32 = np.iinfo(np.int32)
@@ -135,7 +175,10 @@ def check_cu_seqlens(
     at_least: bool = False,
     axis_name: str | None = None,
 ) -> Int[Array, " docs_plus_one"]:
-    """`cu` itself, with `equinox.error_if` on its values (see `as_cu_seqlens`).
+    """`cu` itself, with `equinox.error_if` on its values (see `as_cu_seqlens`): for traced
+    values, whose error comes when the computation runs (`equinox`'s report of it begins
+    with the stack; the rule broken follows). Known values are checked by
+    `check_offsets` instead, a `ValueError` at once.
 
     With `axis_name` (inside `jax.shard_map`), the predicate is reduced over that axis
     first, so that every rank raises or none does: a rank that raised alone would leave
@@ -181,7 +224,7 @@ def segments(
 
     **Returns:**
 
-    A [`deltanet_cp.Segments`][] with `num_padded_chunks(length, num_docs, chunk_size)`
+    A [`deltanet_cp.internal.Segments`][] with `num_padded_chunks(length, num_docs, chunk_size)`
     chunks.
     """
     c = chunk_size

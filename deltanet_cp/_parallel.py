@@ -99,6 +99,14 @@ class ContextParallel(eqx.Module, Generic[_L]):
                 "`layout` must be a deltanet_cp.AbstractLayout instance, such as Contiguous() "
                 f"or Zigzag(); got {layout!r}."
             )
+        if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+            raise TypeError(
+                "`mesh` must be a jax.sharding.Mesh with an axis named "
+                f"{axis_name!r}, such as jax.make_mesh((4,), ({axis_name!r},)) or "
+                f"jax.sharding.Mesh(devices, ({axis_name!r},)) over a list or array of devices "
+                "(an AbstractMesh has no devices to run on); or None inside your own "
+                f"`jax.shard_map`. Got {type(mesh).__name__}."
+            )
         if mesh is not None and axis_name not in mesh.shape:
             raise ValueError(
                 f"axis_name={axis_name!r} is not an axis of the mesh {dict(mesh.shape)}."
@@ -109,6 +117,13 @@ class ContextParallel(eqx.Module, Generic[_L]):
             raise ValueError(
                 f"`batch_axis` ({batch_axis!r}) shards global arrays: pass a `mesh` that has it."
             )
+        if batch_axis is not None and batch_axis == axis_name:
+            raise ValueError(
+                f"`batch_axis` ({batch_axis!r}) is the context-parallel axis: the batch and "
+                "the sequence must be sharded over different mesh axes. Pass another axis of "
+                f"the mesh {dict(mesh.shape)} as `batch_axis` (data parallelism), or "  # pyright: ignore[reportOptionalMemberAccess]
+                "`batch_axis=None`."
+            )
         self.axis_name = axis_name
         self.layout = cast(Any, layout)
         self.exchange = as_exchange(exchange)
@@ -116,20 +131,50 @@ class ContextParallel(eqx.Module, Generic[_L]):
         self.batch_axis = batch_axis
 
 
-def check_cp(cp: object, where: str) -> None:
-    """A `TypeError` naming `where` unless `cp` is a `ContextParallel` or `None`."""
+def check_cp(cp: object, where: str) -> "ContextParallel | None":
+    """`cp` itself if it is a `ContextParallel` or `None`; else a `TypeError` naming
+    `where`."""
     if cp is not None and not isinstance(cp, ContextParallel):
         raise TypeError(f"{where}: `cp` must be a deltanet_cp.ContextParallel or None; got {cp!r}.")
+    return cp
 
 
-def check_bound(cp: "ContextParallel | None", where: str) -> None:
-    """A `ValueError` naming `where` if `cp` has no `mesh` and its axis is unbound here.
+def local_cp(cp: object, where: str) -> "ContextParallel | None":
+    """The library's one rule for the `cp` of a call on this rank's shard (the layers, the
+    models, [`deltanet_cp.previous_tokens`][], the engine's walk): `cp` itself if it is
+    `None`, or a `ContextParallel` without `mesh` whose axis is bound here (inside
+    `jax.shard_map`); else a `TypeError` / `ValueError` naming `where` and what to pass."""
+    cp = check_cp(cp, where)
+    if cp is None:
+        return None
+    if cp.mesh is not None:
+        raise ValueError(
+            f"{where} runs inside jax.shard_map on this rank's shard, so its `cp` takes no "
+            "`mesh`: pass ContextParallel(axis_name, layout=...) without `mesh` and make the "
+            "call inside `jax.shard_map` over that mesh (the time axis sharded over "
+            "`axis_name`); deltanet_cp.run and the chunk_* functions take the mesh and "
+            "global arrays."
+        )
+    check_bound(cp, where)
+    return cp
+
+
+def call_cp(cp: object, where: str) -> "ContextParallel | None":
+    """The rule for the `cp` of a function that takes either form ([`deltanet_cp.run`][],
+    the `chunk_*` and `recurrent_*` functions): with `mesh`, global arrays outside any
+    `jax.shard_map` over its axis (`check_global`); without, `local_cp`'s rule."""
+    if isinstance(cp, ContextParallel) and cp.mesh is not None:
+        check_global(cp, where)
+        return cp
+    return local_cp(cp, where)
+
+
+def check_bound(cp: "ContextParallel", where: str) -> None:
+    """A `ValueError` naming `where` if `cp`'s axis is unbound here.
 
     Without `mesh`, a call runs on this rank's shard inside `jax.shard_map`; outside one (or
     inside one without the axis) JAX would only say `NameError: unbound axis name`.
     """
-    if cp is None or cp.mesh is not None:
-        return
     try:
         jax.lax.axis_size(cp.axis_name)
     except NameError:
@@ -142,12 +187,10 @@ def check_bound(cp: "ContextParallel | None", where: str) -> None:
         ) from None
 
 
-def check_global(cp: "ContextParallel | None", where: str) -> None:
-    """A `ValueError` naming `where` if `cp` has a `mesh` (global arrays, the library's own
-    `jax.shard_map`) but the call is made inside a `jax.shard_map` over its axis already
-    (where JAX would only say the mesh "should be of type Manual")."""
-    if cp is None or cp.mesh is None:
-        return
+def check_global(cp: "ContextParallel", where: str) -> None:
+    """A `ValueError` naming `where` if `cp` (with a `mesh`: global arrays, the library's
+    own `jax.shard_map`) is used inside a `jax.shard_map` over its axis already (where JAX
+    would only say the mesh "should be of type Manual")."""
     try:
         jax.lax.axis_size(cp.axis_name)
     except NameError:
@@ -161,11 +204,9 @@ def check_global(cp: "ContextParallel | None", where: str) -> None:
 
 
 def axis_size(cp: "ContextParallel | None") -> int:
-    """The number of ranks of `cp` (inside `jax.shard_map`); 1 without it."""
-    if cp is None:
-        return 1
-    check_bound(cp, "deltanet_cp")
-    return jax.lax.axis_size(cp.axis_name)
+    """The number of ranks of a checked `cp` (`local_cp`; inside `jax.shard_map`); 1
+    without it."""
+    return 1 if cp is None else jax.lax.axis_size(cp.axis_name)
 
 
 def along_walks(cp: ContextParallel) -> "ContextParallel[Contiguous]":
@@ -177,7 +218,8 @@ def along_walks(cp: ContextParallel) -> "ContextParallel[Contiguous]":
 
 
 def contiguous(cp: "ContextParallel") -> "ContextParallel[Contiguous]":
-    """`cp` itself if its layout is [`deltanet_cp.Contiguous`][], else a `ValueError`."""
+    """`cp` itself if it is a `ContextParallel` with the [`deltanet_cp.Contiguous`][]
+    layout, else a `TypeError` / `ValueError`."""
     check_cp(cp, "run_contiguous")
     if isinstance(cp.layout, Contiguous):
         return cp  # pyright: ignore[reportReturnType]

@@ -1,5 +1,6 @@
 """The engine's entry points: `run` (validation once, then dispatch) and the walk over one
-contiguous slice, `run_contiguous`.
+contiguous slice, `run_contiguous` (public in `deltanet_cp.internal`). Both check their
+arguments once and hand the walks to one private engine, `_run`.
 
 A recurrence is a static configuration; its inputs are a PyTree handed to `run` beside it,
 the way `lineax.linear_solve(operator, vector, solver)` keeps the solver apart from the
@@ -21,6 +22,8 @@ from ._mesh import mesh_to_run_on
 from ._packing import (
     as_cu_seqlens,
     check_cu_seqlens,
+    check_offsets,
+    concrete_offsets,
     cu_seqlens_array,
     pack,
     segments,
@@ -29,9 +32,8 @@ from ._packing import (
 from ._parallel import (
     along_walks,
     axis_size,
+    call_cp,
     check_bound,
-    check_cp,
-    check_global,
     ContextParallel,
     Contiguous,
     contiguous,
@@ -72,15 +74,16 @@ def run(
     rank's shard; with `cp.mesh` the arrays are global, in sequence order, and `run` does
     the `shard_map` itself (compiled once per shapes, configuration and mesh).
 
-    The phases run in the engine of [`deltanet_cp.run_contiguous`][], over contiguous,
+    The phases run in the engine of [`deltanet_cp.internal.run_contiguous`][], over contiguous,
     in-order slices only: the layout's [`walks`][deltanet_cp.AbstractLayout.walks], each
     from the state the walk before it ends in ([`deltanet_cp.Contiguous`][]: the shard;
     [`deltanet_cp.Zigzag`][]: the first pieces in rank order, then the second pieces in
     reverse rank order). Several walks go through the engine together: their slices are
     stacked on the batch axis, so phases 1 and 3 run once over all of them (one pass, one
     program), and only the exchanges go walk after walk; `block_size` counts the tokens of
-    all the walks together. With `cu_seqlens` (whose chunks differ from walk to walk) `run`
-    calls `run_contiguous` once per walk instead.
+    all the walks together. With `cu_seqlens` (whose chunks differ from walk to walk) the
+    engine runs once per walk instead. The arguments are checked once, here, before the
+    engine.
 
     Differentiated by hand: the forward keeps one state per chunk, and the backward is
     three phases again, the exchange walking the ranks the other way (see the concept
@@ -134,12 +137,34 @@ def run(
     computation and its collectives.
     """
     check_inputs(recurrence, inputs)
-    check_cp(cp, "deltanet_cp.run")
+    return run_checked(
+        recurrence,
+        inputs,
+        initial_state=initial_state,
+        cu_seqlens=cu_seqlens,
+        cp=cp,
+        block_size=block_size,
+        memory=memory,
+    )
+
+
+def run_checked(
+    recurrence: AbstractRecurrence,
+    inputs: PyTree,
+    *,
+    initial_state: Array | None = None,
+    cu_seqlens: Any = None,
+    cp: ContextParallel | None = None,
+    block_size: int | None = None,
+    memory: Memory | None = None,
+) -> tuple[PyTree, Array]:
+    """[`deltanet_cp.run`][] for `inputs` that `check_inputs` has passed already (a public
+    function that reads them before the engine does): the rest of the arguments checked,
+    once, then the engine."""
+    cp = call_cp(cp, "deltanet_cp.run")
     blocking = _blocking(block_size, memory)
     if cp is not None and cp.mesh is not None:
-        check_global(cp, "deltanet_cp.run")
         return _run_global(recurrence, inputs, initial_state, cu_seqlens, cp, blocking)
-    check_bound(cp, "deltanet_cp.run")
     if cu_seqlens is not None:
         batch, length = _batch_and_length(inputs)
         cu_seqlens = as_cu_seqlens(
@@ -159,7 +184,8 @@ def _per_rank(
     cp: ContextParallel | None,
     blocking: "Blocking",
 ) -> tuple[PyTree, Array]:
-    """`run` on this rank's shard, its arguments checked: the layout's walks in chain order."""
+    """`run` on this rank's shard, its arguments checked: the layout's walks in chain order,
+    each through the engine (`_run`) once."""
     packed = cu_seqlens is not None
     # With packed documents, `initial_state` holds the documents' initial states.
     state, doc_h0 = (None, initial_state) if packed else (initial_state, None)
@@ -169,36 +195,40 @@ def _per_rank(
     walks = (Contiguous() if cp is None else cp.layout).walks(length, axis_size(cp))
     # Every walk runs in the typed engine, with the contiguous `ContextParallel` of a walk.
     along = None if cp is None else along_walks(cp)
-    if len(walks) > 1 and not packed:
+    if not packed:
         # One pass over every walk, the walks stacked on the batch axis (their slices are of
         # one length): one program of the engine's passes, batched, instead of one per walk.
-        stacked = jax.tree.map(lambda x: jnp.concatenate([x[:, w.local] for w in walks]), inputs)
+        stacked = inputs
+        if len(walks) > 1:
+            stacked = jax.tree.map(
+                lambda x: jnp.concatenate([x[:, w.local] for w in walks]), inputs
+            )
         out, state, _ = _run(
             recurrence, stacked, state, None, None, cp=along, walks=walks, blocking=blocking
         )
-        parts = len(walks)
-        out = jax.tree.map(lambda y: jnp.concatenate(jnp.split(y, parts), axis=1), out)
-        return out, state
+        if len(walks) > 1:
+            parts = len(walks)
+            out = jax.tree.map(lambda y: jnp.concatenate(jnp.split(y, parts), axis=1), out)
+        return out, cast(Array, state)
+    # Packed documents: the chunks differ from walk to walk, so one engine pass per walk.
     outputs, finals = [], None
     for walk in walks:
-        out, state, f = run_contiguous(
+        n = walk.local.stop - walk.local.start
+        part = inputs if len(walks) == 1 else jax.tree.map(lambda x: x[:, walk.local], inputs)
+        out, state, f = _run(
             recurrence,
-            jax.tree.map(lambda x: x[:, walk.local], inputs),
+            part,
+            state,
+            cu_seqlens,
+            doc_h0,
             cp=along,
-            initial_state=state,
-            cu_seqlens=cu_seqlens,
-            document_states=doc_h0,
-            start=walk.start,
-            reverse=walk.reverse,
-            block_size=blocking.size,
-            memory=blocking.memory,
+            walks=(Walk(slice(0, n), walk.start, walk.reverse),),
+            blocking=blocking,
         )
         outputs.append(out)
         finals = f if finals is None or f is None else finals + f
     if len(outputs) > 1:
         outputs = [jax.tree.map(lambda *parts: jnp.concatenate(parts, axis=1), *outputs)]
-    if not packed:
-        return outputs[0], cast(Array, state)
     if cp is not None:
         finals = jax.lax.psum(finals, cp.axis_name)
     return outputs[0], cast(Array, finals)
@@ -234,9 +264,10 @@ def run_contiguous(
 ) -> tuple[PyTree, Array, Array | None]:
     """The engine's walk: the three phases over one contiguous, in-order slice per rank.
 
-    Every call of the library ends in this engine: a [`deltanet_cp.Contiguous`][] shard is
-    one walk, and [`deltanet_cp.run`][] hands it the walks of any other layout together (or
-    one at a time, with packed documents). It takes a `ContextParallel[Contiguous]` only: a
+    Every call of the library ends in the engine this walks: a
+    [`deltanet_cp.Contiguous`][] shard is one walk, and [`deltanet_cp.run`][] hands the
+    engine the walks of any other layout together (or one at a time, with packed
+    documents). It takes a `ContextParallel[Contiguous]` only: a
     zigzag one (or one of any other layout) is a pyright error and a `ValueError`, since
     reading a zigzag shard as one slice would compose its two pieces as if they were
     adjacent.
@@ -266,7 +297,7 @@ def run_contiguous(
     """
     check_inputs(recurrence, inputs)
     if cp is not None:
-        cp = contiguous(cp)
+        cp = contiguous(cp)  # the type, then the layout
         if cp.mesh is not None:
             raise ValueError(
                 "run_contiguous runs inside jax.shard_map on this rank's slice: pass a "
@@ -410,8 +441,11 @@ class Blocking(NamedTuple):
 
 
 def as_memory(memory: Any) -> "Memory | None":
-    """`memory` itself if it is `None`, `"low"` or `"high"`, else a `ValueError`."""
-    if memory is not None and (not isinstance(memory, str) or memory not in ("low", "high")):
+    """`memory` as a plain `str` if it is `"low"` or `"high"` (a NumPy string too), `None` if
+    it is `None`, else a `ValueError`."""
+    if isinstance(memory, str) and memory in ("low", "high"):
+        return cast(Memory, str(memory))  # a plain `str` (not `np.str_`): hashed as static
+    if memory is not None:
         raise ValueError(
             f'`memory` must be "low" (the default: one state per block kept for the '
             f'backward) or "high" (every chunk\'s factors and state kept); got {memory!r}.'
@@ -524,14 +558,24 @@ def _run_global(recurrence, inputs, initial_state, cu_seqlens, cp: ContextParall
             "with g = 0, beta = 0 and zero q, k, v, which leaves the state unchanged) or pick "
             "a cp that divides it."
         )
+    if cp.batch_axis is not None and batch % mesh.shape[cp.batch_axis]:
+        size = mesh.shape[cp.batch_axis]
+        raise ValueError(
+            f"The batch size ({batch}) must be divisible by {size} (mesh axis "
+            f"{cp.batch_axis!r}, the `batch_axis`, has {size} devices): pad the batch to a "
+            f"multiple of {size} or pick a `batch_axis` whose size divides it."
+        )
     if cu_seqlens is not None:
         if cp.batch_axis is not None:
             raise ValueError(
                 "`cu_seqlens` packs documents into a batch of one: it cannot be combined with "
                 "`batch_axis`."
             )
-        # Its values are checked inside the shard_map, where every rank can agree on it.
-        cu_seqlens = cu_seqlens_array(cu_seqlens, batch)
+        # Known values are checked now; traced ones inside the shard_map, where every rank
+        # can agree on them.
+        cu_seqlens, values = cu_seqlens_array(cu_seqlens, batch), concrete_offsets(cu_seqlens)
+        if values is not None:
+            check_offsets(values, length)
     P = jax.sharding.PartitionSpec
     seq = P(cp.batch_axis, cp.axis_name)
     state = P(cp.batch_axis if cu_seqlens is None else None)

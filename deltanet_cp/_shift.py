@@ -6,7 +6,51 @@ from jaxtyping import Array, Shaped
 
 from ._custom_types import CuSeqlens
 from ._packing import as_cu_seqlens
-from ._parallel import check_bound, check_cp, ContextParallel
+from ._parallel import ContextParallel, local_cp
+
+
+def halos(
+    x: Array, history: int, initial: Array, cp: ContextParallel, *, axis: int
+) -> tuple[list[tuple[Array, Array]], Array, int | None]:
+    """This rank's shard of `x` (inside `jax.shard_map` over `cp.axis_name`) as the pieces
+    of its walks, each with the `history` tokens before it in the sequence: its *halo*.
+
+    Along a walk, each rank receives the tail of the previous rank in walk order (one
+    `jax.lax.ppermute` per walk); a walk's first piece continues from `initial` (the first
+    walk; replicated) or from the last piece of the walk before it (one more
+    `jax.lax.ppermute` when another rank holds that). Values are moved, never multiplied.
+    The one halo rule of the short convolution and `previous_tokens`.
+
+    **Arguments:**
+
+    - `x`: this rank's shard, time on `axis`, in `cp.layout`'s order; each piece at least
+        `history` tokens.
+    - `history`: the tokens a piece needs from before its first token, at least 1.
+    - `initial`: the `history` tokens before the sequence's first token (time on `axis`).
+    - `cp`: a checked `ContextParallel` without `mesh`.
+    - `axis`: the time axis of `x` and `initial`.
+
+    **Returns:**
+
+    `(pieces, tail, holder)`: per walk in chain order, `(piece, halo)`; the last `history`
+    tokens of the sequence's last piece, right on rank `holder` only.
+    """
+    n = jax.lax.axis_size(cp.axis_name)
+    rank = jax.lax.axis_index(cp.axis_name)
+    pieces = []
+    incoming, holder = initial, None
+    for walk in cp.layout.walks(x.shape[axis], n):
+        order = walk.ranks(n)
+        first, last = order[0], order[-1]
+        piece = jax.lax.slice_in_dim(x, walk.local.start, walk.local.stop, axis=axis)
+        size = piece.shape[axis]
+        end = jax.lax.slice_in_dim(piece, size - history, size, axis=axis)
+        halo = jax.lax.ppermute(end, cp.axis_name, list(zip(order, order[1:])))
+        if holder is not None and holder != first:
+            incoming = jax.lax.ppermute(incoming, cp.axis_name, [(holder, first)])
+        pieces.append((piece, jnp.where(rank == first, incoming, halo)))
+        incoming, holder = end, last
+    return pieces, incoming, holder
 
 
 def previous_tokens(
@@ -51,14 +95,7 @@ def previous_tokens(
     x = jnp.asarray(x)
     if x.ndim < 2:
         raise ValueError(f"`x` must be (batch, seq, ...) with time on axis 1; got shape {x.shape}.")
-    check_cp(cp, "previous_tokens")
-    if cp is not None:
-        if cp.mesh is not None:
-            raise ValueError(
-                "previous_tokens runs on this rank's shard inside your `jax.shard_map`: pass "
-                "ContextParallel(axis_name, layout=...) without `mesh`."
-            )
-        check_bound(cp, "previous_tokens")
+    cp = local_cp(cp, "previous_tokens")
     if initial is None:
         initial = jnp.zeros((x.shape[0], *x.shape[2:]), x.dtype)
     initial = jnp.asarray(initial, x.dtype)
@@ -74,25 +111,13 @@ def previous_tokens(
     t = x.shape[1]
     if t == 0:
         return x
-    pieces = []
     if cp is None:
-        pieces.append((x, initial[:, None]))
+        pieces = [(x, initial[:, None])]
         positions = jnp.arange(t)
     else:
-        n = jax.lax.axis_size(cp.axis_name)
-        rank = jax.lax.axis_index(cp.axis_name)
-        incoming, holder = initial[:, None], None
-        for walk in cp.layout.walks(t, n):
-            order = walk.ranks(n)
-            first, last = order[0], order[-1]
-            segment = x[:, walk.local]
-            halo = jax.lax.ppermute(segment[:, -1:], cp.axis_name, list(zip(order, order[1:])))
-            if holder is not None and holder != first:
-                incoming = jax.lax.ppermute(incoming, cp.axis_name, [(holder, first)])
-            pieces.append((segment, jnp.where(rank == first, incoming, halo)))
-            incoming, holder = segment[:, -1:], last
+        pieces, _, _ = halos(x, 1, initial[:, None], cp, axis=1)
         positions = cp.layout.positions(t, cp.axis_name)
-    y = jnp.concatenate([jnp.concatenate([p, s[:, :-1]], axis=1) for s, p in pieces], axis=1)
+    y = jnp.concatenate([jnp.concatenate([h, s[:, :-1]], axis=1) for s, h in pieces], axis=1)
     if cu_seqlens is not None:
         total = t if cp is None else t * jax.lax.axis_size(cp.axis_name)
         axis_name = None if cp is None else cp.axis_name

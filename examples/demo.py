@@ -121,10 +121,10 @@ def _layer_payload(
     )
     hlo = jax.jit(f).lower(x).compile().as_text()
     assert hlo is not None
-    per_rank = dcp.received_bytes_per_rank(hlo)
+    per_rank = dcp.internal.received_bytes_per_rank(hlo)
     busiest = max(per_rank, key=lambda r: per_rank[r])
     out = {"total": per_rank[busiest]}
-    for c in dcp.collectives(hlo):
+    for c in dcp.internal.collectives(hlo):
         out[c.kind] = out.get(c.kind, 0) + c.received_bytes.get(busiest, 0)
     return out
 

@@ -172,14 +172,15 @@ def test_the_way_round_a_traced_scale():
 
 
 # ---------------------------------------------------------------------------------------
-# The engine: dcp.run (one device and global arrays), dcp.run_contiguous
+# The engine: dcp.run (one device and global arrays), dcp.internal.run_contiguous
 # ---------------------------------------------------------------------------------------
 
 
 def _engine(entry: str, recurrence, inputs):
     if entry == "run_global":
         return dcp.run(recurrence, inputs, cp=dcp.ContextParallel("cp", mesh=_mesh()))
-    return getattr(dcp, entry)(recurrence, inputs)
+    run = {"run": dcp.run, "run_contiguous": dcp.internal.run_contiguous}[entry]
+    return run(recurrence, inputs)
 
 
 ENGINE_ENTRY_POINTS = ["run", "run_contiguous", "run_global"]
@@ -218,14 +219,14 @@ def test_check_inputs(without_runtime_typecheck):
     rule = dcp.GatedDeltaRule()
     check_inputs(rule, dcp.DeltaInputs(q, k, v, g, beta))
     check_inputs(dcp.DeltaRule(), dcp.DeltaInputs(q, k, v, None, beta))  # `g` may be None
-    check_inputs(dcp.GatedLinearAttention(), dcp.GLAInputs(q, k, v, g))
+    check_inputs(dcp.GLARule(), dcp.GLAInputs(q, k, v, g))
     with pytest.raises(TypeError, match="GatedDeltaRule takes `inputs` of type DeltaInputs"):
         check_inputs(rule, (q, k, v, g, beta))
     fields = r"deltanet_cp.DeltaInputs\(q, k, v, g, beta, write, write_key\)"
     with pytest.raises(TypeError, match=fields):
         check_inputs(rule, dcp.GLAInputs(q, k, v, g))
     with pytest.raises(TypeError, match=r"deltanet_cp.GLAInputs\(q, k, v, g\)"):
-        check_inputs(dcp.GatedLinearAttention(), dcp.DeltaInputs(q, k, v, g, beta))
+        check_inputs(dcp.GLARule(), dcp.DeltaInputs(q, k, v, g, beta))
     with pytest.raises(TypeError, match="`recurrence`"):
         check_inputs(None, dcp.DeltaInputs(q, k, v, g, beta))
     with pytest.raises(ValueError, match="DeltaRule needs `beta`, an array; got None"):
@@ -236,7 +237,7 @@ def test_check_inputs(without_runtime_typecheck):
     # Gated DeltaProduct with no Householder step per token.
     kk, vv, bb = k[:, :, None][:, :, :0], v[:, :, None][:, :, :0], beta[:, :, None][:, :, :0]
     with pytest.raises(ValueError, match=r"`k` has shape \(1, 8, 0, 1, 4\)"):
-        check_inputs(dcp.GatedDeltaProduct(), dcp.DeltaInputs(q, kk, vv, g, bb))
+        check_inputs(dcp.GatedDeltaProductRule(), dcp.DeltaInputs(q, kk, vv, g, bb))
     # An empty batch or sequence is not a problem of the heads or features.
     check_inputs(rule, dcp.DeltaInputs(q[:0], k[:0], v[:0], g[:0], beta[:0]))
     check_inputs(rule, dcp.DeltaInputs(q[:, :0], k[:, :0], v[:, :0], g[:, :0], beta[:, :0]))
@@ -494,7 +495,7 @@ def test_empty_sequence_or_batch(family, entry):
 def test_run_contiguous_refuses_an_empty_slice():
     args, _ = GLA.make(0, **SHAPE)
     with pytest.raises(ValueError, match="run_contiguous"):
-        dcp.run_contiguous(GLA.configuration(CHUNK), GLA.inputs(*[x[:, :0] for x in args]))
+        dcp.internal.run_contiguous(GLA.configuration(CHUNK), GLA.inputs(*[x[:, :0] for x in args]))
 
 
 @pytest.mark.parametrize(
@@ -552,7 +553,8 @@ def _delta_product_flat(n: int):
 
 def _run_gla(entry: str, block_size: int):
     args, _ = GLA.make(0, **SHAPE)
-    return getattr(dcp, entry)(GLA.configuration(CHUNK), GLA.inputs(*args), block_size=block_size)
+    run = {"run": dcp.run, "run_contiguous": dcp.internal.run_contiguous}[entry]
+    return run(GLA.configuration(CHUNK), GLA.inputs(*args), block_size=block_size)
 
 
 # Every public argument that is a count or a size: (name, call with it, a valid value).
@@ -615,3 +617,75 @@ def test_positive_int_arguments(entry, without_runtime_typecheck):
         with pytest.raises(TypeError, match=f"`{name}` must be an int"):
             call(bad)
     assert eqx.tree_equal(call(np.int64(valid)), call(valid))
+
+
+# ---------------------------------------------------------------------------------------
+# Issue 50 item 7: the engine's and the sharding's unclear errors
+# ---------------------------------------------------------------------------------------
+
+
+def test_batch_not_divisible_by_batch_axis():
+    # JAX alone says `IndivisibleError` from inside the placement.
+    mesh = jax.make_mesh((2, 2), ("data", "cp"), devices=jax.devices()[:4])
+    cp = dcp.ContextParallel("cp", mesh=mesh, batch_axis="data")
+    args, _ = FAMILIES[0].make(0, **{**SHAPE, "b": 3})
+    with pytest.raises(ValueError, match=r"batch size \(3\) must be divisible by 2 .*'data'"):
+        FAMILIES[0].chunk(*args, chunk_size=CHUNK, cp=cp)
+
+
+def test_batch_axis_is_the_context_axis():
+    # JAX alone fails late, at the call, with `DuplicateSpecError`.
+    with pytest.raises(ValueError, match="`batch_axis` .'cp'. is the context-parallel axis"):
+        dcp.ContextParallel("cp", mesh=_mesh(), batch_axis="cp")
+
+
+@pytest.mark.parametrize("kind", ["list", "array", "abstract"])
+def test_mesh_must_be_a_mesh(kind, without_runtime_typecheck):
+    devices = jax.devices()[:2]
+    mesh = {
+        "list": devices,
+        "array": np.asarray(devices),
+        "abstract": _mesh().abstract_mesh,
+    }[kind]
+    with pytest.raises(TypeError, match=r"`mesh` must be a jax.sharding.Mesh .*jax.make_mesh"):
+        dcp.ContextParallel("cp", mesh=mesh)  # pyright: ignore[reportArgumentType]
+
+
+def test_memory_as_a_numpy_string():
+    # `np.str_("high")` passed the check, then failed inside `jit`.
+    args, _ = FAMILIES[0].make(0, **SHAPE)
+    high = FAMILIES[0].chunk(*args, chunk_size=CHUNK, memory="high")
+    given = FAMILIES[0].chunk(*args, chunk_size=CHUNK, memory=np.str_("high"))
+    assert eqx.tree_equal(high, given)
+    high_np: Any = np.str_("high")
+    layer = GatedDeltaNet(8, 1, 2, 4, 4, chunk_size=CHUNK, memory=high_np, key=jr.key(0))
+    assert type(layer.memory) is str
+    layer(jnp.ones((8, 8)))
+
+
+@pytest.mark.parametrize(
+    ("cu", "rule"),
+    [([1, 8], "must start at 0"), ([0, 5, 3, 8], "must not decrease"), ([0, 5, 9], "must end")],
+)
+def test_cu_seqlens_error_names_the_problem_first(cu, rule, without_runtime_typecheck):
+    # The first line of the error was equinox's "Above is the stack outside of JIT".
+    family = FAMILIES[0]
+    args, _ = family.make(0, **SHAPE)
+    calls = [
+        lambda cu: family.chunk(*args, chunk_size=CHUNK, cu_seqlens=cu),
+        lambda cu: family.chunk(*args, chunk_size=CHUNK, cu_seqlens=cu, cp=_global_cp()),
+        lambda cu: CausalConv1d(4, 3, key=jr.key(0))(jnp.ones((8, 4)), cu_seqlens=cu),
+        lambda cu: GatedDeltaNet(8, 1, 2, 4, 4, chunk_size=CHUNK, key=jr.key(0))(
+            jnp.ones((8, 8)), cu_seqlens=cu
+        ),
+        lambda cu: dcp.previous_tokens(jnp.ones((1, 8)), cu_seqlens=cu),
+    ]
+    for call in calls:
+        for given in (cu, np.asarray(cu), jnp.asarray(cu)):
+            with pytest.raises(ValueError) as info:
+                call(given)
+            assert str(info.value).startswith(f"`cu_seqlens` {rule}"), str(info.value)
+
+
+def _global_cp() -> dcp.ContextParallel:
+    return dcp.ContextParallel("cp", mesh=_mesh())

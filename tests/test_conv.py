@@ -239,21 +239,21 @@ def test_hlo_zigzag_halo(getkey, cp):
         expected = {0: halo, 1: halo}
     for t in [2 * cp * 4, 2 * cp * 64]:
         hlo = _hlo(conv, cp, t, return_state=False)
-        found = dcp.collectives(hlo)
+        found = dcp.internal.collectives(hlo)
         assert [c.kind for c in found] == ["collective-permute"] * 2, found
         assert all(c.shapes == ((3, C),) and c.dtypes == ("f32",) for c in found), found
         # First-piece tails go r -> r + 1, second-piece tails r + 1 -> r.
         assert sorted(sorted(c.received) for c in found) == sorted(
             [list(range(1, cp)), list(range(cp - 1))]
         ), found
-        assert dcp.received_bytes_per_rank(hlo) == expected, t
+        assert dcp.internal.received_bytes_per_rank(hlo) == expected, t
 
     # The final state adds one all-reduce of (W - 1, channels), and nothing else.
-    found = dcp.collectives(_hlo(conv, cp, 2 * cp * 4, return_state=True))
+    found = dcp.internal.collectives(_hlo(conv, cp, 2 * cp * 4, return_state=True))
     assert sorted(c.kind for c in found) == ["all-reduce", *["collective-permute"] * 2], found
     assert all(c.shapes == ((3, C),) for c in found), found
 
 
 def test_hlo_no_halo_for_kernel_size_1(getkey):
     conv = CausalConv1d(C, 1, key=getkey())
-    assert dcp.collectives(_hlo(conv, 4, 32, return_state=True)) == []
+    assert dcp.internal.collectives(_hlo(conv, 4, 32, return_state=True)) == []

@@ -58,7 +58,7 @@ def _compiled_text(
 
 
 def _received(text: str) -> int:
-    return max(dcp.received_bytes_per_rank(text).values(), default=0)
+    return max(dcp.internal.received_bytes_per_rank(text).values(), default=0)
 
 
 DENSE = dict(b=1, h=1, hv=2, dk=16, dv=8)  # map: B HV K (K + V); state: B HV K V
@@ -108,9 +108,9 @@ def test_payload_is_constant_in_sequence_length(exchange, cp, layout, fast_compi
     expected = 4 * _payload(exchange, cp, layout=layout)
     for t in [256, 4096]:
         text = _compiled_text(GATED_DELTA_RULE, cp, exchange, t, False, layout, **DENSE)
-        found = dcp.collectives(text)
+        found = dcp.internal.collectives(text)
         assert _received(text) == expected, (t, [(c.kind, c.shapes) for c in found])
-    kinds = {c.kind for c in dcp.collectives(text)}
+    kinds = {c.kind for c in dcp.internal.collectives(text)}
     if isinstance(exchange, dcp.AllGather):
         assert kinds == {"all-gather"}
     elif isinstance(layout, dcp.Contiguous):
@@ -214,7 +214,7 @@ def test_engine_refuses_zigzag(family):
     inputs = family.inputs(*args)
     with pytest.raises(ValueError, match=r"requires layout=Contiguous\(\)") as info:
         zigzag = dcp.ContextParallel("cp", layout=dcp.Zigzag())
-        dcp.run_contiguous(recurrence, inputs, cp=zigzag)  # pyright: ignore[reportArgumentType]
+        dcp.internal.run_contiguous(recurrence, inputs, cp=zigzag)  # pyright: ignore[reportArgumentType]
     assert "contiguous, in-order slice per rank" in str(info.value)
     assert "Pass the ContextParallel to deltanet_cp.run" in str(info.value)
 
@@ -223,7 +223,7 @@ def test_engine_refuses_zigzag_without_runtime_typecheck(without_runtime_typeche
     args, _ = GATED_DELTA_RULE.make(0, b=1, t=32, h=1, hv=2, dk=8, dv=6)
     inputs = GATED_DELTA_RULE.inputs(*args)
     with pytest.raises(ValueError, match=r"requires layout=Contiguous\(\)"):
-        dcp.run_contiguous(
+        dcp.internal.run_contiguous(
             dcp.GatedDeltaRule(chunk_size=8),
             inputs,
             cp=dcp.ContextParallel("cp", layout=dcp.Zigzag()),  # pyright: ignore
@@ -434,4 +434,4 @@ def test_context_parallel_arguments(without_runtime_typecheck):
         with pytest.raises(TypeError, match="`cp` must be a deltanet_cp.ContextParallel or None"):
             dcp.run(dcp.GatedDeltaRule(), inputs, cp=bad)  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match="run_contiguous runs inside jax.shard_map"):
-        dcp.run_contiguous(dcp.GatedDeltaRule(), inputs, cp=cp)  # pyright: ignore
+        dcp.internal.run_contiguous(dcp.GatedDeltaRule(), inputs, cp=cp)  # pyright: ignore

@@ -42,6 +42,7 @@ PUBLIC_MODULES = [
     "deltanet_cp",
     "deltanet_cp.chunkops",
     "deltanet_cp.data",
+    "deltanet_cp.internal",
     "deltanet_cp.nn",
     "deltanet_cp.models",
     "deltanet_cp.interop",

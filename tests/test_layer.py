@@ -484,7 +484,7 @@ def test_hlo_one_conv_halo(getkey, exchange):
     x = jax.device_put(jr.normal(getkey(), (b, t, hidden)), NamedSharding(mesh, seq))
     hlo = jax.jit(f).lower(x).compile().as_text()
     assert hlo is not None
-    found = dcp.collectives(hlo)
+    found = dcp.internal.collectives(hlo)
 
     permutes = [c for c in found if c.kind == "collective-permute"]
     halos = [c for c in permutes if c.elements == halo]

@@ -83,7 +83,7 @@ def test_everything_follows_from_held():
     assert dcp.Zigzag().directions(4) == (False, True)
     assert dcp.Contiguous().directions(4) == (False,)
     assert (dcp.Zigzag().to_layout(x, 3) == dcp.to_zigzag(x, 3)).all()
-    assert Reversed().walks(8, 4) == (dcp.Walk(slice(0, 8), 0, True),)
+    assert Reversed().walks(8, 4) == (dcp.internal.Walk(slice(0, 8), 0, True),)
 
 
 def test_bad_layouts_refused():

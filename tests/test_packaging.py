@@ -6,6 +6,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,3 +42,37 @@ def test_floor_tests_exist():
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert f"{len(listed)} tests collected" in done.stdout, done.stdout[-2000:]
+
+
+def test_moved_and_renamed_names_warn_for_one_release():
+    # Issue 49: the names only people extending the engine need moved to
+    # `deltanet_cp.internal`, and the recurrence configurations that shared a name with a
+    # layer of `deltanet_cp.nn` were renamed; the old top-level paths still work, warning.
+    import warnings
+
+    import deltanet_cp as dcp
+
+    moved = [
+        "Collective", "collectives", "DeltaFactors", "DPLRFactors",
+        "GatedLinearAttentionFactors", "MomentumFactors", "pack", "received_bytes_per_rank",
+        "run_contiguous", "Segments", "segments", "unpack", "Walk",
+    ]  # fmt: skip
+    for name in moved:
+        with pytest.warns(DeprecationWarning, match=rf"deltanet_cp.internal.{name}\b"):
+            assert getattr(dcp, name) is getattr(dcp.internal, name)
+    renamed = {
+        "GatedDeltaNet2": "GatedDeltaNet2Rule",
+        "GatedDeltaProduct": "GatedDeltaProductRule",
+        "GatedLinearAttention": "GLARule",
+        "KimiDeltaAttention": "KimiDeltaRule",
+        "PrecondKimiDeltaAttention": "PrecondKimiDeltaRule",
+    }
+    for old, new in renamed.items():
+        with pytest.warns(DeprecationWarning, match=rf"now `deltanet_cp.{new}`"):
+            assert getattr(dcp, old) is getattr(dcp, new)
+        assert getattr(dcp.nn, old) is not getattr(dcp, new)  # the layer keeps its name
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dcp.internal.run_contiguous and dcp.KimiDeltaRule and dcp.run
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        getattr(dcp, "no_such_name")

@@ -397,7 +397,7 @@ def test_context_parallel_prefill_equals_one_device(cp, layout):
     without, _, _ = _cp_prefill(cp, layout, None)
 
     def collectives(c):
-        return Counter((x.kind, x.shapes) for x in dcp.collectives(c.as_text()))
+        return Counter((x.kind, x.shapes) for x in dcp.internal.collectives(c.as_text()))
 
     assert collectives(compiled) == collectives(without)
     assert sum(collectives(without).values()) > 0

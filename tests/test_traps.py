@@ -63,7 +63,7 @@ def test_context_parallel_without_mesh_outside_shard_map():
         dcp.recurrent_gated_delta_rule(*_gdn_inputs(), cp=cp)
     recurrence, inputs = dcp.GatedDeltaRule(), dcp.DeltaInputs(*_gdn_inputs())
     with pytest.raises(ValueError, match=match):
-        dcp.run_contiguous(recurrence, inputs, cp=cp)
+        dcp.internal.run_contiguous(recurrence, inputs, cp=cp)
     conv = CausalConv1d(4, 3, key=jr.key(0))
     with pytest.raises(ValueError, match=match):
         conv(jnp.ones((8, 4)), cp=cp)

@@ -1,7 +1,7 @@
 """Static checks: pyright refuses a zigzag (or any non-contiguous) `ContextParallel` for the
 typed engine, `run_contiguous`, and accepts any layout at `run` and the public functions.
-The library's own call of `run_contiguous` (once per walk, in `run`) is checked by the
-repository's pyright run."""
+The library's own calls of the engine (`run`'s, once per pass over the walks), typed the
+same way, are checked by the repository's pyright run."""
 
 import json
 import pathlib

@@ -13,9 +13,9 @@ from .._precision import PrecisionName
 from .._validate import as_flag, as_positive_index
 from ..recurrences._delta import DeltaRule
 from ..recurrences._delta_family import DeltaInputs
-from ..recurrences._delta_product import GatedDeltaProduct
+from ..recurrences._delta_product import GatedDeltaProductRule
 from ..recurrences._gated_delta import GatedDeltaRule
-from ..recurrences._kda import KimiDeltaAttention
+from ..recurrences._kda import KimiDeltaRule
 from ._convert import call, FLAStates, ones_if_none
 from ._fla_options import check_options
 
@@ -166,7 +166,7 @@ def fused_recurrent_gated_delta_rule(
         ),
     )
     if gk is not None:
-        kind, g = KimiDeltaAttention, gk if g is None else gk + g[..., None]
+        kind, g = KimiDeltaRule, gk if g is None else gk + g[..., None]
     else:
         kind = DeltaRule if g is None else GatedDeltaRule
     config = kind(
@@ -313,7 +313,7 @@ def chunk_gated_delta_product(
 
     Mirrors `chunk_gated_delta_product(q, k, v, g, beta, num_householder, scale=None,
     initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
-    cu_seqlens=None, cu_seqlens_cpu=None)` and runs [`deltanet_cp.GatedDeltaProduct`][], the
+    cu_seqlens=None, cu_seqlens_cpu=None)` and runs [`deltanet_cp.GatedDeltaProductRule`][], the
     recurrence of [`deltanet_cp.chunk_gated_delta_product`][], with `k`, `v`, `beta`
     reshaped to `(B, T, num_householder, ...)`: row `t * num_householder + j` of FLA's
     axis 1 is step `j` of token `t`.
@@ -348,7 +348,7 @@ def chunk_gated_delta_product(
     def steps(x):
         return x.reshape(b, t, n, *x.shape[2:])
 
-    config = GatedDeltaProduct(
+    config = GatedDeltaProductRule(
         chunk_size=chunk_size,
         scale=scale,
         use_qk_l2norm=use_qk_l2norm_in_kernel,

@@ -11,7 +11,7 @@ from jaxtyping import Array, Float
 from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, ValueTensor
 from .._parallel import ContextParallel
 from .._precision import PrecisionName
-from ..recurrences._gla import GatedLinearAttention, GLAInputs
+from ..recurrences._gla import GLAInputs, GLARule
 from ._convert import call, FLAStates
 from ._fla_options import check_options
 
@@ -36,7 +36,7 @@ def chunk_gla(
 
     Mirrors `chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False,
     state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None)` and runs
-    [`deltanet_cp.GatedLinearAttention`][], the recurrence of [`deltanet_cp.chunk_gla`][].
+    [`deltanet_cp.GLARule`][], the recurrence of [`deltanet_cp.chunk_gla`][].
     FLA's GLA has no `beta` and no query/key normalisation.
 
     **Arguments:**
@@ -54,7 +54,7 @@ def chunk_gla(
     `(o, final_state)`: `o` `(B, T, HV, V)`, and the final state or `None`.
     """
     check_options("chunk_gla", options, ("cu_seqlens_cpu",))
-    config = GatedLinearAttention(chunk_size=chunk_size, scale=scale, precision=precision)
+    config = GLARule(chunk_size=chunk_size, scale=scale, precision=precision)
     inputs = GLAInputs(q, k, v, g)
     return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state, state_v_first)
 
@@ -84,7 +84,7 @@ def fused_recurrent_gla(
     arguments are as in [`deltanet_cp.interop.fla.chunk_gla`][].
     """
     check_options("fused_recurrent_gla", dict(gv=gv, reverse=reverse), ("gv", "reverse"))
-    config = GatedLinearAttention(chunk_size=1, scale=scale, precision=precision)
+    config = GLARule(chunk_size=1, scale=scale, precision=precision)
     inputs = GLAInputs(q, k, v, _no_decay(v, k) if gk is None else gk)
     return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state, state_v_first)
 
@@ -149,7 +149,7 @@ def chunk_simple_gla(
     `(o, final_state)`: `o` `(B, T, HV, V)`, and the final state or `None`.
     """
     check_options("chunk_simple_gla", options, ("cu_seqlens_cpu", "head_first"))
-    config = GatedLinearAttention(chunk_size=chunk_size, scale=scale, precision=precision)
+    config = GLARule(chunk_size=chunk_size, scale=scale, precision=precision)
     inputs = _simple_gla_inputs("chunk_simple_gla", q, k, v, g, g_gamma)
     return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state, state_v_first)
 
@@ -179,6 +179,6 @@ def fused_recurrent_simple_gla(
     arguments are as in [`deltanet_cp.interop.fla.chunk_simple_gla`][].
     """
     check_options("fused_recurrent_simple_gla", dict(reverse=reverse), ("reverse",))
-    config = GatedLinearAttention(chunk_size=1, scale=scale, precision=precision)
+    config = GLARule(chunk_size=1, scale=scale, precision=precision)
     inputs = _simple_gla_inputs("fused_recurrent_simple_gla", q, k, v, g, g_gamma)
     return call(config, inputs, initial_state, cu_seqlens, cp, output_final_state, state_v_first)

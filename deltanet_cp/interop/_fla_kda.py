@@ -11,8 +11,8 @@ from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, Valu
 from .._parallel import ContextParallel
 from .._precision import PrecisionName
 from ..recurrences._delta_family import DeltaInputs
-from ..recurrences._gdn2 import GatedDeltaNet2
-from ..recurrences._kda import KimiDeltaAttention
+from ..recurrences._gdn2 import GatedDeltaNet2Rule
+from ..recurrences._kda import KimiDeltaRule
 from ._convert import call, FLAStates
 from ._fla_options import check_options
 
@@ -46,7 +46,7 @@ def chunk_kda(
 
     Mirrors `chunk_kda(q, k, v, g, beta, scale=None, initial_state=None,
     output_final_state=False, use_qk_l2norm_in_kernel=False, ..., state_v_first=False,
-    cu_seqlens=None, ...)` and runs [`deltanet_cp.KimiDeltaAttention`][], the recurrence of
+    cu_seqlens=None, ...)` and runs [`deltanet_cp.KimiDeltaRule`][], the recurrence of
     [`deltanet_cp.chunk_kda`][]. The arguments after
     `use_qk_l2norm_in_kernel` are keyword-only here.
 
@@ -68,7 +68,7 @@ def chunk_kda(
     """
     known = _KDA_OPTIONS + _CHUNK_OPTIONS + ("head_first", "chunk_indices")
     check_options("chunk_kda", options, known)
-    config = KimiDeltaAttention(
+    config = KimiDeltaRule(
         chunk_size=chunk_size,
         scale=scale,
         use_qk_l2norm=use_qk_l2norm_in_kernel,
@@ -109,7 +109,7 @@ def fused_recurrent_kda(
     defaults.
     """
     check_options("fused_recurrent_kda", dict(options, A_log=A_log, dt_bias=dt_bias), _KDA_OPTIONS)
-    config = KimiDeltaAttention(
+    config = KimiDeltaRule(
         chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel, precision=precision
     )
     inputs = DeltaInputs(q, k, v, g, beta)
@@ -139,7 +139,7 @@ def chunk_gdn2(
 
     Mirrors `chunk_gdn2(q, k, v, g, b, w, scale=None, initial_state=None,
     output_final_state=False, use_qk_l2norm_in_kernel=False, ..., state_v_first=False)` and
-    runs [`deltanet_cp.GatedDeltaNet2`][], the recurrence of [`deltanet_cp.chunk_gdn2`][].
+    runs [`deltanet_cp.GatedDeltaNet2Rule`][], the recurrence of [`deltanet_cp.chunk_gdn2`][].
     The arguments after `use_qk_l2norm_in_kernel` are keyword-only here.
 
     **Arguments:**
@@ -162,7 +162,7 @@ def chunk_gdn2(
     `(o, final_state)`: `o` `(B, T, HV, V)`, and the final state or `None`.
     """
     check_options("chunk_gdn2", options, _GATE_OPTIONS + _CHUNK_OPTIONS)
-    config = GatedDeltaNet2(
+    config = GatedDeltaNet2Rule(
         chunk_size=chunk_size,
         scale=scale,
         use_qk_l2norm=use_qk_l2norm_in_kernel,
@@ -205,7 +205,7 @@ def fused_recurrent_gdn2(
     check_options(
         "fused_recurrent_gdn2", dict(options, A_log=A_log, dt_bias=dt_bias), _GATE_OPTIONS
     )
-    config = GatedDeltaNet2(
+    config = GatedDeltaNet2Rule(
         chunk_size=1, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel, precision=precision
     )
     inputs = DeltaInputs(q, k, v, g, b, w)

@@ -6,7 +6,7 @@ from .._parallel import ContextParallel
 from .._validate import as_flag
 from ..recurrences._delta_family import DeltaInputs
 from ..recurrences._gated_delta import GatedDeltaRule
-from ..recurrences._kda import KimiDeltaAttention
+from ..recurrences._kda import KimiDeltaRule
 from ._convert import call
 
 
@@ -37,7 +37,7 @@ def chunk_kimi_delta_attention(
     Mirrors `chunk_kimi_delta_attention(query, key, value, g, beta, chunk_size=64,
     initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False)` of
     `transformers.models.kimi_linear.modeling_kimi_linear` and runs
-    [`deltanet_cp.KimiDeltaAttention`][], the recurrence of
+    [`deltanet_cp.KimiDeltaRule`][], the recurrence of
     [`deltanet_cp.chunk_kda`][].
 
     **Arguments:**
@@ -61,7 +61,7 @@ def chunk_kimi_delta_attention(
     always `K ** -0.5`: transformers' function has no `scale` argument.
     """
     _flags(use_qk_l2norm_in_kernel, output_final_state)
-    config = KimiDeltaAttention(chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm_in_kernel)
+    config = KimiDeltaRule(chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm_in_kernel)
     inputs = DeltaInputs(query, key, value, g, beta)
     return call(
         config, inputs, initial_state, cu_seqlens, cp, output_final_state, dtype=query.dtype
@@ -91,7 +91,7 @@ def recurrent_kimi_delta_attention(
     [`deltanet_cp.interop.transformers.chunk_kimi_delta_attention`][], without `chunk_size`.
     """
     _flags(use_qk_l2norm_in_kernel, output_final_state)
-    config = KimiDeltaAttention(chunk_size=1, use_qk_l2norm=use_qk_l2norm_in_kernel)
+    config = KimiDeltaRule(chunk_size=1, use_qk_l2norm=use_qk_l2norm_in_kernel)
     inputs = DeltaInputs(query, key, value, g, beta)
     return call(
         config, inputs, initial_state, cu_seqlens, cp, output_final_state, dtype=query.dtype

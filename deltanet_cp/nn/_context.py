@@ -7,25 +7,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from .._packing import as_cu_seqlens
-from .._parallel import check_bound, check_cp, ContextParallel, Contiguous
+from .._parallel import ContextParallel, Contiguous, local_cp
 
 
-def layer_cp(cp: object, where: str) -> ContextParallel | None:
-    """`cp` if it is `None` or a [`deltanet_cp.ContextParallel`][] without `mesh`; else a
-    `TypeError` / `ValueError` saying what to pass."""
-    check_cp(cp, where)
-    if cp is None:
-        return None
-    assert isinstance(cp, ContextParallel)
-    if cp.mesh is not None:
-        raise ValueError(
-            f"{where} runs inside your `jax.shard_map` on this rank's shard, so its `cp` "
-            "takes no `mesh`: pass ContextParallel(axis_name, layout=...) without `mesh` and "
-            "call the layer inside `jax.shard_map` over that mesh (the time axis sharded over "
-            "`axis_name`)."
-        )
-    check_bound(cp, where)
-    return cp
+# The layers' and the models' rule for `cp` is the library's one rule for a call on this
+# rank's shard.
+layer_cp = local_cp
 
 
 def local_positions(cp: ContextParallel | None, length: int) -> Int[Array, " length"]:

@@ -12,6 +12,7 @@ from .._custom_types import CuSeqlens
 from .._layout import Contiguous
 from .._packing import as_cu_seqlens
 from .._parallel import ContextParallel
+from .._shift import halos
 from .._validate import as_positive_index
 from ._context import layer_cp
 
@@ -168,30 +169,14 @@ class CausalConv1d(eqx.Module):
                 f"{t} tokens are {len(walks)} piece(s) of {piece}. Use fewer ranks or a longer "
                 f"sequence (at least {w * len(walks)} tokens per rank)."
             )
-        rank = jax.lax.axis_index(cp.axis_name)
-        ys = []
-        # The inputs before the current walk's first piece, on rank `holder` (every rank
-        # for `state`, which is replicated).
-        incoming, holder = state, None
-        for walk in walks:
-            # Along the walk, each rank's tail goes to the next rank in walk order.
-            order = walk.ranks(n)
-            first, last = order[0], order[-1]
-            segment = x[walk.local]
-            halo = jax.lax.ppermute(
-                segment[segment.shape[0] - w :], cp.axis_name, list(zip(order, order[1:]))
-            )
-            if holder is not None and holder != first:
-                incoming = jax.lax.ppermute(incoming, cp.axis_name, [(holder, first)])
-            y, tail = self._segment(
-                segment,
-                jnp.where(rank == first, incoming, halo),
-                None if reach is None else reach[walk.local],
-            )
-            ys.append(y)
-            incoming, holder = tail, last
+        pieces, tail, holder = halos(x, w, state, cp, axis=0)
+        ys = [
+            self._segment(piece, halo, None if reach is None else reach[walk.local])[0]
+            for (piece, halo), walk in zip(pieces, walks)
+        ]
         # Hand the tail of the sequence's last piece to every rank.
-        final = jnp.where(rank == holder, incoming, jnp.zeros_like(incoming))
+        rank = jax.lax.axis_index(cp.axis_name)
+        final = jnp.where(rank == holder, tail, jnp.zeros_like(tail))
         final = jax.lax.psum(final, cp.axis_name)
         return jnp.concatenate(ys, axis=0), final if cu is None else _last_document(
             final, cu, total

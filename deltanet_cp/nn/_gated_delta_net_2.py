@@ -9,7 +9,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._precision import PrecisionName
 from .._run import as_memory, Memory
 from ..recurrences._delta_family import DeltaInputs
-from ..recurrences._gdn2 import GatedDeltaNet2 as GatedDeltaNet2Rule
+from ..recurrences._gdn2 import GatedDeltaNet2Rule
 from ._conv import CausalConv1d
 from ._delta_layer import (
     AbstractRecurrentLayer,

@@ -8,7 +8,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._precision import PrecisionName
 from .._run import as_memory, Memory
 from ..recurrences._delta_family import DeltaInputs
-from ..recurrences._delta_product import GatedDeltaProduct as GatedDeltaProductRule
+from ..recurrences._delta_product import GatedDeltaProductRule
 from ._conv import CausalConv1d
 from ._delta_layer import (
     AbstractRecurrentLayer,

@@ -9,7 +9,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from .._precision import accumulation_dtype, PrecisionName
 from .._run import as_memory, Memory
-from ..recurrences._gla import GatedLinearAttention as GLARule, GLAInputs
+from ..recurrences._gla import GLAInputs, GLARule
 from ._conv import CausalConv1d
 from ._delta_layer import (
     AbstractRecurrentLayer,

@@ -9,7 +9,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._precision import PrecisionName
 from .._run import as_memory, Memory
 from ..recurrences._delta_family import DeltaInputs
-from ..recurrences._kda import KimiDeltaAttention as KimiDeltaRule
+from ..recurrences._kda import KimiDeltaRule
 from ._conv import CausalConv1d
 from ._delta_layer import (
     AbstractDeltaLayer,

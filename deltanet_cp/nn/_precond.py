@@ -24,7 +24,7 @@ from .._run import Memory
 from ..recurrences._delta_family import DeltaInputs
 from ..recurrences._precond import (
     PrecondGatedDeltaRule,
-    PrecondKimiDeltaAttention as PrecondKimiDeltaRule,
+    PrecondKimiDeltaRule,
 )
 from ..recurrences._precond_functions import (
     as_squash_eps,

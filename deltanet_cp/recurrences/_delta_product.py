@@ -30,7 +30,7 @@ ProductValueTensor = Float[Array, "batch seq nh vheads v"]
 ProductBetaTensor = Float[Array, "batch seq nh vheads"]
 
 
-class GatedDeltaProduct(AbstractDeltaRule):
+class GatedDeltaProductRule(AbstractDeltaRule):
     """Gated DeltaProduct: per token, one decay, then `n_h` delta updates.
 
     A static configuration; the inputs are a [`deltanet_cp.DeltaInputs`][] with `k`
@@ -104,7 +104,7 @@ def chunk_gated_delta_product(
     `(o, final_state)`, as in [`deltanet_cp.chunk_gated_delta_rule`][].
     """
     return run(
-        GatedDeltaProduct(
+        GatedDeltaProductRule(
             chunk_size=chunk_size,
             scale=scale,
             use_qk_l2norm=use_qk_l2norm,
@@ -139,7 +139,7 @@ def recurrent_gated_delta_product(
     (without `chunk_size`) and results.
     """
     return run(
-        GatedDeltaProduct(
+        GatedDeltaProductRule(
             chunk_size=1,
             scale=scale,
             use_qk_l2norm=use_qk_l2norm,

@@ -26,7 +26,7 @@ from .._validate import as_chunk_size, as_l2norm_flag, as_scale
 from ._delta_family import AbstractDeltaRule, DeltaInputs, GateKind
 
 
-class GatedDeltaNet2(AbstractDeltaRule):
+class GatedDeltaNet2Rule(AbstractDeltaRule):
     """Gated DeltaNet-2: a decay per key channel, then a delta update that erases along
     `b * k` and writes `w * v`.
 
@@ -101,7 +101,7 @@ def chunk_gdn2(
     `(o, final_state)`, as in [`deltanet_cp.chunk_gated_delta_rule`][].
     """
     return run(
-        GatedDeltaNet2(
+        GatedDeltaNet2Rule(
             chunk_size=chunk_size,
             scale=scale,
             use_qk_l2norm=use_qk_l2norm,
@@ -137,7 +137,7 @@ def recurrent_gdn2(
     (without `chunk_size`) and results.
     """
     return run(
-        GatedDeltaNet2(
+        GatedDeltaNet2Rule(
             chunk_size=1,
             scale=scale,
             use_qk_l2norm=use_qk_l2norm,

@@ -60,9 +60,7 @@ class GatedLinearAttentionFactors(eqx.Module):
     precision: PrecisionName = eqx.field(default="highest", static=True)
 
 
-class GatedLinearAttention(
-    AbstractRecurrence[GLAInputs, GatedLinearAttentionFactors, DiagonalAffineMap]
-):
+class GLARule(AbstractRecurrence[GLAInputs, GatedLinearAttentionFactors, DiagonalAffineMap]):
     """Gated linear attention / Mamba-2: a decay per key channel or per head, no delta term.
 
     A static configuration; the inputs are a [`deltanet_cp.GLAInputs`][], handed to
@@ -203,7 +201,7 @@ def chunk_gla(
     `(o, final_state)`, as in [`deltanet_cp.chunk_gated_delta_rule`][].
     """
     return run(
-        GatedLinearAttention(
+        GLARule(
             chunk_size=chunk_size,
             scale=scale,
             use_qk_l2norm=use_qk_l2norm,
@@ -237,7 +235,7 @@ def recurrent_gla(
     (without `chunk_size`) and results.
     """
     return run(
-        GatedLinearAttention(
+        GLARule(
             chunk_size=1,
             scale=scale,
             use_qk_l2norm=use_qk_l2norm,

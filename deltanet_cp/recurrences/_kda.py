@@ -23,7 +23,7 @@ from .._validate import as_chunk_size, as_l2norm_flag, as_scale
 from ._delta_family import AbstractDeltaRule, DeltaInputs, GateKind
 
 
-class KimiDeltaAttention(AbstractDeltaRule):
+class KimiDeltaRule(AbstractDeltaRule):
     """Kimi Delta Attention: a decay per token, value head and key channel, then a delta
     update.
 
@@ -93,7 +93,7 @@ def chunk_kda(
     `(o, final_state)`, as in [`deltanet_cp.chunk_gated_delta_rule`][].
     """
     return run(
-        KimiDeltaAttention(
+        KimiDeltaRule(
             chunk_size=chunk_size,
             scale=scale,
             use_qk_l2norm=use_qk_l2norm,
@@ -128,7 +128,7 @@ def recurrent_kda(
     (without `chunk_size`) and results.
     """
     return run(
-        KimiDeltaAttention(
+        KimiDeltaRule(
             chunk_size=1,
             scale=scale,
             use_qk_l2norm=use_qk_l2norm,

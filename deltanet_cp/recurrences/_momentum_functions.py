@@ -14,7 +14,7 @@ from .._custom_types import CuSeqlens, GateTensor, QKTensor, ValueTensor
 from .._parallel import ContextParallel
 from .._precision import PrecisionName
 from .._recurrence import check_inputs
-from .._run import Memory, run
+from .._run import Memory, run_checked
 from ._momentum import MomentumDeltaRule, MomentumInputs
 
 
@@ -157,7 +157,7 @@ def _call(
     check_inputs(recurrence, inputs)
     docs = None if cu_seqlens is None else len(cu_seqlens) - 1
     h0 = None if initial_state is None else _joint(initial_state, inputs, docs)
-    o, final = run(
+    o, final = run_checked(  # the inputs checked above, once
         recurrence, inputs, initial_state=h0, cu_seqlens=cu_seqlens, cp=cp, memory=memory
     )
     dk = inputs.k.shape[-1]

@@ -51,14 +51,14 @@ class PrecondGatedDeltaRule(AbstractDeltaRule):
     write_key: ClassVar[bool] = True
 
 
-class PrecondKimiDeltaAttention(AbstractDeltaRule):
+class PrecondKimiDeltaRule(AbstractDeltaRule):
     """Kimi Delta Attention that erases along `k` and writes along a key of its own: the
     main stage of [`deltanet_cp.chunk_precond_kda`][].
 
     A static configuration; the inputs are a [`deltanet_cp.DeltaInputs`][] with `g` of
     shape `(B, T, HV, K)` and the write key `write_key` of shape `(B, T, H, K)` (taken as
     given), handed to [`deltanet_cp.run`][] beside it. With `write_key = k` it is
-    [`deltanet_cp.KimiDeltaAttention`][].
+    [`deltanet_cp.KimiDeltaRule`][].
 
     **Arguments:**
 

@@ -9,12 +9,12 @@ value heads that read the key head), then a squash of it into a write-key scale:
     k^_t = k_t * exp(-log(x) s)                                (a scale in (1/x, x))
 
 then the main recurrence per value head, a delta rule erasing along `k` and writing along
-`k^` ([`deltanet_cp.PrecondGatedDeltaRule`][] / [`deltanet_cp.PrecondKimiDeltaAttention`][]).
+`k^` ([`deltanet_cp.PrecondGatedDeltaRule`][] / [`deltanet_cp.PrecondKimiDeltaRule`][]).
 
 The preconditioner is a linear recurrence whose per-token output is its state: gated linear
 attention with a one-row state, `A` as a `(1, K)` state with key `1`, value
 `beta_atk * k^2`, query `1` and decay `g_atk`. So it runs on the engine as
-[`deltanet_cp.GatedLinearAttention`][]: its chunks are diagonal maps (`1 + K` numbers per
+[`deltanet_cp.GLARule`][]: its chunks are diagonal maps (`1 + K` numbers per
 key head cross the ranks), its within-chunk sums are the exact segment-sum decays, and its
 VJP is the engine's. The squash is elementwise; the main stage then runs on the engine from
 the preconditioned keys. Context parallelism, packed documents and gradients go through
@@ -38,9 +38,9 @@ from .._run import Memory, run
 from .._validate import check_log_decay, check_range, check_step_sizes
 from ..chunkops import l2norm
 from ._delta_family import AbstractDeltaRule, DeltaInputs
-from ._gla import GatedLinearAttention, GLAInputs
+from ._gla import GLAInputs, GLARule
 from ._helpers import check_arrays
-from ._precond import PrecondGatedDeltaRule, PrecondKimiDeltaAttention
+from ._precond import PrecondGatedDeltaRule, PrecondKimiDeltaRule
 
 
 # A gate per token and key head (the preconditioner's), its state per key head, its centre.
@@ -274,7 +274,7 @@ def write_keys(
 
 def preconditioner(
     k, g_atk, beta_atk, *, dtype: Any, use_qk_l2norm: bool, chunk_size: int, precision
-) -> tuple[GatedLinearAttention, GLAInputs, Array]:
+) -> tuple[GLARule, GLAInputs, Array]:
     """The preconditioner as gated linear attention with a one-row state (key 1, value
     `beta_atk k^2`, query 1, decay `g_atk`): `(recurrence, inputs, k_erase)`, its state
     per key head `(1, K)` and its output per token the state after it, `(B, T, H, K)`;
@@ -284,9 +284,7 @@ def preconditioner(
     if use_qk_l2norm:
         k_erase = l2norm(k_erase)  # what the main stage erases along: the same l2norm
     ones = jnp.ones((*k.shape[:-1], 1), dtype)
-    recurrence = GatedLinearAttention(
-        chunk_size=chunk_size, scale=1.0, use_qk_l2norm=False, precision=precision
-    )
+    recurrence = GLARule(chunk_size=chunk_size, scale=1.0, use_qk_l2norm=False, precision=precision)
     inputs = GLAInputs(ones, ones, beta_atk.astype(dtype)[..., None] * k_erase**2, g_atk)
     return recurrence, inputs, k_erase
 
@@ -547,7 +545,7 @@ def chunk_precond_kda(
     [`deltanet_cp.chunk_precond_gated_delta_rule`][].
     """
     return _precond(
-        PrecondKimiDeltaAttention(
+        PrecondKimiDeltaRule(
             chunk_size=chunk_size,
             scale=scale,
             use_qk_l2norm=use_qk_l2norm,

@@ -31,22 +31,22 @@ def run_zigzag(inputs: dcp.DeltaInputs):
 
 
 def engine_default(inputs: dcp.DeltaInputs):
-    return dcp.run_contiguous(dcp.GatedDeltaRule(), inputs, cp=dcp.ContextParallel("cp"))
+    return dcp.internal.run_contiguous(dcp.GatedDeltaRule(), inputs, cp=dcp.ContextParallel("cp"))
 
 
 def engine_contiguous(inputs: dcp.DeltaInputs):
     cp = dcp.ContextParallel("cp", layout=dcp.Contiguous(), exchange=dcp.PPermute())
-    return dcp.run_contiguous(dcp.GatedDeltaRule(), inputs, cp=cp)
+    return dcp.internal.run_contiguous(dcp.GatedDeltaRule(), inputs, cp=cp)
 
 
 def engine_zigzag(inputs: dcp.DeltaInputs):
     cp = dcp.ContextParallel("cp", layout=dcp.Zigzag())
-    return dcp.run_contiguous(dcp.GatedDeltaRule(), inputs, cp=cp)  # expect-error
+    return dcp.internal.run_contiguous(dcp.GatedDeltaRule(), inputs, cp=cp)  # expect-error
 
 
 def engine_zigzag_inline(inputs: dcp.DeltaInputs):
-    z, rule = dcp.Zigzag(), dcp.GatedDeltaRule()
-    return dcp.run_contiguous(rule, inputs, cp=dcp.ContextParallel("cp", layout=z))  # expect-error
+    z, rule, engine = dcp.Zigzag(), dcp.GatedDeltaRule(), dcp.internal.run_contiguous
+    return engine(rule, inputs, cp=dcp.ContextParallel("cp", layout=z))  # expect-error
 
 
 class Reversed(dcp.AbstractLayout):
@@ -66,4 +66,4 @@ def run_own_layout_and_exchange(inputs: dcp.DeltaInputs):
 
 def engine_own_layout(inputs: dcp.DeltaInputs):
     cp = dcp.ContextParallel("cp", layout=Reversed())
-    return dcp.run_contiguous(dcp.GatedDeltaRule(), inputs, cp=cp)  # expect-error
+    return dcp.internal.run_contiguous(dcp.GatedDeltaRule(), inputs, cp=cp)  # expect-error
