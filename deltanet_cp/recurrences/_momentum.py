@@ -33,6 +33,8 @@ One chunk is the map $h \mapsto (D_C \otimes I - \tilde k^\top w) h + \tilde k^\
 block-scalar matrix plus a rank-`C` update, which `compose` keeps in that form.
 """
 
+from typing import Self
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -49,9 +51,16 @@ from ..chunkops import (
     einsum,
     exclusive_decays,
     l2norm,
-    unit_lower_solve,
 )
-from ._helpers import check_arrays, flat_heads, lift, policy, prologue, value_heads
+from ._helpers import check_arrays, flat_heads, policy, prologue, value_heads
+from ._wy import (
+    AbstractWYFactors,
+    wy_chunk_map,
+    wy_compose,
+    wy_factor_cotangents,
+    wy_solve,
+    wy_step,
+)
 
 
 class MomentumInputs(eqx.Module):
@@ -79,7 +88,7 @@ class MomentumInputs(eqx.Module):
     eta: Float[Array, "batch seq vheads"]
 
 
-class MomentumFactors(eqx.Module):
+class MomentumFactors(AbstractWYFactors):
     r"""The per-chunk quantities of the momentum delta rule that do not depend on the state.
 
     Every field has leading axes `(n_chunks, batch, value_heads)`; `C` is the chunk size
@@ -104,10 +113,25 @@ class MomentumFactors(eqx.Module):
     decay: Float[Array, "n b h 3"]
     precision: PrecisionName = eqx.field(default="highest", static=True)
 
-    @property
-    def w(self) -> Float[Array, "*chunks b h c kk"]:
-        """The WY factor $w$ (the first `C` rows of `wq`)."""
-        return self.wq[..., : self.u.shape[-2], :]
+    def decayed(self, x: Float[Array, "*chunks b h kk d"]) -> Float[Array, "*chunks b h kk d"]:
+        return _decayed(self.decay, x)
+
+    def cotangents(self, wq, u, attn, k_decayed_t, states, d_next) -> Self:
+        # The decay's three scalars from D_C h = [A h_S + B h_M; mu h_M].
+        dk = states.shape[-2] // 2
+        h_s, h_m = states[..., :dk, :], states[..., dk:, :]
+        d_s, d_m = d_next[..., :dk, :], d_next[..., dk:, :]
+        d_decay = jnp.stack(
+            [
+                jnp.sum(d_s * h_s, axis=(-2, -1)),
+                jnp.sum(d_s * h_m, axis=(-2, -1)),
+                jnp.sum(d_m * h_m, axis=(-2, -1)),
+            ],
+            axis=-1,
+        )
+        return type(self)(
+            wq=wq, u=u, attn=attn, k_decayed_t=k_decayed_t, decay=d_decay, precision=self.precision
+        )
 
 
 def _as_p_times_alpha(value: object) -> bool:
@@ -193,11 +217,9 @@ class MomentumDeltaRule(AbstractRecurrence[MomentumInputs, MomentumFactors, Affi
         sigma_before = _down(sigma)  # Sigma_{t-1, j}: strictly lower
         a = read[..., :, None] * sigma_before * eta[..., None, :] * pk
         attn = sigma * eta[..., None, :] * qk
-        rhs = jnp.concatenate(
-            [read_s[..., None] * p, read_m[..., None] * p, v], axis=-1
-        )  # (N B H, r, C, 2K + V)
-        wu = unit_lower_solve(a, rhs, prec)
+        reads = jnp.concatenate([read_s[..., None] * p, read_m[..., None] * p], axis=-1)
         q_state = jnp.concatenate([a_in[..., None] * q, b_in[..., None] * q], axis=-1)
+        wq, u = wy_solve(a, reads, v, q_state, prec)  # (N B H, r, ., .)
         write_s = (eta * sigma[..., -1, :])[..., None] * k  # k~ rows for S
         write_m = -(eta * pm[..., -1, :])[..., None] * k  # and for M
         k_out = jnp.concatenate([write_s, write_m], axis=-1)  # (N B H, r, C, 2K)
@@ -207,8 +229,8 @@ class MomentumDeltaRule(AbstractRecurrence[MomentumInputs, MomentumFactors, Affi
             return value_heads(x, n, b)
 
         return MomentumFactors(
-            wq=heads(jnp.concatenate([wu[..., : 2 * dk], q_state], axis=-2)),
-            u=heads(wu[..., 2 * dk :]),
+            wq=heads(wq),
+            u=heads(u),
             attn=heads(attn),
             k_decayed_t=heads(jnp.swapaxes(k_out, -1, -2)),
             decay=heads(decay),
@@ -216,34 +238,13 @@ class MomentumDeltaRule(AbstractRecurrence[MomentumInputs, MomentumFactors, Affi
         )
 
     def step(self, factors: MomentumFactors, h: Float[Array, "b h kk v"]) -> tuple[Array, Array]:
-        f = factors
-        prec = f.precision
-        c = f.u.shape[-2]
-        y = einsum("bhck,bhkv->bhcv", f.wq, h, precision=prec)  # [w h; [A q | B q] h]
-        v_new = f.u - y[..., :c, :]
-        o = y[..., c:, :] + einsum("bhcs,bhsv->bhcv", f.attn, v_new, precision=prec)
-        write = einsum("bhks,bhsv->bhkv", f.k_decayed_t, v_new, precision=prec)
-        return _decayed(f.decay, h) + write, jnp.swapaxes(o, 1, 2)  # o: (B, C, HV, V)
+        return wy_step(factors, h, decays=True)  # the memory and the momentum decay
 
     def chunk_map(self, factors: MomentumFactors) -> AffineMap:
-        # The maps and their composition at Precision.HIGHEST under every policy.
-        f = factors
-        kk = f.wq.shape[-1]
-        eye = lift(jnp.eye(kk, dtype=f.wq.dtype), f.decay.ndim + 1)
-        eye = jnp.broadcast_to(eye, (*f.decay.shape[:-1], kk, kk))
-        m = _decayed(f.decay, eye) - einsum("bhks,bhsj->bhkj", f.k_decayed_t, f.w)
-        return AffineMap(m, einsum("bhks,bhsv->bhkv", f.k_decayed_t, f.u))
+        return wy_chunk_map(factors)
 
     def compose(self, factors: MomentumFactors, running: AffineMap) -> AffineMap:
-        # [M | U] <- D_C [M | U] + k~^T ([0 | u] - w [M | U]): two products of 2K (2K + V) C
-        # multiply-adds and a block-scalar combination per chunk, never a dense (2K)^3 one.
-        f = factors
-        kk = running.M.shape[-1]
-        mu = jnp.concatenate([running.M, running.U], axis=-1)
-        rhs = jnp.concatenate([jnp.zeros_like(f.w), f.u], axis=-1)
-        rhs = rhs - einsum("bhsk,bhkd->bhsd", f.w, mu)
-        mu = _decayed(f.decay, mu) + einsum("bhks,bhsd->bhkd", f.k_decayed_t, rhs)
-        return AffineMap(mu[..., :kk], mu[..., kk:])
+        return wy_compose(factors, running)
 
     def factor_cotangents(
         self,
@@ -252,35 +253,7 @@ class MomentumDeltaRule(AbstractRecurrence[MomentumInputs, MomentumFactors, Affi
         d_next: Float[Array, "n b h kk v"],
         d_outputs: Float[Array, "n b c h v"],
     ) -> MomentumFactors:
-        # `step`'s VJP in its factors, batched over the block's chunks: v_new = u - w h again,
-        # d v_new = k~ d_next + attn^T d o, d[w; q'] = [-d v_new; d o] h^T, d attn = d o
-        # v_new^T, d k~^T = d_next v_new^T, and the decay's three scalars from D_C h.
-        f = factors
-        prec = f.precision
-        dk = states.shape[-2] // 2
-        v_new = f.u - einsum("nbhsk,nbhkv->nbhsv", f.w, states, precision=prec)
-        d_o = jnp.swapaxes(d_outputs, 2, 3)  # (N, B, HV, C, V)
-        d_v_new = einsum("nbhks,nbhkv->nbhsv", f.k_decayed_t, d_next, precision=prec)
-        d_v_new = d_v_new + einsum("nbhcs,nbhcv->nbhsv", f.attn, d_o, precision=prec)
-        d_y = jnp.concatenate([-d_v_new, d_o], axis=-2)
-        h_s, h_m = states[..., :dk, :], states[..., dk:, :]
-        d_s, d_m = d_next[..., :dk, :], d_next[..., dk:, :]
-        d_decay = jnp.stack(
-            [
-                jnp.sum(d_s * h_s, axis=(-2, -1)),
-                jnp.sum(d_s * h_m, axis=(-2, -1)),
-                jnp.sum(d_m * h_m, axis=(-2, -1)),
-            ],
-            axis=-1,
-        )
-        return MomentumFactors(
-            wq=einsum("nbhcv,nbhkv->nbhck", d_y, states, precision=prec),
-            u=d_v_new,
-            attn=einsum("nbhcv,nbhsv->nbhcs", d_o, v_new, precision=prec),
-            k_decayed_t=einsum("nbhkv,nbhsv->nbhks", d_next, v_new, precision=prec),
-            decay=d_decay,
-            precision=prec,
-        )
+        return wy_factor_cotangents(factors, states, d_next, d_outputs)
 
     def finalize(self, outputs: Float[Array, "b t h v"], inputs: MomentumInputs) -> Array:
         return outputs.astype(inputs.v.dtype)
