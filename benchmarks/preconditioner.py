@@ -35,7 +35,7 @@ from _impls import _family_inputs  # noqa: E402
 
 import deltanet_cp as dcp  # noqa: E402
 from deltanet_cp.chunkops import l2norm  # noqa: E402
-from deltanet_cp.recurrences._precond_functions import squash, write_keys  # noqa: E402
+from deltanet_cp.recurrences._cascade import squash, write_keys  # noqa: E402
 
 
 X, EPS = 1.5, 1e-6  # chunk_precond_kda's defaults

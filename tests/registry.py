@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 import deltanet_cp as dcp
 from deltanet_cp._precision import accumulation_dtype
-from deltanet_cp.recurrences._precond_functions import write_keys
+from deltanet_cp.recurrences._cascade import write_keys
 
 from .helpers import (
     delta_product_reference,
