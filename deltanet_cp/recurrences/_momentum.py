@@ -52,6 +52,7 @@ from ..chunkops import (
     exclusive_decays,
     l2norm,
 )
+from ..chunkops._decays import shift_down
 from ._helpers import check_arrays, flat_heads, policy, prologue, value_heads
 from ._wy import (
     AbstractWYFactors,
@@ -214,7 +215,7 @@ class MomentumDeltaRule(AbstractRecurrence[MomentumInputs, MomentumFactors, Affi
             read_s, read_m = a_before, b_before
         pk = einsum("...ik,...jk->...ij", p, k, precision=prec)  # (N B H, 1, C, C)
         qk = einsum("...ik,...jk->...ij", q, k, precision=prec)
-        sigma_before = _down(sigma)  # Sigma_{t-1, j}: strictly lower
+        sigma_before = shift_down(sigma)  # Sigma_{t-1, j}: strictly lower
         a = read[..., :, None] * sigma_before * eta[..., None, :] * pk
         attn = sigma * eta[..., None, :] * qk
         reads = jnp.concatenate([read_s[..., None] * p, read_m[..., None] * p], axis=-1)
@@ -275,7 +276,7 @@ def _momentum_decays(la: Array, lm: Array, beta: Array) -> tuple[Array, ...]:
     mu_in = cumulative_decays(lm, per_channel=False)[0][..., 0]
     b_in = -einsum("...ti,...i->...t", pa_beta, mu_in)  # B_t
     a_before = exclusive_decays(la, per_channel=False)[..., 0]  # A_{t-1}
-    b_before = _down(b_in[..., None])[..., 0]  # B_{t-1}
+    b_before = shift_down(b_in[..., None])[..., 0]  # B_{t-1}
     return pm, sigma, a_in, b_in, mu_in, a_before, b_before
 
 
@@ -286,8 +287,3 @@ def _decayed(decay: Array, x: Array) -> Array:
     x_s, x_m = x[..., :dk, :], x[..., dk:, :]
     a, b, mu = (decay[..., i, None, None] for i in range(3))
     return jnp.concatenate([a * x_s + b * x_m, mu * x_m], axis=-2)
-
-
-def _down(x: Array) -> Array:
-    """Rows of `x` `(..., C, D)` shifted down by one, a row of zeros on top."""
-    return jnp.concatenate([jnp.zeros_like(x[..., :1, :]), x[..., :-1, :]], -2)
