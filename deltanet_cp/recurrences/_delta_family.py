@@ -28,7 +28,7 @@ blocking, batched matmuls; its VJP never differentiates the inverse), the decays
 from direct segment sums (per token) or the blocked exact Gram (per channel).
 """
 
-from typing import ClassVar, Literal, Self
+from typing import ClassVar, Literal
 
 import equinox as eqx
 import jax
@@ -133,10 +133,10 @@ class DeltaFactors(AbstractWYFactors):
     precision: PrecisionName = eqx.field(default="highest", static=True)
     decays: bool = eqx.field(default=True, static=True)
 
-    def decayed(self, x: Float[Array, "*chunks b h k d"]) -> Float[Array, "*chunks b h k d"]:
+    def decayed(self, x: Array) -> Array:
         return self.gamma[..., None] * x
 
-    def cotangents(self, wq, u, attn, k_decayed_t, states, d_next) -> Self:
+    def cotangents(self, wq, u, attn, k_decayed_t, states, d_next) -> "DeltaFactors":
         return type(self)(
             wq=wq,
             u=u,

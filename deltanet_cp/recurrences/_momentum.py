@@ -33,8 +33,6 @@ One chunk is the map $h \mapsto (D_C \otimes I - \tilde k^\top w) h + \tilde k^\
 block-scalar matrix plus a rank-`C` update, which `compose` keeps in that form.
 """
 
-from typing import Self
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -114,10 +112,10 @@ class MomentumFactors(AbstractWYFactors):
     decay: Float[Array, "n b h 3"]
     precision: PrecisionName = eqx.field(default="highest", static=True)
 
-    def decayed(self, x: Float[Array, "*chunks b h kk d"]) -> Float[Array, "*chunks b h kk d"]:
+    def decayed(self, x: Array) -> Array:
         return _decayed(self.decay, x)
 
-    def cotangents(self, wq, u, attn, k_decayed_t, states, d_next) -> Self:
+    def cotangents(self, wq, u, attn, k_decayed_t, states, d_next) -> "MomentumFactors":
         # The decay's three scalars from D_C h = [A h_S + B h_M; mu h_M].
         dk = states.shape[-2] // 2
         h_s, h_m = states[..., :dk, :], states[..., dk:, :]

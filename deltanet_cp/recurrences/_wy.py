@@ -21,7 +21,7 @@ keeps in that form.
 """
 
 import abc
-from typing import Self, TypeVar
+from typing import TypeVar
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -31,6 +31,9 @@ from .._affine import AffineMap
 from .._precision import PrecisionName, state_policy
 from ..chunkops import einsum, unit_lower_solve
 from ._helpers import lift
+
+
+_Factors = TypeVar("_Factors", bound="AbstractWYFactors")
 
 
 class AbstractWYFactors(eqx.Module):
@@ -61,26 +64,23 @@ class AbstractWYFactors(eqx.Module):
         return self.wq[..., : self.u.shape[-2], :]
 
     @abc.abstractmethod
-    def decayed(self, x: Float[Array, "*chunks b h r d"]) -> Float[Array, "*chunks b h r d"]:
+    def decayed(self, x: Array) -> Array:
         """$D_C x$: the chunk's decay applied to rows `x` of the state's shape `(..., R, D)`
         (any `D`; `x` may have unit leading axes)."""
 
     @abc.abstractmethod
     def cotangents(
-        self,
+        self: _Factors,
         wq: Array,
         u: Array,
         attn: Array,
         k_decayed_t: Array,
         states: Float[Array, "n b h r v"],
         d_next: Float[Array, "n b h r v"],
-    ) -> Self:
+    ) -> _Factors:
         """Factors of this type holding the given cotangents of the four WY fields, the
         decay's cotangent from $D_C h$ (`states` entering the chunks, `d_next` the
         cotangents of the states leaving them), and these factors' static fields."""
-
-
-_Factors = TypeVar("_Factors", bound=AbstractWYFactors)
 
 
 def wy_solve(
