@@ -197,47 +197,6 @@ def precondition(
     return write_key, a_final[..., 0, :], None if a_saved is None else a_saved[..., 0, :]
 
 
-def write_keys(
-    k,
-    g_atk,
-    beta_atk,
-    *,
-    dtype: Any,
-    use_qk_l2norm: bool,
-    initial_A_state,
-    cu_seqlens,
-    cp,
-    chunk_size: int,
-    precision: PrecisionName,
-    x,
-    eps,
-    log_atk_scale,
-    memory=None,
-):
-    """The preconditioner on the engine and the squash: the write keys `(B, T, H, K)` in
-    `dtype` and the preconditioner's final state `(B, H, K)` (per document with
-    `cu_seqlens`). `x`, `eps` and `log_atk_scale` checked here; `k`, `g_atk`, `beta_atk`
-    and `initial_A_state` by the caller."""
-    x, eps = check_squash(x, eps, log_atk_scale, k.shape[2], dtype)
-    write_key, a_final, _ = precondition(
-        k,
-        g_atk,
-        beta_atk,
-        dtype=dtype,
-        use_qk_l2norm=use_qk_l2norm,
-        initial_A_state=initial_A_state,
-        chunk_size=chunk_size,
-        precision=precision,
-        x=x,
-        eps=eps,
-        log_atk_scale=log_atk_scale,
-        stage=engine_stage(cu_seqlens, cp, memory),
-        cp=cp,
-        cu_seqlens=cu_seqlens,
-    )
-    return write_key, a_final
-
-
 def cascade(
     main: AbstractDeltaRule,
     inputs: DeltaInputs,
