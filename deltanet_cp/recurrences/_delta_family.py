@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._affine import AffineMap
-from .._precision import accumulation_dtype, PrecisionName
+from .._precision import accumulation_dtype, PrecisionName, ProductPrecision, state_policy
 from .._recurrence import AbstractRecurrence
 from .._validate import check_step_sizes
 from ..chunkops import (
@@ -55,14 +55,7 @@ from ._helpers import (
     prologue,
     value_heads,
 )
-from ._wy import (
-    AbstractWYFactors,
-    wy_chunk_map,
-    wy_compose,
-    wy_factor_cotangents,
-    wy_solve,
-    wy_step,
-)
+from ._wy import AbstractWYChunk, AbstractWYFactors, wy_solve
 
 
 # How a delta-rule recurrence decays its state: per head, per key channel, optionally per
@@ -133,6 +126,9 @@ class DeltaFactors(AbstractWYFactors):
     precision: PrecisionName = eqx.field(default="highest", static=True)
     decays: bool = eqx.field(default=True, static=True)
 
+    def state_precision(self) -> ProductPrecision:
+        return state_policy(self.precision, decays=self.decays)
+
     def decayed(self, x: Array) -> Array:
         return self.gamma[..., None] * x
 
@@ -148,7 +144,7 @@ class DeltaFactors(AbstractWYFactors):
         )
 
 
-class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]):
+class AbstractDeltaRule(AbstractWYChunk, AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]):
     """The delta-rule family: a delta update per step, with or without decay.
 
     Final subclasses hold the fields `chunk_size`, `scale`, `use_qk_l2norm` and `precision`, and say
@@ -243,24 +239,6 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
         return _factors(
             chunk_major(q), k, v, g, beta, write, rows=rows, precision=precision, k_write=k_write
         )
-
-    def step(self, factors: DeltaFactors, h: Float[Array, "b h k v"]) -> tuple[Array, Array]:
-        return wy_step(factors, h, decays=factors.decays)
-
-    def chunk_map(self, factors: DeltaFactors) -> AffineMap:
-        return wy_chunk_map(factors)
-
-    def compose(self, factors: DeltaFactors, running: AffineMap) -> AffineMap:
-        return wy_compose(factors, running)
-
-    def factor_cotangents(
-        self,
-        factors: DeltaFactors,
-        states: Float[Array, "n b h k v"],
-        d_next: Float[Array, "n b h k v"],
-        d_outputs: Float[Array, "n b c h v"],
-    ) -> DeltaFactors:
-        return wy_factor_cotangents(factors, states, d_next, d_outputs)
 
     def finalize(self, outputs: Float[Array, "b t h v"], inputs: DeltaInputs) -> Array:
         return outputs.astype(inputs.v.dtype)

@@ -52,14 +52,7 @@ from ..chunkops import (
 )
 from ..chunkops._decays import shift_down
 from ._helpers import check_arrays, flat_heads, policy, prologue, value_heads
-from ._wy import (
-    AbstractWYFactors,
-    wy_chunk_map,
-    wy_compose,
-    wy_factor_cotangents,
-    wy_solve,
-    wy_step,
-)
+from ._wy import AbstractWYChunk, AbstractWYFactors, wy_solve
 
 
 class MomentumInputs(eqx.Module):
@@ -137,7 +130,9 @@ def _as_p_times_alpha(value: object) -> bool:
     return as_flag(value, "use_p_times_alpha")
 
 
-class MomentumDeltaRule(AbstractRecurrence[MomentumInputs, MomentumFactors, AffineMap]):
+class MomentumDeltaRule(
+    AbstractWYChunk, AbstractRecurrence[MomentumInputs, MomentumFactors, AffineMap]
+):
     """The momentum delta rule: a memory and a momentum, one `(B, HV, 2K, V)` state.
 
     A static configuration; the inputs are a [`deltanet_cp.MomentumInputs`][], handed to
@@ -235,24 +230,6 @@ class MomentumDeltaRule(AbstractRecurrence[MomentumInputs, MomentumFactors, Affi
             decay=heads(decay),
             precision=prec,
         )
-
-    def step(self, factors: MomentumFactors, h: Float[Array, "b h kk v"]) -> tuple[Array, Array]:
-        return wy_step(factors, h, decays=True)  # the memory and the momentum decay
-
-    def chunk_map(self, factors: MomentumFactors) -> AffineMap:
-        return wy_chunk_map(factors)
-
-    def compose(self, factors: MomentumFactors, running: AffineMap) -> AffineMap:
-        return wy_compose(factors, running)
-
-    def factor_cotangents(
-        self,
-        factors: MomentumFactors,
-        states: Float[Array, "n b h kk v"],
-        d_next: Float[Array, "n b h kk v"],
-        d_outputs: Float[Array, "n b c h v"],
-    ) -> MomentumFactors:
-        return wy_factor_cotangents(factors, states, d_next, d_outputs)
 
     def finalize(self, outputs: Float[Array, "b t h v"], inputs: MomentumInputs) -> Array:
         return outputs.astype(inputs.v.dtype)

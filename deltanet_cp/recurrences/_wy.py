@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._affine import AffineMap
-from .._precision import PrecisionName, state_policy
+from .._precision import PrecisionName, ProductPrecision, state_policy
 from ..chunkops import einsum, unit_lower_solve
 from ._helpers import lift
 
@@ -46,7 +46,7 @@ class AbstractWYFactors(eqx.Module):
     - `attn`: `(..., c, s)`, so that $o = q' h + \mathrm{attn}\, v_\text{new}$.
     - `k_decayed_t`: $\tilde k^\top$, `(..., R, s)`.
     - `precision`: the policy the chunk's products run under (`step`'s products with the
-        state under the policy its caller gives, see `wy_step`).
+        state under `state_precision()`).
 
     A final class adds its chunk decay $D_C$ as a field and says how it acts (`decayed`)
     and what its cotangent is (`cotangents`).
@@ -62,6 +62,11 @@ class AbstractWYFactors(eqx.Module):
     def w(self) -> Float[Array, "*chunks b h s r"]:
         """The WY factor $w$ (the first `s` rows of `wq`)."""
         return self.wq[..., : self.u.shape[-2], :]
+
+    def state_precision(self) -> ProductPrecision:
+        """The policy of `step`'s three products with the state: `precision` (for a chunk
+        that decays its state; see `state_policy`)."""
+        return state_policy(self.precision, decays=True)
 
     @abc.abstractmethod
     def decayed(self, x: Array) -> Array:
@@ -97,62 +102,66 @@ def wy_solve(
     return jnp.concatenate([wu[..., :r], queries], axis=-2), wu[..., r:]
 
 
-def wy_step(
-    f: AbstractWYFactors, h: Float[Array, "b h r v"], *, decays: bool
-) -> tuple[Array, Array]:
-    """`step` of a WY chunk: the state leaving the chunk and its outputs `(B, C, HV, V)`;
-    its three products with the state under `state_policy(f.precision, decays=decays)`
-    (without decay, compensated under `"bfloat16"`)."""
-    p = state_policy(f.precision, decays=decays)
-    s = f.u.shape[-2]
-    y = einsum("bhck,bhkv->bhcv", f.wq, h, precision=p)  # [w h; q' h]
-    v_new = f.u - y[..., :s, :]
-    o = y[..., s:, :] + einsum("bhcs,bhsv->bhcv", f.attn, v_new, precision=p)
-    write = einsum("bhks,bhsv->bhkv", f.k_decayed_t, v_new, precision=p)
-    return f.decayed(h) + write, jnp.swapaxes(o, 1, 2)  # the state in its own dtype
+class AbstractWYChunk(eqx.Module):
+    """The engine's chunk methods of a recurrence whose factors are `AbstractWYFactors`:
+    `step`, `chunk_map`, `compose` and `factor_cotangents`. A recurrence derives from it
+    before `AbstractRecurrence[Inputs, Factors, AffineMap]`, which it completes."""
 
+    def step(self, factors: AbstractWYFactors, h: Float[Array, "b h r v"]) -> tuple[Array, Array]:
+        """The state leaving the chunk and its outputs `(B, C, HV, V)`; the three products
+        with the state under the factors' `state_precision()`."""
+        f = factors
+        p = f.state_precision()
+        s = f.u.shape[-2]
+        y = einsum("bhck,bhkv->bhcv", f.wq, h, precision=p)  # [w h; q' h]
+        v_new = f.u - y[..., :s, :]
+        o = y[..., s:, :] + einsum("bhcs,bhsv->bhcv", f.attn, v_new, precision=p)
+        write = einsum("bhks,bhsv->bhkv", f.k_decayed_t, v_new, precision=p)
+        return f.decayed(h) + write, jnp.swapaxes(o, 1, 2)  # the state in its own dtype
 
-def wy_chunk_map(f: AbstractWYFactors) -> AffineMap:
-    """`chunk_map` of a WY chunk: `(D_C - k~^T w, k~^T u)`, at `Precision.HIGHEST` under
-    every policy (under context parallelism the maps carry the state across ranks)."""
-    rows = f.wq.shape[-1]
-    eye = lift(jnp.eye(rows, dtype=f.wq.dtype), f.k_decayed_t.ndim)
-    m = f.decayed(eye) - einsum("bhks,bhsj->bhkj", f.k_decayed_t, f.w)
-    return AffineMap(m, einsum("bhks,bhsv->bhkv", f.k_decayed_t, f.u))
+    def chunk_map(self, factors: AbstractWYFactors) -> AffineMap:
+        """`(D_C - k~^T w, k~^T u)`, at `Precision.HIGHEST` under every policy (under
+        context parallelism the maps carry the state across ranks)."""
+        f = factors
+        rows = f.wq.shape[-1]
+        eye = lift(jnp.eye(rows, dtype=f.wq.dtype), f.k_decayed_t.ndim)
+        m = f.decayed(eye) - einsum("bhks,bhsj->bhkj", f.k_decayed_t, f.w)
+        return AffineMap(m, einsum("bhks,bhsv->bhkv", f.k_decayed_t, f.u))
 
+    def compose(self, factors: AbstractWYFactors, running: AffineMap) -> AffineMap:
+        """`[M | U] <- D_C [M | U] + k~^T ([0 | u] - w [M | U])`: two products of
+        `R (R + V) s` multiply-adds per chunk instead of a dense `R^3` one."""
+        f = factors
+        rows = running.M.shape[-1]
+        mu = jnp.concatenate([running.M, running.U], axis=-1)
+        rhs = jnp.concatenate([jnp.zeros_like(f.w), f.u], axis=-1)
+        rhs = rhs - einsum("bhsk,bhkd->bhsd", f.w, mu)
+        mu = f.decayed(mu) + einsum("bhks,bhsd->bhkd", f.k_decayed_t, rhs)
+        return AffineMap(mu[..., :rows], mu[..., rows:])
 
-def wy_compose(f: AbstractWYFactors, running: AffineMap) -> AffineMap:
-    """`compose` of a WY chunk: `[M | U] <- D_C [M | U] + k~^T ([0 | u] - w [M | U])`, two
-    products of `R (R + V) s` multiply-adds per chunk instead of a dense `R^3` one."""
-    rows = running.M.shape[-1]
-    mu = jnp.concatenate([running.M, running.U], axis=-1)
-    rhs = jnp.concatenate([jnp.zeros_like(f.w), f.u], axis=-1)
-    rhs = rhs - einsum("bhsk,bhkd->bhsd", f.w, mu)
-    mu = f.decayed(mu) + einsum("bhks,bhsd->bhkd", f.k_decayed_t, rhs)
-    return AffineMap(mu[..., :rows], mu[..., rows:])
-
-
-def wy_factor_cotangents(
-    f: _Factors,
-    states: Float[Array, "n b h r v"],
-    d_next: Float[Array, "n b h r v"],
-    d_outputs: Float[Array, "n b c h v"],
-) -> _Factors:
-    """`factor_cotangents` of a WY chunk: `step`'s VJP in its factors as batched products
-    over a block's chunks. `v_new = u - w h` again, then `d v_new = k~ d_next + attn^T d o`,
-    `d[w; q'] = [-d v_new; d o] h^T`, `d attn = d o v_new^T`, `d k~^T = d_next v_new^T`,
-    and the decay's from the factors' own `cotangents`."""
-    p = f.precision
-    v_new = f.u - einsum("nbhsk,nbhkv->nbhsv", f.w, states, precision=p)
-    d_o = jnp.swapaxes(d_outputs, 2, 3)  # (N, B, HV, C, V)
-    d_v_new = einsum("nbhks,nbhkv->nbhsv", f.k_decayed_t, d_next, precision=p)
-    d_v_new = d_v_new + einsum("nbhcs,nbhcv->nbhsv", f.attn, d_o, precision=p)
-    d_y = jnp.concatenate([-d_v_new, d_o], axis=-2)
-    return f.cotangents(
-        wq=einsum("nbhcv,nbhkv->nbhck", d_y, states, precision=p),
-        u=d_v_new,
-        attn=einsum("nbhcv,nbhsv->nbhcs", d_o, v_new, precision=p),
-        k_decayed_t=einsum("nbhkv,nbhsv->nbhks", d_next, v_new, precision=p),
-        states=states,
-        d_next=d_next,
-    )
+    def factor_cotangents(
+        self,
+        factors: _Factors,
+        states: Float[Array, "n b h r v"],
+        d_next: Float[Array, "n b h r v"],
+        d_outputs: Float[Array, "n b c h v"],
+    ) -> _Factors:
+        """`step`'s VJP in its factors as batched products over a block's chunks: `v_new =
+        u - w h` again, then `d v_new = k~ d_next + attn^T d o`, `d[w; q'] = [-d v_new;
+        d o] h^T`, `d attn = d o v_new^T`, `d k~^T = d_next v_new^T`, and the decay's from
+        the factors' own `cotangents`."""
+        f = factors
+        p = f.precision
+        v_new = f.u - einsum("nbhsk,nbhkv->nbhsv", f.w, states, precision=p)
+        d_o = jnp.swapaxes(d_outputs, 2, 3)  # (N, B, HV, C, V)
+        d_v_new = einsum("nbhks,nbhkv->nbhsv", f.k_decayed_t, d_next, precision=p)
+        d_v_new = d_v_new + einsum("nbhcs,nbhcv->nbhsv", f.attn, d_o, precision=p)
+        d_y = jnp.concatenate([-d_v_new, d_o], axis=-2)
+        return f.cotangents(
+            wq=einsum("nbhcv,nbhkv->nbhck", d_y, states, precision=p),
+            u=d_v_new,
+            attn=einsum("nbhcv,nbhsv->nbhcs", d_o, v_new, precision=p),
+            k_decayed_t=einsum("nbhkv,nbhsv->nbhks", d_next, v_new, precision=p),
+            states=states,
+            d_next=d_next,
+        )
