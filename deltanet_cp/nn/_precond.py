@@ -3,7 +3,7 @@
 
 Their recurrence is a cascade of two runs of the engine: the preconditioner, gated linear
 attention with a one-row state `A: (H, K)` per key head, then the delta rule writing along
-the keys it preconditions (`deltanet_cp.recurrences._precond_functions`). So their state has
+the keys it preconditions (`deltanet_cp.recurrences._cascade`). So their state has
 three parts: the convolution's history, the main state and the preconditioner's; with
 `checkpoint_every` each run is wrapped in `Checkpointed` and both emit their states at the
 same boundaries, from the same pass.
