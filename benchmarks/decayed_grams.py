@@ -43,7 +43,7 @@ from _common import machine_line, paired_ratio, paired_times, print_table  # noq
 from _seqdepth import matmul_flops  # noqa: E402
 
 from deltanet_cp.chunkops import decayed_grams, einsum  # noqa: E402
-from deltanet_cp.chunkops._decays import _grams_vjp, _up, cumsum  # noqa: E402
+from deltanet_cp.chunkops._decays import cumsum, grams_vjp, shift_up  # noqa: E402
 
 
 def sub_chunks(x, y, g, s: int):
@@ -53,7 +53,7 @@ def sub_chunks(x, y, g, s: int):
     g = jnp.maximum(g, -1e4)  # a decay of exactly zero, finite sums
     gs = g.reshape(b, m, s, k)
     inside = cumsum(gs, -2)  # from the sub-chunk's first token to the row, inclusive
-    after = _up(cumsum(gs, -2, reverse=True))  # from after the column to the sub-chunk's end
+    after = shift_up(cumsum(gs, -2, reverse=True))  # from after the column to the sub-chunk's end
     totals = inside[:, :, -1, :]
     i, j, l_ = np.ogrid[:m, :m, :m]
     between = einsum("blk,ijl->bijk", totals, jnp.asarray((j < l_) & (l_ < i), g.dtype))
@@ -65,7 +65,7 @@ def sub_chunks(x, y, g, s: int):
         block = einsum("bipk,bjqk->bipjq", xs[:, r], cols.reshape(b, r * s, q, k))
         rows.append(jnp.pad(block, [(0, 0)] * 3 + [(0, c - r * s), (0, 0)]))
     off = jnp.stack(rows, 1).reshape(b, m, s, p, m, s, q)
-    diag = _grams_vjp(
+    diag = grams_vjp(
         x.reshape(b * m, s, p, k),
         y.reshape(b * m, s, q, k),
         gs.reshape(b * m, s, k),

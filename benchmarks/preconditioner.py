@@ -35,7 +35,7 @@ from _impls import _family_inputs  # noqa: E402
 
 import deltanet_cp as dcp  # noqa: E402
 from deltanet_cp.chunkops import l2norm  # noqa: E402
-from deltanet_cp.recurrences._precond_functions import squash, write_keys  # noqa: E402
+from deltanet_cp.recurrences._cascade import engine_stage, precondition, squash  # noqa: E402
 
 
 X, EPS = 1.5, 1e-6  # chunk_precond_kda's defaults
@@ -43,20 +43,19 @@ X, EPS = 1.5, 1e-6  # chunk_precond_kda's defaults
 
 def on_engine(k, g_atk, beta_atk):
     """The library's stage: the preconditioner on the engine, then the squash."""
-    keys, _ = write_keys(
+    keys, _, _ = precondition(
         k,
         g_atk,
         beta_atk,
         dtype=jnp.float32,
         use_qk_l2norm=True,
         initial_A_state=None,
-        cu_seqlens=None,
-        cp=None,
         chunk_size=64,
         precision="highest",
         x=X,
         eps=EPS,
         log_atk_scale=None,
+        stage=engine_stage(None, None, None),
     )
     return keys
 

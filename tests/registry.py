@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 import deltanet_cp as dcp
 from deltanet_cp._precision import accumulation_dtype
-from deltanet_cp.recurrences._precond_functions import write_keys
+from deltanet_cp.recurrences._cascade import engine_stage, precondition
 
 from .helpers import (
     delta_product_reference,
@@ -242,20 +242,21 @@ def _main_state_only(fn):
 
 
 def _precond_inputs(q, k, v, g_atk, g, beta_atk, beta, *, cu_seqlens=None, cp=None):
-    write_key, _ = write_keys(
+    write_key, _, _ = precondition(
         k,
         g_atk,
         beta_atk,
         dtype=accumulation_dtype(q, k, v, g_atk, g, beta_atk, beta),
         use_qk_l2norm=False,
         initial_A_state=None,
-        cu_seqlens=cu_seqlens,
-        cp=cp,
         chunk_size=16,
         precision="highest",
         x=1.5,
         eps=1e-6,
         log_atk_scale=None,
+        stage=engine_stage(cu_seqlens, cp, None),
+        cp=cp,
+        cu_seqlens=cu_seqlens,
     )
     return dcp.DeltaInputs(q, k, v, g, beta, write_key=write_key)
 

@@ -100,7 +100,7 @@ def cumulative_decays(
     if not per_channel:
         g = g[..., None]
     total = cumsum(g, -2)
-    after = _up(cumsum(g, -2, reverse=True))  # sum_{t > i}
+    after = shift_up(cumsum(g, -2, reverse=True))  # sum_{t > i}
     return jnp.exp(total), jnp.exp(after)
 
 
@@ -127,7 +127,7 @@ def exclusive_decays(
     """
     if not per_channel:
         g = g[..., None]
-    return jnp.exp(_down(cumsum(g, -2)))
+    return jnp.exp(shift_down(cumsum(g, -2)))
 
 
 def decay_matrix(g: Float[Array, "*batch c"], strict: bool = False) -> Float[Array, "*batch c c"]:
@@ -253,7 +253,7 @@ def decayed_grams(
         a = jnp.broadcast_to(a, (*batch, *a.shape[a.ndim - trailing :]))
         return a.reshape(size, *a.shape[a.ndim - trailing :])
 
-    out = _grams_vjp(
+    out = grams_vjp(
         flat(x, 3), flat(y, 3), flat(g, 2), strict, as_precision(precision) or "highest"
     )
     return out.reshape(*batch, *out.shape[1:])
@@ -293,18 +293,18 @@ def _level_decays(g: Array, groups: int) -> tuple[Array, Array]:
     `exp(sum_{t=j+1}^{m} g_t)` for the lower halves' rows `j` (`m` the group's midpoint),
     each `(..., groups, h, 1, K)` (to broadcast over the factors)."""
     lower, upper = _halves(g, groups, 1)
-    after = _up(cumsum(lower, -2, reverse=True))  # sum_{t > j} inside the lower half
+    after = shift_up(cumsum(lower, -2, reverse=True))  # sum_{t > j} inside the lower half
     return jnp.exp(cumsum(upper, -2))[..., None, :], jnp.exp(after)[..., None, :]
 
 
-def _up(x: Array) -> Array:
+def shift_up(x: Array) -> Array:
     """Rows of `x` `(..., n, K)` moved up by one, a zero row at the bottom."""
     return jnp.concatenate([x[..., 1:, :], jnp.zeros_like(x[..., :1, :])], -2)
 
 
-def _down(x: Array) -> Array:
-    """Rows of `x` `(..., n, K)` moved down by one, a zero row on top."""
-    return jnp.concatenate([jnp.zeros_like(x[..., :1, :]), x[..., :-1, :]], -2)
+def shift_down(x: Array, fill: float = 0.0) -> Array:
+    """Rows of `x` `(..., n, K)` moved down by one, a row of `fill` on top."""
+    return jnp.concatenate([jnp.full_like(x[..., :1, :], fill), x[..., :-1, :]], -2)
 
 
 def _pad_rows(x: Array, n: int, *axes: int) -> Array:
@@ -415,7 +415,7 @@ def _grams_bwd(strict, precision, res, ct):
         d_up = _small_sum(d_xs * xs, -2)  # d(sum_{m<t<=i} g_t)
         d_low = _small_sum(d_ys * ys, -2)  # d(sum_{j<t<=m} g_t)
         dg_up = cumsum(d_up, -2, reverse=True)  # sum over i >= t
-        dg_low = _down(cumsum(d_low, -2))  # sum over j < t
+        dg_low = shift_down(cumsum(d_low, -2))  # sum over j < t
         dx = dx + _sum_to(_unhalves(jnp.zeros_like(d_xs), d_xs * up, 2), x.shape)
         dy = dy + _sum_to(_unhalves(d_ys * low, jnp.zeros_like(d_ys), 2), y.shape)
         return dx, dy, dg + _unhalves(dg_low, dg_up, 1)
@@ -445,5 +445,5 @@ def _sum_to(x: Array, shape: tuple[int, ...]) -> Array:
     return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
-_grams_vjp = jax.custom_vjp(_grams, nondiff_argnums=(3, 4))
-_grams_vjp.defvjp(_grams_fwd, _grams_bwd)
+grams_vjp = jax.custom_vjp(_grams, nondiff_argnums=(3, 4))
+grams_vjp.defvjp(_grams_fwd, _grams_bwd)

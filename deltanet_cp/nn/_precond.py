@@ -3,7 +3,7 @@
 
 Their recurrence is a cascade of two runs of the engine: the preconditioner, gated linear
 attention with a one-row state `A: (H, K)` per key head, then the delta rule writing along
-the keys it preconditions (`deltanet_cp.recurrences._precond_functions`). So their state has
+the keys it preconditions (`deltanet_cp.recurrences._cascade`). So their state has
 three parts: the convolution's history, the main state and the preconditioner's; with
 `checkpoint_every` each run is wrapped in `Checkpointed` and both emit their states at the
 same boundaries, from the same pass.
@@ -19,18 +19,13 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._precision import accumulation_dtype, PrecisionName, resolve_precision
+from .._precision import PrecisionName
 from .._run import Memory
-from ..recurrences._delta_family import DeltaInputs
+from ..recurrences._cascade import as_squash_eps, as_squash_range, cascade
+from ..recurrences._delta_family import AbstractDeltaRule, DeltaInputs
 from ..recurrences._precond import (
     PrecondGatedDeltaRule,
     PrecondKimiDeltaRule,
-)
-from ..recurrences._precond_functions import (
-    as_squash_eps,
-    as_squash_range,
-    preconditioner,
-    squash,
 )
 from ._conv import CausalConv1d
 from ._delta_layer import (
@@ -157,31 +152,22 @@ class AbstractPrecondLayer(AbstractRecurrentLayer[PrecondLayerState]):
         `h0 = (main state, A)`: `(outputs, (main state, A), checkpoints)`, the
         checkpoints `(main (n, HV, K, V), A (n, H, K))` from the same boundaries."""
         assert isinstance(inputs, _PrecondInputs)
-        main, g_atk, beta_atk = inputs.main, inputs.g_atk, inputs.beta_atk
         h0, a0 = (None, None) if h0 is None else h0
-        arrays = (main.q, main.k, main.v, g_atk, main.g, beta_atk, main.beta)
-        precision = resolve_precision(self.precision, *arrays)
-        recurrence, precond_inputs, k_erase = preconditioner(
-            main.k,
-            g_atk,
-            beta_atk,
-            dtype=accumulation_dtype(*arrays),
-            use_qk_l2norm=True,
-            chunk_size=chunk_size,
-            precision=precision,
+        main = self._recurrence(chunk_size)
+        assert isinstance(main, AbstractDeltaRule)
+        o, h, a_final, saved = cascade(
+            main,
+            inputs.main,
+            inputs.g_atk,
+            inputs.beta_atk,
+            initial_state=h0,
+            initial_A_state=a0,
+            x=self.squash_x,
+            eps=self.squash_eps,
+            log_atk_scale=self.log_atk_scale,
+            stage=lambda rule, xs, h0: self._run(rule, xs, h0, every, cp, cu_seqlens),
         )
-        a0 = None if a0 is None else a0[:, None, :]  # the one-row state (H, 1, K)
-        a, a_final, a_saved = self._run(recurrence, precond_inputs, a0, every, cp, cu_seqlens)
-        write_key = squash(
-            k_erase, a, x=self.squash_x, eps=self.squash_eps, log_atk_scale=self.log_atk_scale
-        )
-        rule = dataclasses.replace(self._recurrence(chunk_size), precision=precision)
-        main = dataclasses.replace(main, write_key=write_key)
-        o, h, h_saved = self._run(rule, main, h0, every, cp, cu_seqlens)
-        saved = None
-        if h_saved is not None and a_saved is not None:
-            saved = (h_saved, a_saved[..., 0, :])
-        return o, (h, a_final[:, 0]), saved
+        return o, (h, a_final), saved
 
 
 class PrecondGatedDeltaNet(AbstractPrecondLayer):

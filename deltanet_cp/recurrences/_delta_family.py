@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._affine import AffineMap
-from .._precision import accumulation_dtype, PrecisionName, state_policy
+from .._precision import accumulation_dtype, PrecisionName, ProductPrecision, state_policy
 from .._recurrence import AbstractRecurrence
 from .._validate import check_step_sizes
 from ..chunkops import (
@@ -45,7 +45,6 @@ from ..chunkops import (
     decayed_grams,
     einsum,
     segment_sums,
-    unit_lower_solve,
 )
 from ._helpers import (
     check_arrays,
@@ -56,6 +55,7 @@ from ._helpers import (
     prologue,
     value_heads,
 )
+from ._wy import AbstractWYChunk, AbstractWYFactors, wy_solve
 
 
 # How a delta-rule recurrence decays its state: per head, per key channel, optionally per
@@ -97,7 +97,7 @@ class DeltaInputs(eqx.Module):
     write_key: Float[Array, "batch seq heads k"] | None = None
 
 
-class DeltaFactors(eqx.Module):
+class DeltaFactors(AbstractWYFactors):
     r"""The per-chunk quantities of a delta-rule recurrence that do not depend on the state.
 
     Every field has leading axes `(n_chunks, batch, value_heads)`. A chunk makes `s` delta
@@ -126,13 +126,25 @@ class DeltaFactors(eqx.Module):
     precision: PrecisionName = eqx.field(default="highest", static=True)
     decays: bool = eqx.field(default=True, static=True)
 
-    @property
-    def w(self) -> Float[Array, "*chunks b h s k"]:
-        """The WY factor $w$ (the first `s` rows of `wq`)."""
-        return self.wq[..., : self.u.shape[-2], :]
+    def state_precision(self) -> ProductPrecision:
+        return state_policy(self.precision, decays=self.decays)
+
+    def decayed(self, x: Array) -> Array:
+        return self.gamma[..., None] * x
+
+    def cotangents(self, wq, u, attn, k_decayed_t, states, d_next) -> "DeltaFactors":
+        return type(self)(
+            wq=wq,
+            u=u,
+            attn=attn,
+            k_decayed_t=k_decayed_t,
+            gamma=decay_cotangent(d_next, states),
+            precision=self.precision,
+            decays=self.decays,
+        )
 
 
-class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]):
+class AbstractDeltaRule(AbstractWYChunk, AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]):
     """The delta-rule family: a delta update per step, with or without decay.
 
     Final subclasses hold the fields `chunk_size`, `scale`, `use_qk_l2norm` and `precision`, and say
@@ -228,64 +240,6 @@ class AbstractDeltaRule(AbstractRecurrence[DeltaInputs, DeltaFactors, AffineMap]
             chunk_major(q), k, v, g, beta, write, rows=rows, precision=precision, k_write=k_write
         )
 
-    def step(self, factors: DeltaFactors, h: Float[Array, "b h k v"]) -> tuple[Array, Array]:
-        f = factors
-        p = state_policy(f.precision, decays=f.decays)
-        s = f.u.shape[-2]
-        y = einsum("bhck,bhkv->bhcv", f.wq, h, precision=p)  # [w h; q_g h]
-        v_new = f.u - y[..., :s, :]
-        o = y[..., s:, :] + einsum("bhcs,bhsv->bhcv", f.attn, v_new, precision=p)
-        o = jnp.swapaxes(o, 1, 2)  # (B, C, HV, V)
-        write = einsum("bhks,bhsv->bhkv", f.k_decayed_t, v_new, precision=p)
-        return f.gamma[..., None] * h + write, o  # the state accumulates in its own dtype
-
-    def chunk_map(self, factors: DeltaFactors) -> AffineMap:
-        # The maps and their composition at Precision.HIGHEST under every policy: under
-        # context parallelism they carry the state across ranks.
-        f = factors
-        dk = f.wq.shape[-1]
-        eye = lift(jnp.eye(dk, dtype=f.wq.dtype), f.gamma.ndim + 1)
-        m = f.gamma[..., None] * eye - einsum("bhks,bhsj->bhkj", f.k_decayed_t, f.w)
-        return AffineMap(m, einsum("bhks,bhsv->bhkv", f.k_decayed_t, f.u))
-
-    def compose(self, factors: DeltaFactors, running: AffineMap) -> AffineMap:
-        # [M | U] <- diag(gamma) [M | U] + k~^T ([0 | u] - w [M | U]): 2 K (K + V) s
-        # multiply-adds per chunk in two products, instead of a dense K^3 one.
-        f = factors
-        dk = running.M.shape[-1]
-        mu = jnp.concatenate([running.M, running.U], axis=-1)
-        rhs = jnp.concatenate([jnp.zeros_like(f.w), f.u], axis=-1)
-        rhs = rhs - einsum("bhsk,bhkd->bhsd", f.w, mu)
-        mu = f.gamma[..., None] * mu + einsum("bhks,bhsd->bhkd", f.k_decayed_t, rhs)
-        return AffineMap(mu[..., :dk], mu[..., dk:])
-
-    def factor_cotangents(
-        self,
-        factors: DeltaFactors,
-        states: Float[Array, "n b h k v"],
-        d_next: Float[Array, "n b h k v"],
-        d_outputs: Float[Array, "n b c h v"],
-    ) -> DeltaFactors:
-        # `step`'s VJP in its factors as batched products over the block's chunks: v_new =
-        # u - w h again, then d v_new = k~ d_next + attn^T d o, d[w; q_g] = [-d v_new; d o] h^T,
-        # d attn = d o v_new^T, d k~^T = d_next v_new^T.
-        f = factors
-        p = f.precision
-        v_new = f.u - einsum("nbhsk,nbhkv->nbhsv", f.w, states, precision=p)
-        d_o = jnp.swapaxes(d_outputs, 2, 3)  # (N, B, HV, C, V)
-        d_v_new = einsum("nbhks,nbhkv->nbhsv", f.k_decayed_t, d_next, precision=p)
-        d_v_new = d_v_new + einsum("nbhcs,nbhcv->nbhsv", f.attn, d_o, precision=p)
-        d_y = jnp.concatenate([-d_v_new, d_o], axis=-2)
-        return DeltaFactors(
-            wq=einsum("nbhcv,nbhkv->nbhck", d_y, states, precision=p),
-            u=d_v_new,
-            attn=einsum("nbhcv,nbhsv->nbhcs", d_o, v_new, precision=p),
-            k_decayed_t=einsum("nbhkv,nbhsv->nbhks", d_next, v_new, precision=p),
-            gamma=decay_cotangent(d_next, states),
-            precision=p,
-            decays=f.decays,
-        )
-
     def finalize(self, outputs: Float[Array, "b t h v"], inputs: DeltaInputs) -> Array:
         return outputs.astype(inputs.v.dtype)
 
@@ -349,9 +303,8 @@ def _factors(
             k_decayed = kwr * decay[..., -1, :, None]  # k^ e^{G_C - G_i}
             bk = (beta * decay_in)[..., None] * kr
             gamma = jnp.broadcast_to(decay_in[..., -1:], (*lead, dk))
-    rhs = jnp.concatenate([bk, _gated(v, write)], axis=-1)  # (N B H, r, S, K + V)
-    wu = unit_lower_solve(a, rhs, precision)
     q_decayed = jnp.broadcast_to(q_decayed, (*lead, *q_decayed.shape[-2:]))
+    wq, u = wy_solve(a, bk, _gated(v, write), q_decayed, precision)  # (N B H, r, ., .)
     attn = jnp.broadcast_to(attn, (*lead, *attn.shape[-2:]))
     k_decayed = jnp.broadcast_to(k_decayed, (*lead, s, dk))
 
@@ -359,8 +312,8 @@ def _factors(
         return value_heads(x, n, b)
 
     return DeltaFactors(
-        wq=heads(jnp.concatenate([wu[..., :dk], q_decayed], axis=-2)),
-        u=heads(wu[..., dk:]),
+        wq=heads(wq),
+        u=heads(u),
         attn=heads(attn),
         k_decayed_t=heads(jnp.swapaxes(k_decayed, -1, -2)),
         gamma=heads(gamma),

@@ -37,6 +37,7 @@ from .._precision import accumulation_dtype, as_precision, PrecisionName
 from .._recurrence import AbstractRecurrence
 from .._validate import as_chunk_size, as_scale
 from ..chunkops import chunk_major, cumulative_decays, decayed_grams, einsum, unit_lower_inverse
+from ..chunkops._decays import shift_down
 from ._helpers import (
     check_arrays,
     decay_cotangent,
@@ -161,9 +162,9 @@ class DPLRDeltaRule(AbstractRecurrence[DPLRInputs, DPLRFactors, AffineMap]):
         a_next = jnp.concatenate([a[..., 1:, :], jnp.zeros_like(a[..., :1, :])], -2)
         grams = decayed_grams(jnp.stack([q, a_next], -2), jnp.stack([k, bb], -2), g, False, p)
         a_qk, a_qb = grams[..., :, 0, :, 0], grams[..., :, 0, :, 1]
-        a_ak, a_ab = _down(grams[..., :, 1, :, 0]), _down(grams[..., :, 1, :, 1])
+        a_ak, a_ab = shift_down(grams[..., :, 1, :, 0]), shift_down(grams[..., :, 1, :, 1])
         t = unit_lower_inverse(-a_ab)  # at Precision.HIGHEST under every policy
-        a_in = a * _down(decay_in, fill=1.0)
+        a_in = a * shift_down(decay_in, fill=1.0)
         w = einsum("...ij,...jk->...ik", t, a_in, precision=p)  # T (a e^{G_{i-1}})
         t_ak = einsum("...ij,...jl->...il", t, a_ak, precision=p)  # the reads: T A_ak v + w h
         a_qb_w = einsum("...ij,...jk->...ik", a_qb, w, precision=p)
@@ -238,8 +239,3 @@ class DPLRDeltaRule(AbstractRecurrence[DPLRInputs, DPLRFactors, AffineMap]):
 
     def finalize(self, outputs: Float[Array, "b t h v"], inputs: DPLRInputs) -> Array:
         return outputs.astype(inputs.v.dtype)
-
-
-def _down(x: Array, fill: float = 0.0) -> Array:
-    """Rows of `x` `(..., C, D)` shifted down by one, a row of `fill` on top."""
-    return jnp.concatenate([jnp.full_like(x[..., :1, :], fill), x[..., :-1, :]], -2)

@@ -49,9 +49,10 @@ from ..chunkops import (
     einsum,
     exclusive_decays,
     l2norm,
-    unit_lower_solve,
 )
-from ._helpers import check_arrays, flat_heads, lift, policy, prologue, value_heads
+from ..chunkops._decays import shift_down
+from ._helpers import check_arrays, flat_heads, policy, prologue, value_heads
+from ._wy import AbstractWYChunk, AbstractWYFactors, wy_solve
 
 
 class MomentumInputs(eqx.Module):
@@ -79,7 +80,7 @@ class MomentumInputs(eqx.Module):
     eta: Float[Array, "batch seq vheads"]
 
 
-class MomentumFactors(eqx.Module):
+class MomentumFactors(AbstractWYFactors):
     r"""The per-chunk quantities of the momentum delta rule that do not depend on the state.
 
     Every field has leading axes `(n_chunks, batch, value_heads)`; `C` is the chunk size
@@ -104,17 +105,34 @@ class MomentumFactors(eqx.Module):
     decay: Float[Array, "n b h 3"]
     precision: PrecisionName = eqx.field(default="highest", static=True)
 
-    @property
-    def w(self) -> Float[Array, "*chunks b h c kk"]:
-        """The WY factor $w$ (the first `C` rows of `wq`)."""
-        return self.wq[..., : self.u.shape[-2], :]
+    def decayed(self, x: Array) -> Array:
+        return _decayed(self.decay, x)
+
+    def cotangents(self, wq, u, attn, k_decayed_t, states, d_next) -> "MomentumFactors":
+        # The decay's three scalars from D_C h = [A h_S + B h_M; mu h_M].
+        dk = states.shape[-2] // 2
+        h_s, h_m = states[..., :dk, :], states[..., dk:, :]
+        d_s, d_m = d_next[..., :dk, :], d_next[..., dk:, :]
+        d_decay = jnp.stack(
+            [
+                jnp.sum(d_s * h_s, axis=(-2, -1)),
+                jnp.sum(d_s * h_m, axis=(-2, -1)),
+                jnp.sum(d_m * h_m, axis=(-2, -1)),
+            ],
+            axis=-1,
+        )
+        return type(self)(
+            wq=wq, u=u, attn=attn, k_decayed_t=k_decayed_t, decay=d_decay, precision=self.precision
+        )
 
 
 def _as_p_times_alpha(value: object) -> bool:
     return as_flag(value, "use_p_times_alpha")
 
 
-class MomentumDeltaRule(AbstractRecurrence[MomentumInputs, MomentumFactors, AffineMap]):
+class MomentumDeltaRule(
+    AbstractWYChunk, AbstractRecurrence[MomentumInputs, MomentumFactors, AffineMap]
+):
     """The momentum delta rule: a memory and a momentum, one `(B, HV, 2K, V)` state.
 
     A static configuration; the inputs are a [`deltanet_cp.MomentumInputs`][], handed to
@@ -190,14 +208,12 @@ class MomentumDeltaRule(AbstractRecurrence[MomentumInputs, MomentumFactors, Affi
             read_s, read_m = a_before, b_before
         pk = einsum("...ik,...jk->...ij", p, k, precision=prec)  # (N B H, 1, C, C)
         qk = einsum("...ik,...jk->...ij", q, k, precision=prec)
-        sigma_before = _down(sigma)  # Sigma_{t-1, j}: strictly lower
+        sigma_before = shift_down(sigma)  # Sigma_{t-1, j}: strictly lower
         a = read[..., :, None] * sigma_before * eta[..., None, :] * pk
         attn = sigma * eta[..., None, :] * qk
-        rhs = jnp.concatenate(
-            [read_s[..., None] * p, read_m[..., None] * p, v], axis=-1
-        )  # (N B H, r, C, 2K + V)
-        wu = unit_lower_solve(a, rhs, prec)
+        reads = jnp.concatenate([read_s[..., None] * p, read_m[..., None] * p], axis=-1)
         q_state = jnp.concatenate([a_in[..., None] * q, b_in[..., None] * q], axis=-1)
+        wq, u = wy_solve(a, reads, v, q_state, prec)  # (N B H, r, ., .)
         write_s = (eta * sigma[..., -1, :])[..., None] * k  # k~ rows for S
         write_m = -(eta * pm[..., -1, :])[..., None] * k  # and for M
         k_out = jnp.concatenate([write_s, write_m], axis=-1)  # (N B H, r, C, 2K)
@@ -207,78 +223,11 @@ class MomentumDeltaRule(AbstractRecurrence[MomentumInputs, MomentumFactors, Affi
             return value_heads(x, n, b)
 
         return MomentumFactors(
-            wq=heads(jnp.concatenate([wu[..., : 2 * dk], q_state], axis=-2)),
-            u=heads(wu[..., 2 * dk :]),
+            wq=heads(wq),
+            u=heads(u),
             attn=heads(attn),
             k_decayed_t=heads(jnp.swapaxes(k_out, -1, -2)),
             decay=heads(decay),
-            precision=prec,
-        )
-
-    def step(self, factors: MomentumFactors, h: Float[Array, "b h kk v"]) -> tuple[Array, Array]:
-        f = factors
-        prec = f.precision
-        c = f.u.shape[-2]
-        y = einsum("bhck,bhkv->bhcv", f.wq, h, precision=prec)  # [w h; [A q | B q] h]
-        v_new = f.u - y[..., :c, :]
-        o = y[..., c:, :] + einsum("bhcs,bhsv->bhcv", f.attn, v_new, precision=prec)
-        write = einsum("bhks,bhsv->bhkv", f.k_decayed_t, v_new, precision=prec)
-        return _decayed(f.decay, h) + write, jnp.swapaxes(o, 1, 2)  # o: (B, C, HV, V)
-
-    def chunk_map(self, factors: MomentumFactors) -> AffineMap:
-        # The maps and their composition at Precision.HIGHEST under every policy.
-        f = factors
-        kk = f.wq.shape[-1]
-        eye = lift(jnp.eye(kk, dtype=f.wq.dtype), f.decay.ndim + 1)
-        eye = jnp.broadcast_to(eye, (*f.decay.shape[:-1], kk, kk))
-        m = _decayed(f.decay, eye) - einsum("bhks,bhsj->bhkj", f.k_decayed_t, f.w)
-        return AffineMap(m, einsum("bhks,bhsv->bhkv", f.k_decayed_t, f.u))
-
-    def compose(self, factors: MomentumFactors, running: AffineMap) -> AffineMap:
-        # [M | U] <- D_C [M | U] + k~^T ([0 | u] - w [M | U]): two products of 2K (2K + V) C
-        # multiply-adds and a block-scalar combination per chunk, never a dense (2K)^3 one.
-        f = factors
-        kk = running.M.shape[-1]
-        mu = jnp.concatenate([running.M, running.U], axis=-1)
-        rhs = jnp.concatenate([jnp.zeros_like(f.w), f.u], axis=-1)
-        rhs = rhs - einsum("bhsk,bhkd->bhsd", f.w, mu)
-        mu = _decayed(f.decay, mu) + einsum("bhks,bhsd->bhkd", f.k_decayed_t, rhs)
-        return AffineMap(mu[..., :kk], mu[..., kk:])
-
-    def factor_cotangents(
-        self,
-        factors: MomentumFactors,
-        states: Float[Array, "n b h kk v"],
-        d_next: Float[Array, "n b h kk v"],
-        d_outputs: Float[Array, "n b c h v"],
-    ) -> MomentumFactors:
-        # `step`'s VJP in its factors, batched over the block's chunks: v_new = u - w h again,
-        # d v_new = k~ d_next + attn^T d o, d[w; q'] = [-d v_new; d o] h^T, d attn = d o
-        # v_new^T, d k~^T = d_next v_new^T, and the decay's three scalars from D_C h.
-        f = factors
-        prec = f.precision
-        dk = states.shape[-2] // 2
-        v_new = f.u - einsum("nbhsk,nbhkv->nbhsv", f.w, states, precision=prec)
-        d_o = jnp.swapaxes(d_outputs, 2, 3)  # (N, B, HV, C, V)
-        d_v_new = einsum("nbhks,nbhkv->nbhsv", f.k_decayed_t, d_next, precision=prec)
-        d_v_new = d_v_new + einsum("nbhcs,nbhcv->nbhsv", f.attn, d_o, precision=prec)
-        d_y = jnp.concatenate([-d_v_new, d_o], axis=-2)
-        h_s, h_m = states[..., :dk, :], states[..., dk:, :]
-        d_s, d_m = d_next[..., :dk, :], d_next[..., dk:, :]
-        d_decay = jnp.stack(
-            [
-                jnp.sum(d_s * h_s, axis=(-2, -1)),
-                jnp.sum(d_s * h_m, axis=(-2, -1)),
-                jnp.sum(d_m * h_m, axis=(-2, -1)),
-            ],
-            axis=-1,
-        )
-        return MomentumFactors(
-            wq=einsum("nbhcv,nbhkv->nbhck", d_y, states, precision=prec),
-            u=d_v_new,
-            attn=einsum("nbhcv,nbhsv->nbhcs", d_o, v_new, precision=prec),
-            k_decayed_t=einsum("nbhkv,nbhsv->nbhks", d_next, v_new, precision=prec),
-            decay=d_decay,
             precision=prec,
         )
 
@@ -302,7 +251,7 @@ def _momentum_decays(la: Array, lm: Array, beta: Array) -> tuple[Array, ...]:
     mu_in = cumulative_decays(lm, per_channel=False)[0][..., 0]
     b_in = -einsum("...ti,...i->...t", pa_beta, mu_in)  # B_t
     a_before = exclusive_decays(la, per_channel=False)[..., 0]  # A_{t-1}
-    b_before = _down(b_in[..., None])[..., 0]  # B_{t-1}
+    b_before = shift_down(b_in[..., None])[..., 0]  # B_{t-1}
     return pm, sigma, a_in, b_in, mu_in, a_before, b_before
 
 
@@ -313,8 +262,3 @@ def _decayed(decay: Array, x: Array) -> Array:
     x_s, x_m = x[..., :dk, :], x[..., dk:, :]
     a, b, mu = (decay[..., i, None, None] for i in range(3))
     return jnp.concatenate([a * x_s + b * x_m, mu * x_m], axis=-2)
-
-
-def _down(x: Array) -> Array:
-    """Rows of `x` `(..., C, D)` shifted down by one, a row of zeros on top."""
-    return jnp.concatenate([jnp.zeros_like(x[..., :1, :]), x[..., :-1, :]], -2)

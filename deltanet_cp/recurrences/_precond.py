@@ -1,7 +1,7 @@
 """The main stage of the preconditioned delta rules: a delta rule that erases along the key
 `k` and writes along a key of its own, `k^` (flash-linear-attention's
 `precond_gated_delta_rule` and `precond_kda`, whose `k^ = k * m` comes from a diagonal
-preconditioner; see `_precond_functions.py`).
+preconditioner; see `_cascade.py`).
 
 One token, per value head, with `g_t` a log decay per head (Gated DeltaNet) or per key
 channel (KDA):

@@ -1,131 +1,33 @@
 r"""The preconditioned delta rules (flash-linear-attention's `precond_gated_delta_rule` and
-`precond_kda`): a cascade of two recurrences on the engine.
+`precond_kda`): a cascade of two recurrences on the engine (`_cascade.py`), behind the
+public functions' argument checks.
 
-Per token, first a diagonal preconditioner per key head (`A: (B, H, K)`, shared by the
-value heads that read the key head), then a squash of it into a write-key scale:
-
-    A   <- exp(g_atk_t) A + beta_atk_t k_t^2                  (elementwise over K)
-    r   =  log(A + eps) - log_atk_scale,   s = r / (1 + |r|)
-    k^_t = k_t * exp(-log(x) s)                                (a scale in (1/x, x))
-
-then the main recurrence per value head, a delta rule erasing along `k` and writing along
-`k^` ([`deltanet_cp.PrecondGatedDeltaRule`][] / [`deltanet_cp.PrecondKimiDeltaRule`][]).
-
-The preconditioner is a linear recurrence whose per-token output is its state: gated linear
-attention with a one-row state, `A` as a `(1, K)` state with key `1`, value
-`beta_atk * k^2`, query `1` and decay `g_atk`. So it runs on the engine as
-[`deltanet_cp.GLARule`][]: its chunks are diagonal maps (`1 + K` numbers per
-key head cross the ranks), its within-chunk sums are the exact segment-sum decays, and its
-VJP is the engine's. The squash is elementwise; the main stage then runs on the engine from
-the preconditioned keys. Context parallelism, packed documents and gradients go through
-both runs.
+Both stages, the preconditioner per key head and the main delta rule per value head
+([`deltanet_cp.PrecondGatedDeltaRule`][] / [`deltanet_cp.PrecondKimiDeltaRule`][])
+writing along the keys it preconditions, run on the engine: context parallelism, packed
+documents and gradients go through both runs.
 """
 
-import math
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import Tracer
 from jaxtyping import Array, Float
 
 from .._custom_types import CuSeqlens, GateTensor, KeyGateTensor, QKTensor, States, ValueTensor
-from .._mesh import mesh_to_run_on
 from .._parallel import ContextParallel
-from .._precision import accumulation_dtype, as_precision, PrecisionName, resolve_precision
-from .._run import Memory, run
+from .._precision import accumulation_dtype, as_precision, PrecisionName
+from .._run import Memory
 from .._validate import check_log_decay, check_range, check_step_sizes
-from ..chunkops import l2norm
+from ._cascade import cascade, Center, check_squash, engine_stage
 from ._delta_family import AbstractDeltaRule, DeltaInputs
-from ._gla import GLAInputs, GLARule
 from ._helpers import check_arrays
 from ._precond import PrecondGatedDeltaRule, PrecondKimiDeltaRule
 
 
-# A gate per token and key head (the preconditioner's), its state per key head, its centre.
+# A gate per token and key head (the preconditioner's), its state per key head.
 KeyHeadGate: TypeAlias = Float[Array, "batch seq heads"]
 AStates: TypeAlias = Float[Array, "batch_or_docs heads k"]
-Center: TypeAlias = float | Float[Array, " heads"] | Float[Array, ""] | None
-
-
-def _as_positive_float(value: Any, name: str, *, low: float, strict: bool) -> float:
-    if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
-        raise TypeError(f"`{name}` must be a Python float; got {value!r}.")
-    try:
-        number = float(value)
-    except Exception:
-        raise TypeError(
-            f"`{name}` must be a Python float known when tracing; got {value!r}. Pass it as a "
-            "static argument (close over it) instead of a jit argument."
-        ) from None
-    if not math.isfinite(number) or number < low or (strict and number == low):
-        bound = f"> {low}" if strict else f">= {low}"
-        raise ValueError(f"`{name}` must be a finite float {bound}; got {number}.")
-    return number
-
-
-# float32's smallest normal number: a smaller `eps` is flushed to zero there (log(0 + eps)).
-_TINY = float(np.finfo(np.float32).tiny)
-_HUGE = float(np.finfo(np.float32).max)
-
-
-def as_squash_range(x: Any, name: str = "x") -> float:
-    """`x`, the squash's range, as a Python float >= 1; else a `TypeError` or `ValueError`
-    naming it `name`."""
-    return _as_positive_float(x, name, low=1.0, strict=False)
-
-
-def as_squash_eps(eps: Any, name: str = "eps") -> float:
-    """`eps`, added to the preconditioner's state before the log, as a Python float within
-    float32's normal range; else a `TypeError` or `ValueError` naming it `name`."""
-    eps = _as_positive_float(eps, name, low=0.0, strict=True)
-    if not _TINY <= eps <= _HUGE:
-        raise ValueError(
-            f"`{name}` must be between float32's smallest normal number ({_TINY:.6g}) and its "
-            f"largest ({_HUGE:.6g}): a smaller one is flushed to zero there, and log(A + eps) "
-            f"is -inf where the preconditioner's state A is 0; got {eps!r}."
-        )
-    return eps
-
-
-def _check_finite_center(log_atk_scale: Any, dtype: Any) -> None:
-    """A `ValueError` if the centre, where it is concrete, is not finite in `dtype`."""
-    if isinstance(log_atk_scale, Tracer):
-        return  # traced (a differentiated centre, say): not checked
-    with np.errstate(over="ignore", invalid="ignore"):
-        values = np.asarray(log_atk_scale).astype(np.dtype(dtype))
-    if not np.all(np.isfinite(values)):
-        raise ValueError(
-            f"`log_atk_scale` must be finite (in the computation's {np.dtype(dtype).name}); "
-            f"got {log_atk_scale!r}. It is the squash's centre in log space: a value near "
-            "the log of the preconditioner's typical state (default -0.2)."
-        )
-
-
-def _center(log_atk_scale: Center, heads: int, dtype: Any) -> Array:
-    """The squash's centre as an array that broadcasts against `(B, T, H, K)`."""
-    if log_atk_scale is None:
-        return jnp.asarray(-0.2, dtype)
-    if isinstance(log_atk_scale, (int, float)) and not isinstance(log_atk_scale, bool):
-        _check_finite_center(log_atk_scale, dtype)
-        return jnp.asarray(log_atk_scale, dtype)
-    shape = getattr(log_atk_scale, "shape", None)
-    dt = getattr(log_atk_scale, "dtype", None)
-    if shape is None or dt is None or not jnp.issubdtype(dt, jnp.floating):
-        raise ValueError(
-            "`log_atk_scale` must be None, a float, or a floating-point array of shape "
-            f"(H,) = ({heads},), one centre per key head; got {log_atk_scale!r}."
-        )
-    _check_finite_center(log_atk_scale, dtype)
-    if tuple(shape) == ():
-        return jnp.asarray(log_atk_scale, dtype)
-    if tuple(shape) != (heads,):
-        raise ValueError(
-            "`log_atk_scale` must be a float or an array of shape (H,) = "
-            f"({heads},), one centre per key head; got shape {tuple(shape)}."
-        )
-    return jnp.asarray(log_atk_scale, dtype).reshape(1, 1, heads, 1)
 
 
 def _precond(
@@ -196,151 +98,23 @@ def _precond(
                 f"`initial_A_state` must have shape ({what}, H, K) = {(lead, heads, dk)} "
                 f"(one preconditioner state per key head); got {tuple(shape)}."
             )
-    inputs = (q, k, v, g_atk, g, beta_atk, beta)
-    precision = resolve_precision(main.precision, *inputs)
-    write_key, a_final = write_keys(
-        k,
+    dtype = accumulation_dtype(q, k, v, g_atk, g, beta_atk, beta)
+    x, eps = check_squash(x, eps, log_atk_scale, heads, dtype)
+    o, final_state, a_final, _ = cascade(
+        main,
+        DeltaInputs(q, k, v, g, beta),
         g_atk,
         beta_atk,
-        dtype=accumulation_dtype(*inputs),
-        use_qk_l2norm=main.use_qk_l2norm,
+        initial_state=initial_state,
         initial_A_state=initial_A_state,
-        cu_seqlens=cu_seqlens,
-        cp=cp,
-        chunk_size=main.chunk_size,
-        precision=precision,
         x=x,
         eps=eps,
         log_atk_scale=log_atk_scale,
-        memory=memory,
-    )
-    # Stage 2: the delta rule erasing along k and writing along the preconditioned key.
-    o, final_state = run(
-        _resolved(main, precision),
-        DeltaInputs(q, k, v, g, beta, write_key=write_key),
-        initial_state=initial_state,
-        cu_seqlens=cu_seqlens,
+        stage=engine_stage(cu_seqlens, cp, memory),
         cp=cp,
-        memory=memory,
+        cu_seqlens=cu_seqlens,
     )
     return o, final_state, a_final
-
-
-def write_keys(
-    k,
-    g_atk,
-    beta_atk,
-    *,
-    dtype: Any,
-    use_qk_l2norm: bool,
-    initial_A_state,
-    cu_seqlens,
-    cp,
-    chunk_size: int,
-    precision: PrecisionName,
-    x,
-    eps,
-    log_atk_scale,
-    memory=None,
-):
-    """The preconditioner on the engine and the squash: the write keys `(B, T, H, K)` in
-    `dtype` and the preconditioner's final state `(B, H, K)` (per document with
-    `cu_seqlens`). `k`, `g_atk`, `beta_atk` and `initial_A_state` checked by the caller."""
-    x, eps = as_squash_range(x), as_squash_eps(eps)
-    _center(log_atk_scale, k.shape[2], dtype)  # checked before the run
-    recurrence, inputs, k_erase = preconditioner(
-        k,
-        g_atk,
-        beta_atk,
-        dtype=dtype,
-        use_qk_l2norm=use_qk_l2norm,
-        chunk_size=chunk_size,
-        precision=precision,
-    )
-    a0 = None if initial_A_state is None else initial_A_state[..., None, :]
-    a, a_final = run(
-        recurrence, inputs, initial_state=a0, cu_seqlens=cu_seqlens, cp=cp, memory=memory
-    )
-    if cp is not None and cp.mesh is not None:
-        # Global arrays: the preconditioner's come back on the mesh the engine ran on
-        # (`cp.mesh`, or its `Auto` copy where the caller's arrays are not typed on it); the
-        # keys go there too before the two meet.
-        spec = jax.sharding.PartitionSpec(cp.batch_axis, cp.axis_name)
-        mesh = mesh_to_run_on(cp.mesh, k, g_atk, beta_atk, initial_A_state, cu_seqlens)
-        on_mesh = jax.sharding.NamedSharding(mesh, spec)
-        k_erase, a = jax.device_put(k_erase, on_mesh), jax.device_put(a, on_mesh)
-    return squash(k_erase, a, x=x, eps=eps, log_atk_scale=log_atk_scale), a_final[..., 0, :]
-
-
-def preconditioner(
-    k, g_atk, beta_atk, *, dtype: Any, use_qk_l2norm: bool, chunk_size: int, precision
-) -> tuple[GLARule, GLAInputs, Array]:
-    """The preconditioner as gated linear attention with a one-row state (key 1, value
-    `beta_atk k^2`, query 1, decay `g_atk`): `(recurrence, inputs, k_erase)`, its state
-    per key head `(1, K)` and its output per token the state after it, `(B, T, H, K)`;
-    `k_erase` the keys in `dtype` (L2-normalised with `use_qk_l2norm`), what the main stage
-    erases along and `squash` scales."""
-    k_erase = k.astype(dtype)
-    if use_qk_l2norm:
-        k_erase = l2norm(k_erase)  # what the main stage erases along: the same l2norm
-    ones = jnp.ones((*k.shape[:-1], 1), dtype)
-    recurrence = GLARule(chunk_size=chunk_size, scale=1.0, use_qk_l2norm=False, precision=precision)
-    inputs = GLAInputs(ones, ones, beta_atk.astype(dtype)[..., None] * k_erase**2, g_atk)
-    return recurrence, inputs, k_erase
-
-
-def squash(k_erase: Array, a: Array, *, x: float, eps: float, log_atk_scale: Center) -> Array:
-    """The write keys `(B, T, H, K)` from the erase keys and the preconditioner's state after
-    each token `a` (both `(B, T, H, K)`, in one dtype): `k_erase` times a scale in
-    `(1/x, x)` per key channel. `x` and `eps` checked by the caller (`as_squash_range`,
-    `as_squash_eps`)."""
-    dtype = k_erase.dtype
-    center = _center(log_atk_scale, k_erase.shape[2], dtype)
-    # Where the preconditioner's state is non-finite (a non-finite input at or before the
-    # token), the write key is NaN, which the main stage takes as a non-finite input; the
-    # squash itself is formed from a zero there, so that its VJP sends a zero, not NaN, back
-    # into the preconditioner's run (whose backward would carry a NaN cotangent to the
-    # tokens before).
-    finite = jnp.isfinite(a)
-    r = jnp.log(jnp.where(finite, a, 0) + jnp.asarray(eps, dtype)) - center
-    s = r / (1 + jnp.abs(r))
-    write_key = k_erase * jnp.exp(jnp.asarray(-math.log(x), dtype) * s)
-    return _finite_cotangent(jnp.where(finite, write_key, jnp.nan))
-
-
-@jax.custom_vjp
-def _finite_cotangent(write_key: Array) -> Array:
-    """`write_key` itself; its cotangent with non-finite entries read as zeros.
-
-    After a non-finite input the main stage's states are NaN from that token on (to the end
-    of its document), and so are the cotangents it sends to its inputs there, although no
-    finite output depends on them (a loss on the tokens before has a zero gradient there).
-    Within one run of the engine they stay at their own tokens; here they would reach the
-    preconditioner's run, whose reverse pass carries a cotangent to every earlier token.
-    """
-    return write_key
-
-
-def _finite_cotangent_fwd(write_key: Array) -> tuple[Array, None]:
-    return write_key, None
-
-
-def _finite_cotangent_bwd(_, cotangent: Array) -> tuple[Array]:
-    return (jnp.where(jnp.isfinite(cotangent), cotangent, jnp.zeros((), cotangent.dtype)),)
-
-
-_finite_cotangent.defvjp(_finite_cotangent_fwd, _finite_cotangent_bwd)
-
-
-def _resolved(main: AbstractDeltaRule, precision: PrecisionName) -> AbstractDeltaRule:
-    """`main` with its products' policy resolved from the public inputs (the main stage's
-    own inputs hold the float32 preconditioned keys beside possibly bfloat16 ones)."""
-    return type(main)(
-        chunk_size=main.chunk_size,
-        scale=main.scale,
-        use_qk_l2norm=main.use_qk_l2norm,
-        precision=precision,
-    )  # pyright: ignore[reportCallIssue]
 
 
 def chunk_precond_gated_delta_rule(
