@@ -37,6 +37,7 @@ from ._layout import (
     Walk as Walk,
     Zigzag as Zigzag,
 )
+from ._options import EngineOptions as EngineOptions
 from ._packing import (
     pack as pack,
     Segments as Segments,

@@ -13,7 +13,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from .._sharding import cotangent_like, varying
 from .._validate import as_positive_index
-from ._hybrid import SwiGLU
+from ._mlp import SwiGLU
 
 
 # The mesh axis (or axes) a layer's experts are split over inside `jax.shard_map`.
