@@ -73,6 +73,8 @@ class Qwen3_5ForCausalLM(_QwenForCausalLM[Qwen3_5Config]):
             float32 under every policy; the dense projections, MLPs, embedding and LM
             head multiply in the parameters' dtype at JAX's default precision. See
             [`deltanet_cp.nn.GatedDeltaNet`][] and [`deltanet_cp.nn.CausalSelfAttention`][].
+        - `options`: `chunk_size` (`None`: 64), `block_size`, `memory` and `precision` as
+            one [`deltanet_cp.EngineOptions`][] (then pass none of them loose).
         - `key`: a PRNG key for the (random) initial parameters.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
         """

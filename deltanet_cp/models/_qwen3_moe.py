@@ -53,7 +53,8 @@ class Qwen3NextForCausalLM(_QwenForCausalLM[Qwen3NextConfig]):
         """**Arguments:**
 
         - `config`: the sizes, a [`deltanet_cp.models.Qwen3NextConfig`][].
-        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`, `key`, `dtype`: as for
+        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`, `options`, `key`,
+            `dtype`: as for
             [`deltanet_cp.models.Qwen3_5ForCausalLM`][]'s `__init__` (the routers, the
             experts and the MLPs multiply in the parameters' dtype at JAX's default
             precision; the router's softmax runs in float32).
@@ -163,7 +164,8 @@ class Qwen3_5MoeForCausalLM(_QwenForCausalLM[Qwen3_5MoeConfig]):
         """**Arguments:**
 
         - `config`: the sizes, a [`deltanet_cp.models.Qwen3_5MoeConfig`][].
-        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`, `key`, `dtype`: as for
+        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`, `options`, `key`,
+            `dtype`: as for
             [`deltanet_cp.models.Qwen3_5ForCausalLM`][]'s `__init__` (the routers, the
             experts and the MLPs multiply in the parameters' dtype at JAX's default
             precision; the router's softmax runs in float32).

@@ -60,44 +60,48 @@ class Skeleton:
     gated norm per head and the output projection. A concrete layer's `__init__` makes one
     and takes its parts (in the order of its own PRNG keys); it builds only its gates.
 
-    ```python
-    s = Skeleton(dict(hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim),
-                 heads=("num_heads", "num_heads"), dims=("head_dim", "head_dim"),
-                 conv_kernel_size=conv_kernel_size, options=options, dtype=dtype)
+    ```python { .fragment }
+    sizes = dict(hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim)
+    s = Skeleton(sizes, heads="num_heads", dims="head_dim", options=options, dtype=dtype)
     self.in_proj_qkv, self.conv1d = s.qkv(k_qkv, k_conv)
     self.b_proj = s.linear(s.hidden_size, num_heads, k_b)
     self.norm, self.out_proj = s.norm(GatedRMSNorm, norm_eps), s.out_proj(k_out)
     ```
-
-    **Arguments:**
-
-    - `sizes`: the layer's sizes by argument name (`hidden_size` first), each checked to
-        be a positive int (a `TypeError` / `ValueError` naming it).
-    - `heads`, `dims`: the names in `sizes` of the query/key and value head counts `H`,
-        `HV` and head sizes `K`, `V` (`HV` a multiple of `H`, a `ValueError` otherwise).
-    - `conv_kernel_size`: the length of the causal convolution.
-    - `options`: the layer's [`deltanet_cp.EngineOptions`][] (see `engine_options`).
-    - `dtype`: the parameter dtype; the default floating dtype if `None`.
     """
 
     def __init__(
         self,
         sizes: dict[str, Any],
         *,
-        heads: tuple[str, str] = ("num_key_heads", "num_value_heads"),
-        dims: tuple[str, str] = ("key_head_dim", "value_head_dim"),
-        conv_kernel_size: Any,
-        options: EngineOptions,
-        dtype: Any,
+        heads: str | tuple[str, str] = ("num_key_heads", "num_value_heads"),
+        dims: str | tuple[str, str] = ("key_head_dim", "value_head_dim"),
+        conv_kernel_size: Any = 4,
+        options: EngineOptions | None = None,
+        dtype: Any = None,
     ):
+        """**Arguments:**
+
+        - `sizes`: the layer's sizes by argument name (`hidden_size` first), each checked
+            to be a positive int (a `TypeError` / `ValueError` naming it); checked, in
+            `sizes` (a dict in the same order).
+        - `heads`, `dims`: the names in `sizes` of the query/key and value head counts
+            `H`, `HV` and head sizes `K`, `V` (one name for both); `HV` must be a multiple
+            of `H` (a `ValueError` otherwise).
+        - `conv_kernel_size`: the length of the causal convolution.
+        - `options`: the layer's [`deltanet_cp.EngineOptions`][], in `options`; the
+            defaults if `None`.
+        - `dtype`: the parameter dtype, in `dtype`; the default floating dtype if `None`.
+        """
         self.sizes = check_sizes(**sizes, conv_kernel_size=conv_kernel_size)
         self.conv_kernel_size = self.sizes.pop("conv_kernel_size")
         self.hidden_size = self.sizes["hidden_size"]
+        heads = (heads, heads) if isinstance(heads, str) else heads
+        dims = (dims, dims) if isinstance(dims, str) else dims
         h, hv = (self.sizes[name] for name in heads)
         check_value_heads(hv, h)
         k, v = (self.sizes[name] for name in dims)
         self.key_dim, self.value_dim, self.value_head_dim = h * k, hv * v, v
-        self.options = options
+        self.options = EngineOptions() if options is None else options
         self.dtype = param_dtype(dtype)
 
     @property
@@ -273,6 +277,7 @@ class AbstractRecurrentLayer(AbstractEngineMixer, Generic[_State]):
     one recurrence (the preconditioned delta rules: the preconditioner's and the main one's).
     """
 
+    in_proj_qkv: eqx.AbstractVar[eqx.nn.Linear]
     conv1d: eqx.AbstractVar[CausalConv1d]
     # The gated norm per head, called as `norm(o, gate)`.
     norm: eqx.AbstractVar[Any]
@@ -289,10 +294,13 @@ class AbstractRecurrentLayer(AbstractEngineMixer, Generic[_State]):
         """The recurrence's part of `state`, as `_recur` takes it: `state.recurrent`."""
         return state.recurrent  # pyright: ignore[reportAttributeAccessIssue]
 
-    @abc.abstractmethod
     def _project(self, x: Array) -> tuple[Array, Any]:
         """`(mixed, rest)`: `concat(q, k, v)` before the convolution, `(seq, conv_dim)` in
-        the parameters' dtype, and whatever else `_split` needs from `x`."""
+        the parameters' dtype, and whatever else `_split` needs from `x`. By default
+        `in_proj_qkv`'s projection and `x` itself (in the parameters' dtype), from which
+        `_split` projects its gates."""
+        x = x.astype(self.in_proj_qkv.weight.dtype)
+        return jax.vmap(self.in_proj_qkv)(x), x
 
     @abc.abstractmethod
     def _split(self, mixed: Array, rest: Any) -> tuple[eqx.Module, Array]:

@@ -98,6 +98,8 @@ class DeltaNet(AbstractRecurrentLayer[RecurrentLayerState]):
             `"high"` (the `memory` of [`deltanet_cp.run`][]).
         - `precision`: how the recurrence's large products multiply, as for
             [`deltanet_cp.nn.GatedDeltaNet`][].
+        - `options`: `chunk_size` (`None`: 64), `block_size`, `memory` and `precision` as
+            one [`deltanet_cp.EngineOptions`][] (then pass none of them loose).
         - `key`: a PRNG key for the initial parameters: the Equinox/torch defaults for the
             linear layers and the convolution, the norm weight ones.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.

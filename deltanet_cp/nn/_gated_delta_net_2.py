@@ -113,6 +113,8 @@ class GatedDeltaNet2(AbstractRecurrentLayer[RecurrentLayerState]):
             `"high"` (the `memory` of [`deltanet_cp.run`][]).
         - `precision`: how the recurrence's large products multiply, as for
             [`deltanet_cp.nn.GatedDeltaNet`][].
+        - `options`: `chunk_size` (`None`: 64), `block_size`, `memory` and `precision` as
+            one [`deltanet_cp.EngineOptions`][] (then pass none of them loose).
         - `key`: a PRNG key for the initial parameters: the Equinox/torch defaults for the
             linear layers and the convolution, $A_{\log}$ and $\Delta_b$ as in
             flash-linear-attention (see [`deltanet_cp.nn.KimiDeltaAttention`][]), the norm

@@ -114,6 +114,8 @@ class GatedLinearAttention(AbstractRecurrentLayer[RecurrentLayerState]):
         - `precision`: how the recurrence's large products multiply, as for
             [`deltanet_cp.nn.GatedDeltaNet`][]: `"highest"`, `"bfloat16"`, `"default"`,
             or `None` (from the parameters' dtype).
+        - `options`: `chunk_size` (`None`: 64), `block_size`, `memory` and `precision` as
+            one [`deltanet_cp.EngineOptions`][] (then pass none of them loose).
         - `key`: a PRNG key for the initial parameters (the Equinox/torch defaults; the
             norm weight is ones).
         - `dtype`: the parameter dtype; the default floating dtype if `None`.

@@ -106,6 +106,8 @@ class KimiDeltaAttention(AbstractDeltaLayer[RecurrentLayerState]):
             [`deltanet_cp.nn.GatedDeltaNet`][]: `"highest"`, `"bfloat16"`, `"default"`,
             or `None` (from the parameters' dtype). The state, the gates and the norm stay
             float32 under every policy.
+        - `options`: `chunk_size` (`None`: 64), `block_size`, `memory` and `precision` as
+            one [`deltanet_cp.EngineOptions`][] (then pass none of them loose).
         - `key`: a PRNG key for the initial parameters. Linear layers and the convolution
             use the Equinox/torch defaults, $A_{\log} = \log U(1, 16)$ and $\Delta_b$ the
             inverse softplus of $e^{U(\log 10^{-3}, \log 10^{-1})}$ (flash-linear-attention's

@@ -294,6 +294,8 @@ class PrecondGatedDeltaNet(AbstractPrecondLayer):
             `"high"` (the `memory` of [`deltanet_cp.run`][]).
         - `precision`: how both runs' large products multiply, as for
             [`deltanet_cp.nn.GatedDeltaNet`][].
+        - `options`: `chunk_size` (`None`: 64), `block_size`, `memory` and `precision` as
+            one [`deltanet_cp.EngineOptions`][] (then pass none of them loose).
         - `key`: a PRNG key for the initial parameters: the Equinox/torch defaults for the
             linear layers and the convolution; $A_{\log}$ and $A^{atk}_{\log}$ as
             $\log U(1, 16)$ (where FLA draws from $U(0, 16)$), $\Delta_b$ and
@@ -451,6 +453,8 @@ class PrecondKimiDeltaAttention(AbstractPrecondLayer):
             runs).
         - `squash_x`, `squash_eps`, `log_atk_scale_init`: as for
             [`deltanet_cp.nn.PrecondGatedDeltaNet`][].
+        - `options`: `chunk_size` (`None`: 64), `block_size`, `memory` and `precision` as
+            one [`deltanet_cp.EngineOptions`][] (then pass none of them loose).
         - `key`: a PRNG key for the initial parameters: those of
             [`deltanet_cp.nn.KimiDeltaAttention`][], and for the preconditioner those of
             [`deltanet_cp.nn.PrecondGatedDeltaNet`][].

@@ -241,6 +241,8 @@ class RWKV7Attention(AbstractEngineMixer):
         - `precision`: how the recurrence's large products multiply, as for
             [`deltanet_cp.nn.GatedDeltaNet`][]: `"highest"`, `"bfloat16"`, `"default"`,
             or `None` (from the parameters' dtype).
+        - `options`: `chunk_size` (`None`: 64), `block_size`, `memory` and `precision` as
+            one [`deltanet_cp.EngineOptions`][] (then pass none of them loose).
         - `key`: a PRNG key for the initial parameters, drawn as flash-linear-attention's
             `RWKV7Attention` initialises them for `layer_idx` of `num_layers`: the shift
             weights $\mu_\ast = 1 - (i / \text{hidden})^{p_\ast (1 - \ell / L)}$, $k_k$,
