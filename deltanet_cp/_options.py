@@ -6,7 +6,8 @@ from typing import Any
 import equinox as eqx
 
 from ._precision import as_precision, PrecisionName
-from ._run import as_memory, Memory
+from ._recurrence import AbstractRecurrence
+from ._run import as_memory, Memory, run
 from ._validate import as_positive_index
 
 
@@ -54,6 +55,13 @@ class EngineOptions(eqx.Module):
     block_size: int | None = eqx.field(default=None, static=True, converter=_block_size)
     memory: Memory | None = eqx.field(default=None, static=True, converter=as_memory)
     precision: PrecisionName | None = eqx.field(default=None, static=True, converter=as_precision)
+
+    def run(self, recurrence: AbstractRecurrence, inputs: Any, **kwargs: Any) -> Any:
+        """[`deltanet_cp.run`][]`(recurrence, inputs, **kwargs)` with these options'
+        `block_size` and `memory`: how every layer runs its recurrence (made with these
+        options' `chunk_size` and `precision`), so that a new engine setting is read here.
+        """
+        return run(recurrence, inputs, block_size=self.block_size, memory=self.memory, **kwargs)
 
 
 def engine_options(

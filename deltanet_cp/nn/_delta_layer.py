@@ -18,7 +18,6 @@ from .._options import EngineOptions
 from .._parallel import ContextParallel
 from .._precision import accumulation_dtype
 from .._recurrence import AbstractRecurrence
-from .._run import run
 from .._validate import as_positive_index
 from ..recurrences._delta_family import DeltaInputs
 from ._checkpointed import Checkpointed, checkpoints
@@ -103,6 +102,35 @@ class Skeleton:
         self.key_dim, self.value_dim, self.value_head_dim = h * k, hv * v, v
         self.options = EngineOptions() if options is None else options
         self.dtype = param_dtype(dtype)
+
+    @classmethod
+    def grouped(
+        cls,
+        hidden_size: Any,
+        num_key_heads: Any,
+        num_value_heads: Any,
+        key_head_dim: Any,
+        value_head_dim: Any,
+        **kwargs: Any,
+    ) -> "Skeleton":
+        """The skeleton of a layer whose value heads are grouped over its key heads, its
+        sizes under these names; `kwargs` as for `__init__`, with `extra`: more sizes to
+        check (by name, after these)."""
+        sizes = dict(
+            hidden_size=hidden_size,
+            num_key_heads=num_key_heads,
+            num_value_heads=num_value_heads,
+            key_head_dim=key_head_dim,
+            value_head_dim=value_head_dim,
+            **kwargs.pop("extra", {}),
+        )
+        return cls(sizes, **kwargs)
+
+    def fill(self, layer: Any) -> None:
+        """Set the checked sizes and `options` as `layer`'s fields of the same names
+        (inside its `__init__`)."""
+        for name, value in {**self.sizes, "options": self.options}.items():
+            setattr(layer, name, value)
 
     @property
     def conv_dim(self) -> int:
@@ -373,14 +401,12 @@ class AbstractRecurrentLayer(AbstractEngineMixer, Generic[_State]):
         `None`."""
         if every is not None:
             recurrence = Checkpointed(inner=recurrence, chunk_size=every)
-        o, h = run(
+        o, h = self.options.run(
             recurrence,
             inputs,
             initial_state=None if h0 is None else h0[None],
             cu_seqlens=cu_seqlens,
             cp=cp,
-            block_size=self.block_size,
-            memory=self.memory,
         )
         if every is None:
             return o, h[0], None

@@ -131,17 +131,14 @@ class GatedDeltaNet(AbstractDeltaLayer[RecurrentLayerState]):
         is not positive (`block_size` may also be `None`) or if `num_value_heads` is not a
         multiple of `num_key_heads`.
         """
-        options = engine_options(options, chunk_size, block_size, memory, precision)
-        s = Skeleton(
-            dict(
-                hidden_size=hidden_size,
-                num_key_heads=num_key_heads,
-                num_value_heads=num_value_heads,
-                key_head_dim=key_head_dim,
-                value_head_dim=value_head_dim,
-            ),
+        s = Skeleton.grouped(
+            hidden_size,
+            num_key_heads,
+            num_value_heads,
+            key_head_dim,
+            value_head_dim,
             conv_kernel_size=conv_kernel_size,
-            options=options,
+            options=engine_options(options, chunk_size, block_size, memory, precision),
             dtype=dtype,
         )
         kqkv, kz, kb, ka, kconv, kA, kout = jr.split(key, 7)
@@ -154,12 +151,7 @@ class GatedDeltaNet(AbstractDeltaLayer[RecurrentLayerState]):
         self.dt_bias = jnp.ones((num_value_heads,), s.dtype)
         self.norm = s.norm(GatedRMSNorm, norm_eps)
         self.out_proj = s.out_proj(kout)
-        self.hidden_size = hidden_size
-        self.num_key_heads = num_key_heads
-        self.num_value_heads = num_value_heads
-        self.key_head_dim = key_head_dim
-        self.value_head_dim = value_head_dim
-        self.options = options
+        s.fill(self)
 
     @property
     def _recurrent_shape(self) -> tuple[int, int, int]:

@@ -126,17 +126,14 @@ class GatedDeltaNet2(AbstractRecurrentLayer[RecurrentLayerState]):
         `TypeError` if a size is not an int, `ValueError` if it is not positive or if
         `num_value_heads` is not a multiple of `num_key_heads`.
         """
-        options = engine_options(options, chunk_size, block_size, memory, precision)
-        s = Skeleton(
-            dict(
-                hidden_size=hidden_size,
-                num_key_heads=num_key_heads,
-                num_value_heads=num_value_heads,
-                key_head_dim=key_head_dim,
-                value_head_dim=value_head_dim,
-            ),
+        s = Skeleton.grouped(
+            hidden_size,
+            num_key_heads,
+            num_value_heads,
+            key_head_dim,
+            value_head_dim,
             conv_kernel_size=conv_kernel_size,
-            options=options,
+            options=engine_options(options, chunk_size, block_size, memory, precision),
             dtype=dtype,
         )
         keys = jr.split(key, 11)
@@ -153,13 +150,8 @@ class GatedDeltaNet2(AbstractRecurrentLayer[RecurrentLayerState]):
         self.g_b_proj = s.linear(value_head_dim, s.value_dim, keys[9], bias=True)
         self.norm = s.norm(SigmoidGatedRMSNorm, norm_eps)
         self.out_proj = s.out_proj(keys[10])
-        self.hidden_size = hidden_size
-        self.num_key_heads = num_key_heads
-        self.num_value_heads = num_value_heads
-        self.key_head_dim = key_head_dim
-        self.value_head_dim = value_head_dim
+        s.fill(self)
         self.allow_neg_eigval = bool(allow_neg_eigval)
-        self.options = options
 
     @property
     def _recurrent_shape(self) -> tuple[int, int, int]:

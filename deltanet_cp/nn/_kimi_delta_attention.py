@@ -119,13 +119,12 @@ class KimiDeltaAttention(AbstractDeltaLayer[RecurrentLayerState]):
         `TypeError` if a size is not an int, `ValueError` if it is not positive
         (`block_size` may also be `None`).
         """
-        options = engine_options(options, chunk_size, block_size, memory, precision)
         s = Skeleton(
             dict(hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim),
-            heads=("num_heads", "num_heads"),
-            dims=("head_dim", "head_dim"),
+            heads="num_heads",
+            dims="head_dim",
             conv_kernel_size=conv_kernel_size,
-            options=options,
+            options=engine_options(options, chunk_size, block_size, memory, precision),
             dtype=dtype,
         )
         keys = jr.split(key, 10)
@@ -141,10 +140,7 @@ class KimiDeltaAttention(AbstractDeltaLayer[RecurrentLayerState]):
         self.g_b_proj = s.linear(head_dim, s.value_dim, keys[8])
         self.norm = s.norm(SigmoidGatedRMSNorm, norm_eps)
         self.out_proj = s.out_proj(keys[9])
-        self.hidden_size = hidden_size
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.options = options
+        s.fill(self)
 
     @property
     def _recurrent_shape(self) -> tuple[int, int, int]:

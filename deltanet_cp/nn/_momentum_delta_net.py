@@ -148,17 +148,14 @@ class MomentumDeltaNet(AbstractRecurrentLayer[RecurrentLayerState]):
         `TypeError` if a size is not an int, `ValueError` if it is not positive or if
         `num_value_heads` is not a multiple of `num_key_heads`.
         """
-        options = engine_options(options, chunk_size, block_size, memory, precision)
-        s = Skeleton(
-            dict(
-                hidden_size=hidden_size,
-                num_key_heads=num_key_heads,
-                num_value_heads=num_value_heads,
-                key_head_dim=key_head_dim,
-                value_head_dim=value_head_dim,
-            ),
+        s = Skeleton.grouped(
+            hidden_size,
+            num_key_heads,
+            num_value_heads,
+            key_head_dim,
+            value_head_dim,
             conv_kernel_size=conv_kernel_size,
-            options=options,
+            options=engine_options(options, chunk_size, block_size, memory, precision),
             dtype=dtype,
         )
         if not (isinstance(tau_factor, (int, float)) and tau_factor > 0):
@@ -184,16 +181,11 @@ class MomentumDeltaNet(AbstractRecurrentLayer[RecurrentLayerState]):
         self.g_proj = s.linear(hidden_size, s.value_dim, keys[12])
         self.norm = s.norm(GatedRMSNorm, norm_eps)
         self.out_proj = s.out_proj(keys[13])
-        self.hidden_size = hidden_size
-        self.num_key_heads = num_key_heads
-        self.num_value_heads = num_value_heads
-        self.key_head_dim = key_head_dim
-        self.value_head_dim = value_head_dim
+        s.fill(self)
         self.use_p_times_alpha = bool(use_p_times_alpha)
         self.min_log_mu = None if min_log_mu is None else float(min_log_mu)
         self.tau = math.sqrt(hidden_size / tau_factor)
         self.allow_neg_eigval = bool(allow_neg_eigval)
-        self.options = options
 
     @property
     def _recurrent_shape(self) -> tuple[int, int, int]:

@@ -309,17 +309,14 @@ class PrecondGatedDeltaNet(AbstractPrecondLayer):
         `num_value_heads` is not a multiple of `num_key_heads`, or if `squash_x`,
         `squash_eps` or `log_atk_scale_init` is out of its range (each named).
         """
-        options = engine_options(options, chunk_size, block_size, memory, precision)
-        s = Skeleton(
-            dict(
-                hidden_size=hidden_size,
-                num_key_heads=num_key_heads,
-                num_value_heads=num_value_heads,
-                key_head_dim=key_head_dim,
-                value_head_dim=value_head_dim,
-            ),
+        s = Skeleton.grouped(
+            hidden_size,
+            num_key_heads,
+            num_value_heads,
+            key_head_dim,
+            value_head_dim,
             conv_kernel_size=conv_kernel_size,
-            options=options,
+            options=engine_options(options, chunk_size, block_size, memory, precision),
             dtype=dtype,
         )
         keys = jr.split(key, 9)
@@ -333,10 +330,10 @@ class PrecondGatedDeltaNet(AbstractPrecondLayer):
             key=keys[0],
             dtype=dtype,
         )
-        for name, value in {**s.sizes, **precond}.items():
+        s.fill(self)
+        for name, value in precond.items():
             setattr(self, name, value)
         self.allow_neg_eigval = bool(allow_neg_eigval)
-        self.options = options
         hv = num_value_heads
         self.in_proj_qkv, self.conv1d = s.qkv(keys[1], keys[2])
         self.a_proj = s.linear(hidden_size, hv, keys[3])
