@@ -6,8 +6,7 @@ from typing import Any
 import equinox as eqx
 
 from ._precision import as_precision, PrecisionName
-from ._recurrence import AbstractRecurrence
-from ._run import as_memory, Memory, run
+from ._run import as_memory, Memory
 from ._validate import as_positive_index
 
 
@@ -56,12 +55,12 @@ class EngineOptions(eqx.Module):
     memory: Memory | None = eqx.field(default=None, static=True, converter=as_memory)
     precision: PrecisionName | None = eqx.field(default=None, static=True, converter=as_precision)
 
-    def run(self, recurrence: AbstractRecurrence, inputs: Any, **kwargs: Any) -> Any:
-        """[`deltanet_cp.run`][]`(recurrence, inputs, **kwargs)` with these options'
-        `block_size` and `memory`: how every layer runs its recurrence (made with these
-        options' `chunk_size` and `precision`), so that a new engine setting is read here.
-        """
-        return run(recurrence, inputs, block_size=self.block_size, memory=self.memory, **kwargs)
+    def run_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of [`deltanet_cp.run`][] these options set, `block_size`
+        and `memory`: every layer runs its recurrence (made with these options'
+        `chunk_size` and `precision`) as `run(recurrence, inputs, ..., **run_kwargs())`,
+        so that a new engine setting is read here only."""
+        return dict(block_size=self.block_size, memory=self.memory)
 
 
 def engine_options(

@@ -18,6 +18,7 @@ from .._options import EngineOptions
 from .._parallel import ContextParallel
 from .._precision import accumulation_dtype
 from .._recurrence import AbstractRecurrence
+from .._run import run
 from .._validate import as_positive_index
 from ..recurrences._delta_family import DeltaInputs
 from ._checkpointed import Checkpointed, checkpoints
@@ -401,12 +402,13 @@ class AbstractRecurrentLayer(AbstractEngineMixer, Generic[_State]):
         `None`."""
         if every is not None:
             recurrence = Checkpointed(inner=recurrence, chunk_size=every)
-        o, h = self.options.run(
+        o, h = run(
             recurrence,
             inputs,
             initial_state=None if h0 is None else h0[None],
             cu_seqlens=cu_seqlens,
             cp=cp,
+            **self.options.run_kwargs(),
         )
         if every is None:
             return o, h[0], None

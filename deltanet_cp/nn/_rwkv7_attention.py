@@ -13,7 +13,7 @@ from .._dtype import param_dtype
 from .._options import engine_options, EngineOptions
 from .._parallel import ContextParallel
 from .._precision import accumulation_dtype, PrecisionName
-from .._run import Memory
+from .._run import Memory, run
 from .._shift import previous_tokens
 from .._validate import as_index, as_positive_index
 from ..recurrences._dplr import DPLRDeltaRule, DPLRInputs
@@ -477,12 +477,13 @@ class RWKV7Attention(AbstractEngineMixer):
         recurrence = self._recurrence(self.chunk_size)
         if checkpoint_every is not None:
             recurrence = Checkpointed(inner=recurrence, chunk_size=checkpoint_every)
-        o, h = self.options.run(
+        o, h = run(
             recurrence,
             inputs,
             initial_state=None if h0 is None else h0[None],
             cu_seqlens=cu_seqlens,
             cp=cp,
+            **self.options.run_kwargs(),
         )
         saved = None
         if checkpoint_every is not None:
@@ -638,10 +639,11 @@ class RWKV7Attention(AbstractEngineMixer):
         self._check_v_first(v_first, None)
         x_p, delta = self._shift(x[None], state.shift, None, None)
         inputs, parts = self._inputs(x_p, delta, None if v_first is None else v_first[None])
-        o, h = self.options.run(
+        o, h = run(
             self._recurrence(1),
             inputs,
             initial_state=state.recurrent[None],
+            **self.options.run_kwargs(),
         )
         y = self._finish(o[0], *parts)[0].astype(x.dtype)
         new = RWKV7AttentionState(
