@@ -35,6 +35,7 @@ from ._layout import (
     to_zigzag as to_zigzag,
     Zigzag as Zigzag,
 )
+from ._options import EngineOptions as EngineOptions
 from ._parallel import ContextParallel as ContextParallel
 from ._recurrence import AbstractRecurrence as AbstractRecurrence
 from ._run import (

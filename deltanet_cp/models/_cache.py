@@ -12,7 +12,7 @@ from jaxtyping import Array, Int
 
 from .._precision import accumulation_dtype
 from ..nn._attention import KVCache
-from ..nn._gated_delta_net import GatedDeltaNetState
+from ..nn._delta_layer import RecurrentLayerState
 from ._config import _QwenTextConfig
 
 
@@ -50,13 +50,13 @@ class Qwen3_5Cache(eqx.Module):
 
     **Fields:**
 
-    - `layers`: per layer, a [`deltanet_cp.nn.GatedDeltaNetState`][] (the Gated DeltaNet
+    - `layers`: per layer, a [`deltanet_cp.nn.RecurrentLayerState`][] (the Gated DeltaNet
         layers' conv and recurrent states) or a [`deltanet_cp.nn.KVCache`][] (the
         attention layers' keys and values, with room for `capacity` tokens).
     - `length`: how many tokens the model has seen (the position of the next one).
     """
 
-    layers: tuple[GatedDeltaNetState | KVCache, ...]
+    layers: tuple[RecurrentLayerState | KVCache, ...]
     length: Int[Array, ""]
 
     @property
@@ -73,7 +73,7 @@ class Qwen3_5Checkpoints(eqx.Module):
 
     **Fields:**
 
-    - `layers`: per layer, a [`deltanet_cp.nn.GatedDeltaNetState`][] with a leading axis
+    - `layers`: per layer, a [`deltanet_cp.nn.RecurrentLayerState`][] with a leading axis
         over the checkpoints (`None` for the attention layers, whose keys and values for
         any prefix are the cache's first entries).
     - `lengths`: `(n,)`, how many tokens the model had seen at each checkpoint.
@@ -82,7 +82,7 @@ class Qwen3_5Checkpoints(eqx.Module):
     prefill's cache into the cache of that prefix.
     """
 
-    layers: tuple[GatedDeltaNetState | None, ...]
+    layers: tuple[RecurrentLayerState | None, ...]
     lengths: Int[Array, " n"]
 
 
@@ -134,7 +134,7 @@ def check_cache(model: _CachedModel, cache: Any, name: str = "cache") -> None:
                 f"{_describe(expected)} (floating-point, any dtype). Was the cache made "
                 "by another config, or does it carry a batch axis (`jax.vmap` over it)?"
             )
-        if isinstance(got, GatedDeltaNetState):
+        if isinstance(got, RecurrentLayerState):
             rdt = accumulation_dtype(got.conv)
             if got.recurrent.dtype != rdt:
                 raise ValueError(

@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._options import engine_options, EngineOptions
 from .._parallel import axis_size, ContextParallel
-from .._precision import as_precision, PrecisionName
+from .._precision import PrecisionName
 from .._run import Memory
 from .._validate import as_index, as_positive_index
 from ..nn._context import layer_cp, local_positions
-from ..nn._gated_delta_net import GatedDeltaNet
 from ..nn._moe import ExpertAxis, RouterStats
 from ..nn._norm import ZeroCenteredRMSNorm
 from ..nn._schedule import KVSchedule
@@ -34,16 +34,18 @@ def init_model(
     model: "_QwenForCausalLM[Any]",
     config: _QwenTextConfig,
     *,
-    chunk_size: int,
+    chunk_size: int | None,
     block_size: int | None,
     memory: Memory | None = None,
     tile_size: int,
     precision: PrecisionName | None,
+    options: EngineOptions | None = None,
     key: PRNGKeyArray,
     dtype,
 ) -> None:
     """Set the fields of `model` (inside its `__init__`): random parameters for `config`."""
-    precision = as_precision(precision)
+    options = engine_options(options, chunk_size, block_size, memory, precision)
+    precision = options.precision
     kemb, khead, *keys = jr.split(key, config.num_hidden_layers + 2)
     model.embed = eqx.nn.Embedding(config.vocab_size, config.hidden_size, key=kemb, dtype=dtype)
     model.layers = tuple(
@@ -51,11 +53,8 @@ def init_model(
             config,
             kind,
             sparse=config.is_sparse(i),
-            chunk_size=chunk_size,
-            block_size=block_size,
-            memory=memory,
             tile_size=tile_size,
-            precision=precision,
+            options=options,
             key=k,
             dtype=dtype,
         )
@@ -271,12 +270,7 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
             (the recurrent states are float32).
         """
         capacity = as_positive_index(capacity, "capacity")
-        layers = tuple(
-            layer.mixer.init_state(dtype)
-            if isinstance(layer.mixer, GatedDeltaNet)
-            else layer.mixer.init_cache(capacity, dtype)
-            for layer in self.layers
-        )
+        layers = tuple(layer.mixer.init_state(dtype, capacity=capacity) for layer in self.layers)
         return Qwen3_5Cache(layers, jnp.zeros((), jnp.int32))
 
     def _check_cache(self, cache: Any, name: str = "cache") -> None:

@@ -6,10 +6,12 @@ import equinox as eqx
 import jax
 import jax.random as jr
 
+from .._options import engine_options, EngineOptions
 from .._parallel import ContextParallel
 from ..nn._attention import CausalSelfAttention, KVCache
-from ..nn._gated_delta_net import GatedDeltaNet, GatedDeltaNetState
-from ..nn._hybrid import SwiGLU
+from ..nn._delta_layer import RecurrentLayerState
+from ..nn._gated_delta_net import GatedDeltaNet
+from ..nn._mlp import SwiGLU
 from ..nn._moe import ExpertAxis, RouterStats, SparseMoE
 from ..nn._norm import ZeroCenteredRMSNorm
 from ..nn._schedule import KVSchedule
@@ -34,14 +36,16 @@ class Qwen3_5DecoderLayer(eqx.Module):
         kind: str,
         *,
         sparse: bool = False,
-        chunk_size,
-        block_size,
+        chunk_size=None,
+        block_size=None,
         memory=None,
         tile_size,
-        precision,
+        precision=None,
+        options: EngineOptions | None = None,
         key,
         dtype,
     ):
+        options = engine_options(options, chunk_size, block_size, memory, precision)
         kmix, kmlp = jr.split(key)
         c, eps = config, config.rms_norm_eps
         if kind == "linear_attention":
@@ -53,10 +57,7 @@ class Qwen3_5DecoderLayer(eqx.Module):
                 c.linear_value_head_dim,
                 conv_kernel_size=c.linear_conv_kernel_dim,
                 norm_eps=eps,
-                chunk_size=chunk_size,
-                block_size=block_size,
-                memory=memory,
-                precision=precision,
+                options=options,
                 key=kmix,
                 dtype=dtype,
             )
@@ -72,7 +73,7 @@ class Qwen3_5DecoderLayer(eqx.Module):
                 qk_norm=True,
                 norm_eps=eps,
                 tile_size=tile_size,
-                precision=precision,
+                precision=options.precision,
                 key=kmix,
                 dtype=dtype,
             )
@@ -108,11 +109,7 @@ class Qwen3_5DecoderLayer(eqx.Module):
         kv_schedule: KVSchedule,
         expert_axis: ExpertAxis = None,
     ) -> tuple[jax.Array, RouterStats | None]:
-        h = self.input_layernorm(x)
-        if isinstance(self.mixer, GatedDeltaNet):
-            h = self.mixer(h, cp=cp)
-        else:
-            h = self.mixer(h, cp=cp, kv_schedule=kv_schedule)
+        h = self.mixer(self.input_layernorm(x), cp=cp, kv_schedule=kv_schedule)
         return self._mlp(x + h, expert_axis)
 
     def prefill(
@@ -127,8 +124,10 @@ class Qwen3_5DecoderLayer(eqx.Module):
     ):
         h = self.input_layernorm(x)
         saved = None
+        # The one call that differs: a recurrent state continues by itself (and has
+        # checkpoints), a key/value cache needs the number of tokens it holds.
         if isinstance(self.mixer, GatedDeltaNet):
-            assert isinstance(cache, GatedDeltaNetState)
+            assert isinstance(cache, RecurrentLayerState)
             h, cache, saved = self.mixer.prefill(h, cache, checkpoint_every=checkpoint_every, cp=cp)
         else:
             assert isinstance(cache, KVCache)
@@ -136,11 +135,5 @@ class Qwen3_5DecoderLayer(eqx.Module):
         return self._mlp(x + h, expert_axis)[0], cache, saved
 
     def step(self, x, cache, position):
-        h = self.input_layernorm(x)
-        if isinstance(self.mixer, GatedDeltaNet):
-            assert isinstance(cache, GatedDeltaNetState)
-            h, cache = self.mixer.step(h, cache)
-        else:
-            assert isinstance(cache, KVCache)
-            h, cache = self.mixer.step(h, cache, position)
+        h, cache = self.mixer.step(self.input_layernorm(x), cache, position)
         return self._mlp((x + h)[None])[0][0], cache

@@ -5,6 +5,7 @@ import os
 import equinox as eqx
 from jaxtyping import PRNGKeyArray
 
+from .._options import engine_options, EngineOptions
 from .._precision import PrecisionName
 from .._run import Memory
 from ..nn._norm import ZeroCenteredRMSNorm
@@ -44,11 +45,12 @@ class Qwen3_5ForCausalLM(_QwenForCausalLM[Qwen3_5Config]):
         self,
         config: Qwen3_5Config,
         *,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
         block_size: int | None = None,
         memory: Memory | None = None,
         tile_size: int = 128,
         precision: PrecisionName | None = None,
+        options: EngineOptions | None = None,
         key: PRNGKeyArray,
         dtype=None,
     ):
@@ -71,6 +73,8 @@ class Qwen3_5ForCausalLM(_QwenForCausalLM[Qwen3_5Config]):
             float32 under every policy; the dense projections, MLPs, embedding and LM
             head multiply in the parameters' dtype at JAX's default precision. See
             [`deltanet_cp.nn.GatedDeltaNet`][] and [`deltanet_cp.nn.CausalSelfAttention`][].
+        - `options`: `chunk_size` (`None`: 64), `block_size`, `memory` and `precision` as
+            one [`deltanet_cp.EngineOptions`][] (then pass none of them loose).
         - `key`: a PRNG key for the (random) initial parameters.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
         """
@@ -82,6 +86,7 @@ class Qwen3_5ForCausalLM(_QwenForCausalLM[Qwen3_5Config]):
             memory=memory,
             tile_size=tile_size,
             precision=precision,
+            options=options,
             key=key,
             dtype=dtype,
         )
@@ -92,11 +97,12 @@ class Qwen3_5ForCausalLM(_QwenForCausalLM[Qwen3_5Config]):
         path: str | os.PathLike,
         *,
         dtype=None,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
         block_size: int | None = None,
         memory: Memory | None = None,
         tile_size: int = 128,
         precision: PrecisionName | None = None,
+        options: EngineOptions | None = None,
     ) -> "Qwen3_5ForCausalLM":
         """Load a Hugging Face checkpoint: a directory with `config.json` and
         `model.safetensors`, or `model.safetensors.index.json` and its shards.
@@ -112,20 +118,22 @@ class Qwen3_5ForCausalLM(_QwenForCausalLM[Qwen3_5Config]):
         - `path`: the checkpoint directory.
         - `dtype`: cast every parameter to this dtype (e.g. `jnp.bfloat16`; the recurrent
             states stay float32); keep each tensor's stored dtype if `None`.
-        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`: as for `__init__`.
+        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`, `options`: as
+            for `__init__`.
 
         **Raises:**
 
         `ValueError` listing, by name, every missing, unexpected or misshapen tensor.
         """
+        options = engine_options(options, chunk_size, block_size, memory, precision)
         return load(
             cls,
             Qwen3_5Config,
             path,
             dtype=dtype,
-            chunk_size=chunk_size,
-            block_size=block_size,
-            memory=memory,
+            chunk_size=options.chunk_size,
+            block_size=options.block_size,
+            memory=options.memory,
             tile_size=tile_size,
-            precision=precision,
+            precision=options.precision,
         )

@@ -6,6 +6,7 @@ import os
 import equinox as eqx
 from jaxtyping import PRNGKeyArray
 
+from .._options import engine_options, EngineOptions
 from .._precision import PrecisionName
 from .._run import Memory
 from ..nn._norm import ZeroCenteredRMSNorm
@@ -40,18 +41,20 @@ class Qwen3NextForCausalLM(_QwenForCausalLM[Qwen3NextConfig]):
         self,
         config: Qwen3NextConfig,
         *,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
         block_size: int | None = None,
         memory: Memory | None = None,
         tile_size: int = 128,
         precision: PrecisionName | None = None,
+        options: EngineOptions | None = None,
         key: PRNGKeyArray,
         dtype=None,
     ):
         """**Arguments:**
 
         - `config`: the sizes, a [`deltanet_cp.models.Qwen3NextConfig`][].
-        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`, `key`, `dtype`: as for
+        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`, `options`, `key`,
+            `dtype`: as for
             [`deltanet_cp.models.Qwen3_5ForCausalLM`][]'s `__init__` (the routers, the
             experts and the MLPs multiply in the parameters' dtype at JAX's default
             precision; the router's softmax runs in float32).
@@ -64,6 +67,7 @@ class Qwen3NextForCausalLM(_QwenForCausalLM[Qwen3NextConfig]):
             memory=memory,
             tile_size=tile_size,
             precision=precision,
+            options=options,
             key=key,
             dtype=dtype,
         )
@@ -74,11 +78,12 @@ class Qwen3NextForCausalLM(_QwenForCausalLM[Qwen3NextConfig]):
         path: str | os.PathLike,
         *,
         dtype=None,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
         block_size: int | None = None,
         memory: Memory | None = None,
         tile_size: int = 128,
         precision: PrecisionName | None = None,
+        options: EngineOptions | None = None,
     ) -> "Qwen3NextForCausalLM":
         """Load a Hugging Face checkpoint: a directory with `config.json` and
         `model.safetensors`, or `model.safetensors.index.json` and its shards.
@@ -101,7 +106,8 @@ class Qwen3NextForCausalLM(_QwenForCausalLM[Qwen3NextConfig]):
         - `path`: the checkpoint directory.
         - `dtype`: cast every parameter to this dtype (e.g. `jnp.bfloat16`; the recurrent
             states stay float32); keep each tensor's stored dtype if `None`.
-        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`: as for `__init__`.
+        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`, `options`: as
+            for `__init__`.
 
         **Raises:**
 
@@ -109,16 +115,17 @@ class Qwen3NextForCausalLM(_QwenForCausalLM[Qwen3NextConfig]):
         or misshapen tensor; naming the config field that is missing or wrong, or the
         class that reads the config if it is another model's.
         """
+        options = engine_options(options, chunk_size, block_size, memory, precision)
         return load(
             cls,
             Qwen3NextConfig,
             path,
             dtype=dtype,
-            chunk_size=chunk_size,
-            block_size=block_size,
-            memory=memory,
+            chunk_size=options.chunk_size,
+            block_size=options.block_size,
+            memory=options.memory,
             tile_size=tile_size,
-            precision=precision,
+            precision=options.precision,
         )
 
 
@@ -145,18 +152,20 @@ class Qwen3_5MoeForCausalLM(_QwenForCausalLM[Qwen3_5MoeConfig]):
         self,
         config: Qwen3_5MoeConfig,
         *,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
         block_size: int | None = None,
         memory: Memory | None = None,
         tile_size: int = 128,
         precision: PrecisionName | None = None,
+        options: EngineOptions | None = None,
         key: PRNGKeyArray,
         dtype=None,
     ):
         """**Arguments:**
 
         - `config`: the sizes, a [`deltanet_cp.models.Qwen3_5MoeConfig`][].
-        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`, `key`, `dtype`: as for
+        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`, `options`, `key`,
+            `dtype`: as for
             [`deltanet_cp.models.Qwen3_5ForCausalLM`][]'s `__init__` (the routers, the
             experts and the MLPs multiply in the parameters' dtype at JAX's default
             precision; the router's softmax runs in float32).
@@ -169,6 +178,7 @@ class Qwen3_5MoeForCausalLM(_QwenForCausalLM[Qwen3_5MoeConfig]):
             memory=memory,
             tile_size=tile_size,
             precision=precision,
+            options=options,
             key=key,
             dtype=dtype,
         )
@@ -179,11 +189,12 @@ class Qwen3_5MoeForCausalLM(_QwenForCausalLM[Qwen3_5MoeConfig]):
         path: str | os.PathLike,
         *,
         dtype=None,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
         block_size: int | None = None,
         memory: Memory | None = None,
         tile_size: int = 128,
         precision: PrecisionName | None = None,
+        options: EngineOptions | None = None,
     ) -> "Qwen3_5MoeForCausalLM":
         """Load a Hugging Face checkpoint: a directory with `config.json` and
         `model.safetensors`, or `model.safetensors.index.json` and its shards.
@@ -209,7 +220,8 @@ class Qwen3_5MoeForCausalLM(_QwenForCausalLM[Qwen3_5MoeConfig]):
         - `path`: the checkpoint directory.
         - `dtype`: cast every parameter to this dtype (e.g. `jnp.bfloat16`; the recurrent
             states stay float32); keep each tensor's stored dtype if `None`.
-        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`: as for `__init__`.
+        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`, `options`: as
+            for `__init__`.
 
         **Raises:**
 
@@ -217,14 +229,15 @@ class Qwen3_5MoeForCausalLM(_QwenForCausalLM[Qwen3_5MoeConfig]):
         or misshapen tensor; naming the config field that is missing or wrong, or the
         class that reads the config if it is another model's.
         """
+        options = engine_options(options, chunk_size, block_size, memory, precision)
         return load(
             cls,
             Qwen3_5MoeConfig,
             path,
             dtype=dtype,
-            chunk_size=chunk_size,
-            block_size=block_size,
-            memory=memory,
+            chunk_size=options.chunk_size,
+            block_size=options.block_size,
+            memory=options.memory,
             tile_size=tile_size,
-            precision=precision,
+            precision=options.precision,
         )

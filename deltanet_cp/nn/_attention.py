@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._custom_types import CuSeqlens
 from .._parallel import axis_size, ContextParallel
 from .._precision import (
     accumulation_dtype,
@@ -30,6 +31,7 @@ from ._flash import (
     to_blocks,
     ungroup_queries,
 )
+from ._mixer import AbstractTokenMixer
 from ._norm import ZeroCenteredRMSNorm
 from ._schedule import check_kv_schedule, KVSchedule, Schedule
 
@@ -134,7 +136,7 @@ def _merge(a: tuple[Array, Array], b: tuple[Array, Array]) -> Array:
     return out_a * wa + out_b * wb
 
 
-class CausalSelfAttention(eqx.Module):
+class CausalSelfAttention(AbstractTokenMixer):
     """Causal softmax self-attention with rotary position embeddings: multi-head or
     grouped-query, optionally with an output gate and q/k norms (Qwen3.5's attention).
 
@@ -291,6 +293,21 @@ class CausalSelfAttention(eqx.Module):
         shape = (capacity, self.num_kv_heads, self.head_dim)
         return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
+    def init_state(self, dtype=None, *, capacity: int | None = None) -> KVCache:
+        """`init_cache(capacity, dtype)`: the token mixers' common name (see
+        [`deltanet_cp.nn.AbstractTokenMixer`][]); `capacity` is required.
+
+        **Raises:**
+
+        `ValueError` without `capacity`.
+        """
+        if capacity is None:
+            raise ValueError(
+                "CausalSelfAttention.init_state needs `capacity=`, the most tokens its "
+                "key/value cache holds."
+            )
+        return self.init_cache(capacity, dtype)
+
     def _project(self, x, pos):
         """Queries, keys (both normed and turned), values and the output gate (or `None`)."""
         t, h, d = x.shape[0], self.num_heads, self.head_dim
@@ -318,13 +335,20 @@ class CausalSelfAttention(eqx.Module):
     def __call__(
         self,
         x: Float[Array, "seq hidden"],
+        state: KVCache | None = None,
         *,
         cp: ContextParallel | None = None,
+        cu_seqlens: CuSeqlens | None = None,
         kv_schedule: KVSchedule = "allgather",
+        v_first: Array | None = None,
     ) -> Float[Array, "seq hidden"]:
         """**Arguments:**
 
         - `x`: one sequence, `(seq, hidden)`; with `cp`, this rank's shard of it.
+        - `state`: must be `None` (the call of every token mixer takes it; to attend to
+            cached tokens as well, call `prefill` with the cache and its length).
+        - `cu_seqlens`: packed documents; not yet supported by attention (a
+            `ValueError`): call it on each document.
         - `cp`: how the call is sharded, as in [`deltanet_cp.ContextParallel`][] (without
             `mesh`); `None` on one device. With [`deltanet_cp.Zigzag`][] the causal work
             is the same on every rank; `cp.exchange` plays no part here.
@@ -334,11 +358,27 @@ class CausalSelfAttention(eqx.Module):
             rank's keys per step in one online softmax, with `O(S / cp)` memory per rank;
             with `Zigzag` every rank computes the same number of tiles at every step).
             Ignored without `cp`.
+        - `v_first`: ignored (RWKV-7's; every token mixer takes it).
 
         **Returns:**
 
         The output, `(seq, hidden)`.
+
+        **Raises:**
+
+        `ValueError` for a `state` or `cu_seqlens`.
         """
+        del v_first
+        if state is not None:
+            raise ValueError(
+                "CausalSelfAttention.__call__ takes no `state`: to attend to cached tokens "
+                "as well, call `prefill(x, cache, length)`."
+            )
+        if cu_seqlens is not None:
+            raise ValueError(
+                "CausalSelfAttention does not take `cu_seqlens` yet (packed documents are "
+                "not masked from each other): call it on each document separately."
+            )
         check_kv_schedule(kv_schedule)
         cp = layer_cp(cp, "CausalSelfAttention")
         rel = local_positions(cp, x.shape[0])
@@ -418,7 +458,12 @@ class CausalSelfAttention(eqx.Module):
         return self._finish(o, gate), new_cache
 
     def step(
-        self, x: Float[Array, " hidden"], cache: KVCache, position: Int[Array, ""] | int
+        self,
+        x: Float[Array, " hidden"],
+        cache: KVCache,
+        position: Int[Array, ""] | int | None = None,
+        *,
+        v_first: Array | None = None,
     ) -> tuple[Float[Array, " hidden"], KVCache]:
         """One token of generation.
 
@@ -427,13 +472,20 @@ class CausalSelfAttention(eqx.Module):
         - `x`: the new token's input, `(hidden,)`.
         - `cache`: the keys and values of the `position` tokens before it.
         - `position`: the token's position (how many tokens the cache holds), below the
-            cache's capacity.
+            cache's capacity (required: `None` is a `ValueError`).
+        - `v_first`: ignored (RWKV-7's; every token mixer takes it).
 
         **Returns:**
 
         `(y, new_cache)`: the output `(hidden,)` and the cache with the token's key and
         value written at `position`.
         """
+        del v_first
+        if position is None:
+            raise ValueError(
+                "CausalSelfAttention.step needs `position`, the new token's position (how "
+                "many tokens its cache holds)."
+            )
         position = jnp.asarray(position, jnp.int32)
         q, k, v, gate = self._project(x[None], position[None])
         cache = KVCache(

@@ -10,58 +10,32 @@ from typing import Any, Generic, TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._custom_types import CuSeqlens
+from .._dtype import param_dtype
+from .._options import EngineOptions
 from .._parallel import ContextParallel
-from .._precision import accumulation_dtype, as_precision, PrecisionName
+from .._precision import accumulation_dtype
 from .._recurrence import AbstractRecurrence
-from .._run import as_memory, Memory, run
+from .._run import run
 from .._validate import as_positive_index
 from ..recurrences._delta_family import DeltaInputs
 from ._checkpointed import Checkpointed, checkpoints
 from ._context import layer_cp
 from ._conv import CausalConv1d
+from ._mixer import AbstractEngineMixer
+from ._schedule import KVSchedule
 
 
 _State = TypeVar("_State")
 _Inputs = TypeVar("_Inputs", bound=eqx.Module)
+_Norm = TypeVar("_Norm")
 
 
-def check_sizes(sizes: dict[str, Any], block_size: Any, precision: Any) -> tuple:
-    """The layer's sizes (each a positive int), `block_size` (also `None`) and `precision`,
-    checked: `(*sizes, block_size, precision)`."""
-    checked = [as_positive_index(value, name) for name, value in sizes.items()]
-    if block_size is not None:
-        block_size = as_positive_index(block_size, "block_size")
-    return (*checked, block_size, as_precision(precision))
-
-
-# The sizes of a layer whose value heads are grouped over its key heads, in its
-# constructor's order.
-_GROUPED_SIZES = (
-    "hidden_size",
-    "num_key_heads",
-    "num_value_heads",
-    "key_head_dim",
-    "value_head_dim",
-    "conv_kernel_size",
-    "chunk_size",
-)
-
-
-def grouped_sizes(*sizes: Any, block_size: Any, memory: Any, precision: Any) -> dict[str, Any]:
-    """The sizes of a layer whose value heads are grouped over its key heads (`hidden_size,
-    num_key_heads, num_value_heads, key_head_dim, value_head_dim, conv_kernel_size,
-    chunk_size`, its constructor's arguments), `block_size`, `memory` and `precision`,
-    checked (`check_sizes`, `check_value_heads`, `as_memory`): by name, its static fields
-    and `conv_kernel_size`."""
-    *checked, block_size, precision = check_sizes(
-        dict(zip(_GROUPED_SIZES, sizes, strict=True)), block_size, precision
-    )
-    named: dict[str, Any] = dict(zip(_GROUPED_SIZES, checked, strict=True))
-    check_value_heads(named["num_value_heads"], named["num_key_heads"])
-    return {**named, "block_size": block_size, "memory": as_memory(memory), "precision": precision}
+def check_sizes(**sizes: Any) -> dict[str, int]:
+    """Each of `sizes` as a positive int (`as_positive_index`, naming it), in order."""
+    return {name: as_positive_index(value, name) for name, value in sizes.items()}
 
 
 def check_value_heads(num_value_heads: int, num_key_heads: int) -> None:
@@ -76,8 +50,116 @@ def check_value_heads(num_value_heads: int, num_key_heads: int) -> None:
 
 def no_bias_linear(dtype):
     """`eqx.nn.Linear(in, out, key)` without bias, in `dtype` (the default if `None`)."""
-    dtype = jnp.zeros(()).dtype if dtype is None else dtype
+    dtype = param_dtype(dtype)
     return lambda i, o, key: eqx.nn.Linear(i, o, use_bias=False, key=key, dtype=dtype)
+
+
+class Skeleton:
+    """What every recurrent token mixer builds alike, in one place: its sizes checked, its
+    engine options, the input projection of `concat(q, k, v)`, the short convolution, the
+    gated norm per head and the output projection. A concrete layer's `__init__` makes one
+    and takes its parts (in the order of its own PRNG keys); it builds only its gates.
+
+    ```python { .fragment }
+    sizes = dict(hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim)
+    s = Skeleton(sizes, heads="num_heads", dims="head_dim", options=options, dtype=dtype)
+    self.in_proj_qkv, self.conv1d = s.qkv(k_qkv, k_conv)
+    self.b_proj = s.linear(s.hidden_size, num_heads, k_b)
+    self.norm, self.out_proj = s.norm(GatedRMSNorm, norm_eps), s.out_proj(k_out)
+    ```
+    """
+
+    def __init__(
+        self,
+        sizes: dict[str, Any],
+        *,
+        heads: str | tuple[str, str] = ("num_key_heads", "num_value_heads"),
+        dims: str | tuple[str, str] = ("key_head_dim", "value_head_dim"),
+        conv_kernel_size: Any = 4,
+        options: EngineOptions | None = None,
+        dtype: Any = None,
+    ):
+        """**Arguments:**
+
+        - `sizes`: the layer's sizes by argument name (`hidden_size` first), each checked
+            to be a positive int (a `TypeError` / `ValueError` naming it); checked, in
+            `sizes` (a dict in the same order).
+        - `heads`, `dims`: the names in `sizes` of the query/key and value head counts
+            `H`, `HV` and head sizes `K`, `V` (one name for both); `HV` must be a multiple
+            of `H` (a `ValueError` otherwise).
+        - `conv_kernel_size`: the length of the causal convolution.
+        - `options`: the layer's [`deltanet_cp.EngineOptions`][], in `options`; the
+            defaults if `None`.
+        - `dtype`: the parameter dtype, in `dtype`; the default floating dtype if `None`.
+        """
+        self.sizes = check_sizes(**sizes, conv_kernel_size=conv_kernel_size)
+        self.conv_kernel_size = self.sizes.pop("conv_kernel_size")
+        self.hidden_size = self.sizes["hidden_size"]
+        heads = (heads, heads) if isinstance(heads, str) else heads
+        dims = (dims, dims) if isinstance(dims, str) else dims
+        h, hv = (self.sizes[name] for name in heads)
+        check_value_heads(hv, h)
+        k, v = (self.sizes[name] for name in dims)
+        self.key_dim, self.value_dim, self.value_head_dim = h * k, hv * v, v
+        self.options = EngineOptions() if options is None else options
+        self.dtype = param_dtype(dtype)
+
+    @classmethod
+    def grouped(
+        cls,
+        hidden_size: Any,
+        num_key_heads: Any,
+        num_value_heads: Any,
+        key_head_dim: Any,
+        value_head_dim: Any,
+        **kwargs: Any,
+    ) -> "Skeleton":
+        """The skeleton of a layer whose value heads are grouped over its key heads, its
+        sizes under these names; `kwargs` as for `__init__`, with `extra`: more sizes to
+        check (by name, after these)."""
+        sizes = dict(
+            hidden_size=hidden_size,
+            num_key_heads=num_key_heads,
+            num_value_heads=num_value_heads,
+            key_head_dim=key_head_dim,
+            value_head_dim=value_head_dim,
+            **kwargs.pop("extra", {}),
+        )
+        return cls(sizes, **kwargs)
+
+    def fill(self, layer: Any) -> None:
+        """Set the checked sizes and `options` as `layer`'s fields of the same names
+        (inside its `__init__`)."""
+        for name, value in {**self.sizes, "options": self.options}.items():
+            setattr(layer, name, value)
+
+    @property
+    def conv_dim(self) -> int:
+        """`2 H K + HV V`: the width of `concat(q, k, v)`."""
+        return 2 * self.key_dim + self.value_dim
+
+    def linear(self, i: int, o: int, key: PRNGKeyArray, *, bias: bool = False) -> eqx.nn.Linear:
+        """An `eqx.nn.Linear(i, o)` in the parameter dtype, without bias unless `bias`."""
+        return eqx.nn.Linear(i, o, use_bias=bias, key=key, dtype=self.dtype)
+
+    def qkv(
+        self, key_qkv: PRNGKeyArray, key_conv: PRNGKeyArray, conv_dim: int | None = None
+    ) -> tuple[eqx.nn.Linear, CausalConv1d]:
+        """`(in_proj_qkv, conv1d)`: the projection `hidden -> conv_dim` and the depthwise
+        causal convolution over it (`conv_dim` the `concat(q, k, v)` width if `None`)."""
+        conv_dim = self.conv_dim if conv_dim is None else conv_dim
+        in_proj = self.linear(self.hidden_size, conv_dim, key_qkv)
+        return in_proj, CausalConv1d(
+            conv_dim, self.conv_kernel_size, key=key_conv, dtype=self.dtype
+        )
+
+    def norm(self, norm: Callable[..., _Norm], eps: float) -> _Norm:
+        """The gated norm per value head: `norm(V, eps=eps, dtype=dtype)`."""
+        return norm(self.value_head_dim, eps=eps, dtype=self.dtype)
+
+    def out_proj(self, key: PRNGKeyArray) -> eqx.nn.Linear:
+        """The output projection `HV V -> hidden`, without bias."""
+        return self.linear(self.value_dim, self.hidden_size, key)
 
 
 def project(x: Array, *linears: eqx.nn.Linear) -> tuple[Array, ...]:
@@ -182,9 +264,13 @@ def check_checkpoints(
 
 class RecurrentLayerState(eqx.Module):
     """What a recurrent token mixer of `deltanet_cp.nn` carries from one segment to the next
-    (the state of [`deltanet_cp.nn.DeltaNet`][], [`deltanet_cp.nn.GatedLinearAttention`][],
+    (the state of [`deltanet_cp.nn.GatedDeltaNet`][], [`deltanet_cp.nn.DeltaNet`][],
+    [`deltanet_cp.nn.KimiDeltaAttention`][], [`deltanet_cp.nn.GatedLinearAttention`][],
     [`deltanet_cp.nn.SimpleGatedLinearAttention`][], [`deltanet_cp.nn.GatedDeltaProduct`][],
-    [`deltanet_cp.nn.GatedDeltaNet2`][] and [`deltanet_cp.nn.MomentumDeltaNet`][]).
+    [`deltanet_cp.nn.GatedDeltaNet2`][] and [`deltanet_cp.nn.MomentumDeltaNet`][]; the
+    preconditioned layers carry one more array, see [`deltanet_cp.nn.PrecondLayerState`][]).
+    `deltanet_cp.nn.GatedDeltaNetState` and `deltanet_cp.nn.KimiDeltaAttentionState` are
+    deprecated names of this class.
 
     **Fields:**
 
@@ -201,16 +287,18 @@ class RecurrentLayerState(eqx.Module):
     recurrent: Float[Array, "*batch vheads k v"]
 
 
-class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
+class AbstractRecurrentLayer(AbstractEngineMixer, Generic[_State]):
     """A token mixer built around a chunked linear recurrence (Gated DeltaNet, Kimi Delta
     Attention, gated linear attention, Gated DeltaProduct, Gated DeltaNet-2).
 
     For an input `x` of shape `(seq, hidden)`: projections, of which `concat(q, k, v)` goes
     through a depthwise causal convolution and SiLU; gates from the input; the chunked
     recurrence through [`deltanet_cp.run`][]; a gated norm per head and the output
-    projection. A concrete layer says how it projects (`_project`), what it hands the
-    recurrence (`_split`) and which recurrence (`_recurrence`); everything else, the
-    state, `prefill`, `step` and context parallelism, is here.
+    projection. A concrete layer builds its parameters with a `Skeleton` and says how it
+    projects (`_project`), what it hands the recurrence (`_split`), which recurrence
+    (`_recurrence`) and its state's shape (`_recurrent_shape`); everything else, the
+    state, `prefill`, `step` and context parallelism, is here. Its engine settings are
+    one [`deltanet_cp.EngineOptions`][] field, `options`.
 
     Its state is a module with `conv`, the last `conv_kernel_size - 1` inputs of the
     convolution, and the recurrence's state (`_state` builds it, `_recurrent` reads it):
@@ -218,28 +306,30 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
     one recurrence (the preconditioned delta rules: the preconditioner's and the main one's).
     """
 
+    in_proj_qkv: eqx.AbstractVar[eqx.nn.Linear]
     conv1d: eqx.AbstractVar[CausalConv1d]
     # The gated norm per head, called as `norm(o, gate)`.
     norm: eqx.AbstractVar[Any]
     out_proj: eqx.AbstractVar[eqx.nn.Linear]
     hidden_size: eqx.AbstractVar[int]
-    chunk_size: eqx.AbstractVar[int]
-    block_size: eqx.AbstractVar[int | None]
-    memory: eqx.AbstractVar[Memory | None]
-    precision: eqx.AbstractVar[PrecisionName | None]
+    options: eqx.AbstractVar[EngineOptions]
 
-    @abc.abstractmethod
     def _state(self, conv: Array, recurrent: Any) -> _State:
-        """The layer's state type holding `conv` and `recurrent` (as `_recur` returns it)."""
+        """The layer's state holding `conv` and `recurrent` (as `_recur` returns it): a
+        `RecurrentLayerState`."""
+        return RecurrentLayerState(conv=conv, recurrent=recurrent)  # pyright: ignore[reportReturnType]
 
     def _recurrent(self, state: _State) -> Any:
         """The recurrence's part of `state`, as `_recur` takes it: `state.recurrent`."""
         return state.recurrent  # pyright: ignore[reportAttributeAccessIssue]
 
-    @abc.abstractmethod
     def _project(self, x: Array) -> tuple[Array, Any]:
         """`(mixed, rest)`: `concat(q, k, v)` before the convolution, `(seq, conv_dim)` in
-        the parameters' dtype, and whatever else `_split` needs from `x`."""
+        the parameters' dtype, and whatever else `_split` needs from `x`. By default
+        `in_proj_qkv`'s projection and `x` itself (in the parameters' dtype), from which
+        `_split` projects its gates."""
+        x = x.astype(self.in_proj_qkv.weight.dtype)
+        return jax.vmap(self.in_proj_qkv)(x), x
 
     @abc.abstractmethod
     def _split(self, mixed: Array, rest: Any) -> tuple[eqx.Module, Array]:
@@ -275,14 +365,16 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
         """The length of the causal convolution (the current token and the ones before it)."""
         return self.conv1d.kernel_size
 
-    def init_state(self, dtype=None) -> _State:
+    def init_state(self, dtype=None, *, capacity: int | None = None) -> _State:
         """The state before the first token: zeros.
 
         **Arguments:**
 
         - `dtype`: the dtype of the convolution state; the parameters' dtype if `None`.
             The recurrent state is float32 (float64 for float64 parameters).
+        - `capacity`: ignored (attention's cache size; a recurrent state does not grow).
         """
+        del capacity
         dtype = self.out_proj.weight.dtype if dtype is None else dtype
         return self._state(
             jnp.zeros((self.conv1d.history, self.conv_dim), dtype),
@@ -316,8 +408,7 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
             initial_state=None if h0 is None else h0[None],
             cu_seqlens=cu_seqlens,
             cp=cp,
-            block_size=self.block_size,
-            memory=self.memory,
+            **self.options.run_kwargs(),
         )
         if every is None:
             return o, h[0], None
@@ -339,6 +430,8 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
         *,
         cp: ContextParallel | None = None,
         cu_seqlens: CuSeqlens | None = None,
+        kv_schedule: KVSchedule = "allgather",
+        v_first: Array | None = None,
     ) -> Float[Array, "seq hidden"]:
         """**Arguments:**
 
@@ -354,6 +447,8 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
             on every rank): each document starts from zeros, the convolution reading no
             input across a document's start and the recurrence resetting there, as if each
             were its own call. Not with `state`.
+        - `kv_schedule`, `v_first`: ignored (attention's and RWKV-7's; every token mixer
+            takes them, see [`deltanet_cp.nn.AbstractTokenMixer`][]).
 
         **Returns:**
 
@@ -365,6 +460,7 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
         `ValueError` naming `x` if it is not a floating-point `(seq, hidden)` array (a
         batch: `jax.vmap` the layer over it), or for `cu_seqlens` with `state`.
         """
+        del kv_schedule, v_first
         check_documents_without_state(type(self).__name__, state, cu_seqlens)
         return self._forward(x, state, None, cp, cu_seqlens)[0]
 
@@ -434,7 +530,12 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
         return out, self._state(new_conv, h), saved
 
     def step(
-        self, x: Float[Array, " hidden"], state: _State
+        self,
+        x: Float[Array, " hidden"],
+        state: _State,
+        position: Int[Array, ""] | int | None = None,
+        *,
+        v_first: Array | None = None,
     ) -> tuple[Float[Array, " hidden"], _State]:
         """One token of generation: the token-by-token form of `__call__`.
 
@@ -443,12 +544,15 @@ class AbstractRecurrentLayer(eqx.Module, Generic[_State]):
         - `x`: the new token's input, `(hidden,)`.
         - `state`: the state before it (from `init_state`, a `prefill`, or the previous
             `step`).
+        - `position`, `v_first`: ignored (attention's and RWKV-7's; every token mixer
+            takes them).
 
         **Returns:**
 
         `(y, new_state)`: the output `(hidden,)` in `x`'s dtype and the state after the
         token, in the dtypes of `state`.
         """
+        del position, v_first
         self._check_input(x, one_token=True)
         conv_state, h0 = state.conv, self._recurrent(state)  # pyright: ignore[reportAttributeAccessIssue]
         _, conv, new_conv, rest = self._inputs(x[None], conv_state, None)

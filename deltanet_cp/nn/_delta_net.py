@@ -1,23 +1,21 @@
 """The DeltaNet layer: the delta rule without a decay, with context parallelism."""
 
 import equinox as eqx
-import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import PRNGKeyArray
 
+from .._options import engine_options, EngineOptions
 from .._precision import PrecisionName
-from .._run import as_memory, Memory
+from .._run import Memory
 from ..recurrences._delta import DeltaRule
 from ..recurrences._delta_family import DeltaInputs
 from ._conv import CausalConv1d
 from ._delta_layer import (
     AbstractRecurrentLayer,
-    check_sizes,
-    check_value_heads,
-    no_bias_linear,
     one_sequence,
     project,
     RecurrentLayerState,
+    Skeleton,
     split_qkv,
     step_sizes,
 )
@@ -62,10 +60,7 @@ class DeltaNet(AbstractRecurrentLayer[RecurrentLayerState]):
     key_head_dim: int = eqx.field(static=True)
     value_head_dim: int = eqx.field(static=True)
     allow_neg_eigval: bool = eqx.field(static=True)
-    chunk_size: int = eqx.field(static=True)
-    block_size: int | None = eqx.field(static=True)
-    memory: Memory | None = eqx.field(static=True)
-    precision: PrecisionName | None = eqx.field(static=True)
+    options: EngineOptions = eqx.field(static=True)
 
     def __init__(
         self,
@@ -78,10 +73,11 @@ class DeltaNet(AbstractRecurrentLayer[RecurrentLayerState]):
         allow_neg_eigval: bool = False,
         conv_kernel_size: int = 4,
         norm_eps: float = 1e-5,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
         block_size: int | None = None,
         memory: Memory | None = None,
         precision: PrecisionName | None = None,
+        options: EngineOptions | None = None,
         key: PRNGKeyArray,
         dtype=None,
     ):
@@ -102,6 +98,8 @@ class DeltaNet(AbstractRecurrentLayer[RecurrentLayerState]):
             `"high"` (the `memory` of [`deltanet_cp.run`][]).
         - `precision`: how the recurrence's large products multiply, as for
             [`deltanet_cp.nn.GatedDeltaNet`][].
+        - `options`: `chunk_size` (`None`: 64), `block_size`, `memory` and `precision` as
+            one [`deltanet_cp.EngineOptions`][] (then pass none of them loose).
         - `key`: a PRNG key for the initial parameters: the Equinox/torch defaults for the
             linear layers and the convolution, the norm weight ones.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
@@ -111,41 +109,25 @@ class DeltaNet(AbstractRecurrentLayer[RecurrentLayerState]):
         `TypeError` if a size is not an int, `ValueError` if it is not positive or if
         `num_value_heads` is not a multiple of `num_key_heads`.
         """
-        sizes = dict(
-            hidden_size=hidden_size,
-            num_key_heads=num_key_heads,
-            num_value_heads=num_value_heads,
-            key_head_dim=key_head_dim,
-            value_head_dim=value_head_dim,
+        s = Skeleton.grouped(
+            hidden_size,
+            num_key_heads,
+            num_value_heads,
+            key_head_dim,
+            value_head_dim,
             conv_kernel_size=conv_kernel_size,
-            chunk_size=chunk_size,
+            options=engine_options(options, chunk_size, block_size, memory, precision),
+            dtype=dtype,
         )
-        checked = check_sizes(sizes, block_size, precision)
-        hidden_size, num_key_heads, num_value_heads, key_head_dim, value_head_dim = checked[:5]
-        conv_kernel_size, chunk_size, block_size, precision = checked[5:]
-        check_value_heads(num_value_heads, num_key_heads)
-        linear = no_bias_linear(dtype)
-        dtype = jnp.zeros(()).dtype if dtype is None else dtype
         keys = jr.split(key, 5)
-        key_dim = num_key_heads * key_head_dim
-        value_dim = num_value_heads * value_head_dim
-        conv_dim = 2 * key_dim + value_dim
-        self.in_proj_qkv = linear(hidden_size, conv_dim, keys[0])
-        self.conv1d = CausalConv1d(conv_dim, conv_kernel_size, key=keys[1], dtype=dtype)
-        self.b_proj = linear(hidden_size, num_value_heads, keys[2])
-        self.g_proj = linear(hidden_size, value_dim, keys[3])
-        self.norm = GatedRMSNorm(value_head_dim, eps=norm_eps, dtype=dtype)
-        self.out_proj = linear(value_dim, hidden_size, keys[4])
-        self.hidden_size = hidden_size
-        self.num_key_heads = num_key_heads
-        self.num_value_heads = num_value_heads
-        self.key_head_dim = key_head_dim
-        self.value_head_dim = value_head_dim
+        hidden_size, num_key_heads, num_value_heads, key_head_dim, value_head_dim = s.sizes.values()
+        self.in_proj_qkv, self.conv1d = s.qkv(keys[0], keys[1])
+        self.b_proj = s.linear(hidden_size, num_value_heads, keys[2])
+        self.g_proj = s.linear(hidden_size, s.value_dim, keys[3])
+        self.norm = s.norm(GatedRMSNorm, norm_eps)
+        self.out_proj = s.out_proj(keys[4])
+        s.fill(self)
         self.allow_neg_eigval = bool(allow_neg_eigval)
-        self.chunk_size = chunk_size
-        self.block_size = block_size
-        self.memory = as_memory(memory)
-        self.precision = precision
 
     @property
     def _recurrent_shape(self) -> tuple[int, int, int]:
@@ -160,9 +142,6 @@ class DeltaNet(AbstractRecurrentLayer[RecurrentLayerState]):
         q, k, v = split_qkv(mixed, self.num_key_heads, self.key_head_dim, self.value_head_dim)
         beta = step_sizes(b, self.allow_neg_eigval)
         return one_sequence(DeltaInputs, q, k, v, None, beta), gate.reshape(v.shape)
-
-    def _state(self, conv, recurrent) -> RecurrentLayerState:
-        return RecurrentLayerState(conv=conv, recurrent=recurrent)
 
     def _recurrence(self, chunk_size: int) -> DeltaRule:
         return DeltaRule(chunk_size=chunk_size, use_qk_l2norm=True, precision=self.precision)

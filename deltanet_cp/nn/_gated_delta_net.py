@@ -6,41 +6,29 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._options import engine_options, EngineOptions
 from .._precision import PrecisionName
-from .._run import as_memory, Memory
+from .._run import Memory
 from ..recurrences._delta_family import DeltaInputs
 from ..recurrences._gated_delta import GatedDeltaRule
 from ._conv import CausalConv1d
 from ._delta_layer import (
     AbstractDeltaLayer,
-    check_sizes,
-    check_value_heads,
     log_decay,
-    no_bias_linear,
     one_sequence,
     project,
+    RecurrentLayerState,
+    Skeleton,
     split_qkv,
 )
 from ._norm import GatedRMSNorm
 
 
-class GatedDeltaNetState(eqx.Module):
-    """What a [`deltanet_cp.nn.GatedDeltaNet`][] carries from one segment to the next.
-
-    **Fields:**
-
-    - `conv`: the last `conv_kernel_size - 1` inputs of the convolution (the projected
-        `concat(q, k, v)` before the convolution), `(conv_kernel_size - 1, conv_dim)`.
-    - `recurrent`: the gated-delta-rule state, `(value_heads, K, V)`, float32.
-
-    Both may carry the same leading batch axes (to be `jax.vmap`ped over with the input).
-    """
-
-    conv: Float[Array, "*batch history conv_dim"]
-    recurrent: Float[Array, "*batch vheads k v"]
+# The state's former name; the public one (`deltanet_cp.nn.GatedDeltaNetState`) warns.
+GatedDeltaNetState = RecurrentLayerState
 
 
-class GatedDeltaNet(AbstractDeltaLayer[GatedDeltaNetState]):
+class GatedDeltaNet(AbstractDeltaLayer[RecurrentLayerState]):
     r"""The Gated DeltaNet token mixer of Qwen3-Next and Qwen3.5.
 
     For an input `x` of shape `(seq, hidden)`:
@@ -86,10 +74,7 @@ class GatedDeltaNet(AbstractDeltaLayer[GatedDeltaNetState]):
     num_value_heads: int = eqx.field(static=True)
     key_head_dim: int = eqx.field(static=True)
     value_head_dim: int = eqx.field(static=True)
-    chunk_size: int = eqx.field(static=True)
-    block_size: int | None = eqx.field(static=True)
-    memory: Memory | None = eqx.field(static=True)
-    precision: PrecisionName | None = eqx.field(static=True)
+    options: EngineOptions = eqx.field(static=True)
 
     def __init__(
         self,
@@ -101,10 +86,11 @@ class GatedDeltaNet(AbstractDeltaLayer[GatedDeltaNetState]):
         *,
         conv_kernel_size: int = 4,
         norm_eps: float = 1e-6,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
         block_size: int | None = None,
         memory: Memory | None = None,
         precision: PrecisionName | None = None,
+        options: EngineOptions | None = None,
         key: PRNGKeyArray,
         dtype=None,
     ):
@@ -117,7 +103,7 @@ class GatedDeltaNet(AbstractDeltaLayer[GatedDeltaNetState]):
         - `value_head_dim`: `V`, the value head size.
         - `conv_kernel_size`: the length of the causal convolution.
         - `norm_eps`: the epsilon of the gated RMSNorm.
-        - `chunk_size`: tokens per chunk of the gated delta rule.
+        - `chunk_size`: tokens per chunk of the gated delta rule (`None`: 64).
         - `block_size`: the engine's block, tokens whose chunk factors are formed together
             (the `block_size` of [`deltanet_cp.run`][]); `None` takes
             [`deltanet_cp.default_block_size`][] (the backend's default).
@@ -132,6 +118,8 @@ class GatedDeltaNet(AbstractDeltaLayer[GatedDeltaNetState]):
             the chunk maps and the norm stay float32 under every policy. The dense
             projections are `equinox.nn.Linear`s: they multiply in the parameters' dtype
             at JAX's default precision whatever the policy.
+        - `options`: the four settings above as one [`deltanet_cp.EngineOptions`][]
+            (then pass none of them loose).
         - `key`: a PRNG key for the initial parameters. Linear layers and the convolution
             use the Equinox/torch defaults, $A_{\log} = \log U(1, 16)$ and $\Delta_b = 1$
             (Qwen3-Next's recipe), and the norm weight is ones.
@@ -143,52 +131,27 @@ class GatedDeltaNet(AbstractDeltaLayer[GatedDeltaNetState]):
         is not positive (`block_size` may also be `None`) or if `num_value_heads` is not a
         multiple of `num_key_heads`.
         """
-        sizes = dict(
-            hidden_size=hidden_size,
-            num_key_heads=num_key_heads,
-            num_value_heads=num_value_heads,
-            key_head_dim=key_head_dim,
-            value_head_dim=value_head_dim,
-            conv_kernel_size=conv_kernel_size,
-            chunk_size=chunk_size,
-        )
-        (
+        s = Skeleton.grouped(
             hidden_size,
             num_key_heads,
             num_value_heads,
             key_head_dim,
             value_head_dim,
-            conv_kernel_size,
-            chunk_size,
-            block_size,
-            precision,
-        ) = check_sizes(sizes, block_size, precision)
-        check_value_heads(num_value_heads, num_key_heads)
-        linear = no_bias_linear(dtype)
-        dtype = jnp.zeros(()).dtype if dtype is None else dtype
+            conv_kernel_size=conv_kernel_size,
+            options=engine_options(options, chunk_size, block_size, memory, precision),
+            dtype=dtype,
+        )
         kqkv, kz, kb, ka, kconv, kA, kout = jr.split(key, 7)
-        key_dim = num_key_heads * key_head_dim
-        value_dim = num_value_heads * value_head_dim
-        conv_dim = 2 * key_dim + value_dim
-
-        self.in_proj_qkv = linear(hidden_size, conv_dim, kqkv)
-        self.in_proj_z = linear(hidden_size, value_dim, kz)
-        self.in_proj_b = linear(hidden_size, num_value_heads, kb)
-        self.in_proj_a = linear(hidden_size, num_value_heads, ka)
-        self.conv1d = CausalConv1d(conv_dim, conv_kernel_size, key=kconv, dtype=dtype)
-        self.A_log = jnp.log(jr.uniform(kA, (num_value_heads,), dtype, 1.0, 16.0))
-        self.dt_bias = jnp.ones((num_value_heads,), dtype)
-        self.norm = GatedRMSNorm(value_head_dim, eps=norm_eps, dtype=dtype)
-        self.out_proj = linear(value_dim, hidden_size, kout)
-        self.hidden_size = hidden_size
-        self.num_key_heads = num_key_heads
-        self.num_value_heads = num_value_heads
-        self.key_head_dim = key_head_dim
-        self.value_head_dim = value_head_dim
-        self.chunk_size = chunk_size
-        self.block_size = block_size
-        self.memory = as_memory(memory)
-        self.precision = precision
+        hidden_size, num_key_heads, num_value_heads, key_head_dim, value_head_dim = s.sizes.values()
+        self.in_proj_qkv, self.conv1d = s.qkv(kqkv, kconv)
+        self.in_proj_z = s.linear(hidden_size, s.value_dim, kz)
+        self.in_proj_b = s.linear(hidden_size, num_value_heads, kb)
+        self.in_proj_a = s.linear(hidden_size, num_value_heads, ka)
+        self.A_log = jnp.log(jr.uniform(kA, (num_value_heads,), s.dtype, 1.0, 16.0))
+        self.dt_bias = jnp.ones((num_value_heads,), s.dtype)
+        self.norm = s.norm(GatedRMSNorm, norm_eps)
+        self.out_proj = s.out_proj(kout)
+        s.fill(self)
 
     @property
     def _recurrent_shape(self) -> tuple[int, int, int]:
@@ -207,9 +170,6 @@ class GatedDeltaNet(AbstractDeltaLayer[GatedDeltaNetState]):
         z = z.reshape(v.shape)
         g = log_decay(a, self.A_log[None], self.dt_bias[None])
         return one_sequence(DeltaInputs, q, k, v, g, jax.nn.sigmoid(b)), z
-
-    def _state(self, conv, recurrent) -> GatedDeltaNetState:
-        return GatedDeltaNetState(conv=conv, recurrent=recurrent)
 
     def _recurrence(self, chunk_size: int) -> GatedDeltaRule:
         return GatedDeltaRule(chunk_size=chunk_size, use_qk_l2norm=True, precision=self.precision)

@@ -1,25 +1,23 @@
 """The Gated DeltaProduct layer: `n_h` delta-rule steps per token, with context parallelism."""
 
 import equinox as eqx
-import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._options import engine_options, EngineOptions
 from .._precision import PrecisionName
-from .._run import as_memory, Memory
+from .._run import Memory
 from ..recurrences._delta_family import DeltaInputs
 from ..recurrences._delta_product import GatedDeltaProductRule
 from ._conv import CausalConv1d
 from ._delta_layer import (
     AbstractRecurrentLayer,
-    check_sizes,
-    check_value_heads,
     fla_decay_init,
     log_decay,
-    no_bias_linear,
     one_sequence,
     project,
     RecurrentLayerState,
+    Skeleton,
     step_sizes,
 )
 from ._norm import GatedRMSNorm
@@ -70,10 +68,7 @@ class GatedDeltaProduct(AbstractRecurrentLayer[RecurrentLayerState]):
     value_head_dim: int = eqx.field(static=True)
     num_householder: int = eqx.field(static=True)
     allow_neg_eigval: bool = eqx.field(static=True)
-    chunk_size: int = eqx.field(static=True)
-    block_size: int | None = eqx.field(static=True)
-    memory: Memory | None = eqx.field(static=True)
-    precision: PrecisionName | None = eqx.field(static=True)
+    options: EngineOptions = eqx.field(static=True)
 
     def __init__(
         self,
@@ -87,10 +82,11 @@ class GatedDeltaProduct(AbstractRecurrentLayer[RecurrentLayerState]):
         allow_neg_eigval: bool = True,
         conv_kernel_size: int = 4,
         norm_eps: float = 1e-5,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
         block_size: int | None = None,
         memory: Memory | None = None,
         precision: PrecisionName | None = None,
+        options: EngineOptions | None = None,
         key: PRNGKeyArray,
         dtype=None,
     ):
@@ -113,6 +109,8 @@ class GatedDeltaProduct(AbstractRecurrentLayer[RecurrentLayerState]):
             `"high"` (the `memory` of [`deltanet_cp.run`][]).
         - `precision`: how the recurrence's large products multiply, as for
             [`deltanet_cp.nn.GatedDeltaNet`][].
+        - `options`: `chunk_size` (`None`: 64), `block_size`, `memory` and `precision` as
+            one [`deltanet_cp.EngineOptions`][] (then pass none of them loose).
         - `key`: a PRNG key for the initial parameters: the Equinox/torch defaults for the
             linear layers and the convolution, $A_{\log}$ and $\Delta_b$ as in
             flash-linear-attention (see [`deltanet_cp.nn.KimiDeltaAttention`][]), the norm
@@ -124,47 +122,33 @@ class GatedDeltaProduct(AbstractRecurrentLayer[RecurrentLayerState]):
         `TypeError` if a size is not an int, `ValueError` if it is not positive or if
         `num_value_heads` is not a multiple of `num_key_heads`.
         """
-        sizes = dict(
-            hidden_size=hidden_size,
-            num_key_heads=num_key_heads,
-            num_value_heads=num_value_heads,
-            key_head_dim=key_head_dim,
-            value_head_dim=value_head_dim,
-            num_householder=num_householder,
+        s = Skeleton.grouped(
+            hidden_size,
+            num_key_heads,
+            num_value_heads,
+            key_head_dim,
+            value_head_dim,
+            extra=dict(num_householder=num_householder),
             conv_kernel_size=conv_kernel_size,
-            chunk_size=chunk_size,
+            options=engine_options(options, chunk_size, block_size, memory, precision),
+            dtype=dtype,
         )
-        checked = check_sizes(sizes, block_size, precision)
-        hidden_size, num_key_heads, num_value_heads, key_head_dim, value_head_dim = checked[:5]
-        num_householder, conv_kernel_size, chunk_size, block_size, precision = checked[5:]
-        check_value_heads(num_value_heads, num_key_heads)
-        linear = no_bias_linear(dtype)
-        dtype = jnp.zeros(()).dtype if dtype is None else dtype
         keys = jr.split(key, 8)
-        key_dim = num_key_heads * key_head_dim
-        value_dim = num_value_heads * value_head_dim
-        conv_dim = key_dim + num_householder * (key_dim + value_dim)
-        self.in_proj_qkv = linear(hidden_size, conv_dim, keys[0])
-        self.conv1d = CausalConv1d(conv_dim, conv_kernel_size, key=keys[1], dtype=dtype)
-        self.b_proj = linear(hidden_size, num_householder * num_value_heads, keys[2])
-        self.a_proj = linear(hidden_size, num_value_heads, keys[3])
-        self.A_log, self.dt_bias = fla_decay_init(
-            keys[4], keys[5], (num_value_heads,), (num_value_heads,), dtype
+        hidden_size, num_key_heads, num_value_heads, key_head_dim, value_head_dim, n = (
+            s.sizes.values()
         )
-        self.g_proj = linear(hidden_size, value_dim, keys[6])
-        self.norm = GatedRMSNorm(value_head_dim, eps=norm_eps, dtype=dtype)
-        self.out_proj = linear(value_dim, hidden_size, keys[7])
-        self.hidden_size = hidden_size
-        self.num_key_heads = num_key_heads
-        self.num_value_heads = num_value_heads
-        self.key_head_dim = key_head_dim
-        self.value_head_dim = value_head_dim
-        self.num_householder = num_householder
+        conv_dim = s.key_dim + n * (s.key_dim + s.value_dim)
+        self.in_proj_qkv, self.conv1d = s.qkv(keys[0], keys[1], conv_dim)
+        self.b_proj = s.linear(hidden_size, n * num_value_heads, keys[2])
+        self.a_proj = s.linear(hidden_size, num_value_heads, keys[3])
+        self.A_log, self.dt_bias = fla_decay_init(
+            keys[4], keys[5], (num_value_heads,), (num_value_heads,), s.dtype
+        )
+        self.g_proj = s.linear(hidden_size, s.value_dim, keys[6])
+        self.norm = s.norm(GatedRMSNorm, norm_eps)
+        self.out_proj = s.out_proj(keys[7])
+        s.fill(self)
         self.allow_neg_eigval = bool(allow_neg_eigval)
-        self.chunk_size = chunk_size
-        self.block_size = block_size
-        self.memory = as_memory(memory)
-        self.precision = precision
 
     @property
     def _recurrent_shape(self) -> tuple[int, int, int]:
@@ -189,9 +173,6 @@ class GatedDeltaProduct(AbstractRecurrentLayer[RecurrentLayerState]):
         beta = step_sizes(b, self.allow_neg_eigval).reshape(t, n, hv)
         g = log_decay(a, self.A_log[None], self.dt_bias[None])
         return one_sequence(DeltaInputs, q, k, v, g, beta), gate.reshape(t, hv, dv)
-
-    def _state(self, conv, recurrent) -> RecurrentLayerState:
-        return RecurrentLayerState(conv=conv, recurrent=recurrent)
 
     def _recurrence(self, chunk_size: int) -> GatedDeltaProductRule:
         return GatedDeltaProductRule(

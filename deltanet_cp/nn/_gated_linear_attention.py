@@ -1,33 +1,34 @@
 """Gated linear attention layers: a decay per key channel (GLA) or one per head (the Mamba-2 /
 RetNet form), with context parallelism."""
 
+from typing import Any
+
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, PRNGKeyArray
 
+from .._options import engine_options, EngineOptions
 from .._precision import accumulation_dtype, PrecisionName
-from .._run import as_memory, Memory
+from .._run import Memory
 from ..recurrences._gla import GLAInputs, GLARule
 from ._conv import CausalConv1d
 from ._delta_layer import (
     AbstractRecurrentLayer,
-    check_sizes,
-    no_bias_linear,
     one_sequence,
     project,
     RecurrentLayerState,
+    Skeleton,
     split_qkv,
 )
 from ._norm import GatedRMSNorm
 
 
-def _gla_sizes(sizes: dict, block_size, precision, normalizer) -> tuple:
-    """`check_sizes`, and `gate_logit_normalizer` as a positive float."""
+def _normalizer(normalizer: Any) -> float:
+    """`gate_logit_normalizer` as a positive float."""
     if isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)) or normalizer <= 0:
         raise ValueError(f"`gate_logit_normalizer` must be a positive number; got {normalizer!r}.")
-    return (*check_sizes(sizes, block_size, precision), float(normalizer))
+    return float(normalizer)
 
 
 def _log_sigmoid_decay(logits: Array, normalizer: float) -> Array:
@@ -74,10 +75,7 @@ class GatedLinearAttention(AbstractRecurrentLayer[RecurrentLayerState]):
     key_head_dim: int = eqx.field(static=True)
     value_head_dim: int = eqx.field(static=True)
     gate_logit_normalizer: float = eqx.field(static=True)
-    chunk_size: int = eqx.field(static=True)
-    block_size: int | None = eqx.field(static=True)
-    memory: Memory | None = eqx.field(static=True)
-    precision: PrecisionName | None = eqx.field(static=True)
+    options: EngineOptions = eqx.field(static=True)
 
     def __init__(
         self,
@@ -90,10 +88,11 @@ class GatedLinearAttention(AbstractRecurrentLayer[RecurrentLayerState]):
         gate_logit_normalizer: float = 16,
         conv_kernel_size: int = 4,
         norm_eps: float = 1e-5,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
         block_size: int | None = None,
         memory: Memory | None = None,
         precision: PrecisionName | None = None,
+        options: EngineOptions | None = None,
         key: PRNGKeyArray,
         dtype=None,
     ):
@@ -115,6 +114,8 @@ class GatedLinearAttention(AbstractRecurrentLayer[RecurrentLayerState]):
         - `precision`: how the recurrence's large products multiply, as for
             [`deltanet_cp.nn.GatedDeltaNet`][]: `"highest"`, `"bfloat16"`, `"default"`,
             or `None` (from the parameters' dtype).
+        - `options`: `chunk_size` (`None`: 64), `block_size`, `memory` and `precision` as
+            one [`deltanet_cp.EngineOptions`][] (then pass none of them loose).
         - `key`: a PRNG key for the initial parameters (the Equinox/torch defaults; the
             norm weight is ones).
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
@@ -124,39 +125,35 @@ class GatedLinearAttention(AbstractRecurrentLayer[RecurrentLayerState]):
         `TypeError` if a size is not an int, `ValueError` if it is not positive or if
         `gate_logit_normalizer` is not a positive number.
         """
-        sizes = dict(
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            key_head_dim=key_head_dim,
-            value_head_dim=value_head_dim,
-            gate_low_rank_dim=gate_low_rank_dim,
+        normalizer = _normalizer(gate_logit_normalizer)
+        options = engine_options(options, chunk_size, block_size, memory, precision)
+        s = Skeleton(
+            dict(
+                hidden_size=hidden_size,
+                num_heads=num_heads,
+                key_head_dim=key_head_dim,
+                value_head_dim=value_head_dim,
+                gate_low_rank_dim=gate_low_rank_dim,
+            ),
+            heads=("num_heads", "num_heads"),
             conv_kernel_size=conv_kernel_size,
-            chunk_size=chunk_size,
+            options=options,
+            dtype=dtype,
         )
-        checked = _gla_sizes(sizes, block_size, precision, gate_logit_normalizer)
-        hidden_size, num_heads, key_head_dim, value_head_dim, rank = checked[:5]
-        conv_kernel_size, chunk_size, block_size, precision, normalizer = checked[5:]
-        linear = no_bias_linear(dtype)
-        dtype = jnp.zeros(()).dtype if dtype is None else dtype
         keys = jr.split(key, 6)
-        key_dim, value_dim = num_heads * key_head_dim, num_heads * value_head_dim
-        conv_dim = 2 * key_dim + value_dim
-        self.in_proj_qkv = linear(hidden_size, conv_dim, keys[0])
-        self.conv1d = CausalConv1d(conv_dim, conv_kernel_size, key=keys[1], dtype=dtype)
-        self.gk_a_proj = linear(hidden_size, rank, keys[2])
-        self.gk_b_proj = eqx.nn.Linear(rank, key_dim, key=keys[3], dtype=dtype)
-        self.g_proj = linear(hidden_size, value_dim, keys[4])
-        self.norm = GatedRMSNorm(value_head_dim, eps=norm_eps, dtype=dtype)
-        self.out_proj = linear(value_dim, hidden_size, keys[5])
+        hidden_size, num_heads, key_head_dim, value_head_dim, rank = s.sizes.values()
+        self.in_proj_qkv, self.conv1d = s.qkv(keys[0], keys[1])
+        self.gk_a_proj = s.linear(hidden_size, rank, keys[2])
+        self.gk_b_proj = s.linear(rank, s.key_dim, keys[3], bias=True)
+        self.g_proj = s.linear(hidden_size, s.value_dim, keys[4])
+        self.norm = s.norm(GatedRMSNorm, norm_eps)
+        self.out_proj = s.out_proj(keys[5])
         self.hidden_size = hidden_size
         self.num_heads = num_heads
         self.key_head_dim = key_head_dim
         self.value_head_dim = value_head_dim
         self.gate_logit_normalizer = normalizer
-        self.chunk_size = chunk_size
-        self.block_size = block_size
-        self.memory = as_memory(memory)
-        self.precision = precision
+        self.options = options
 
     @property
     def _recurrent_shape(self) -> tuple[int, int, int]:
@@ -172,9 +169,6 @@ class GatedLinearAttention(AbstractRecurrentLayer[RecurrentLayerState]):
         q, k, v = split_qkv(mixed, self.num_heads, self.key_head_dim, self.value_head_dim)
         g = _log_sigmoid_decay(gk.reshape(k.shape), self.gate_logit_normalizer)
         return one_sequence(GLAInputs, q, k, v, g), gate.reshape(v.shape)
-
-    def _state(self, conv, recurrent) -> RecurrentLayerState:
-        return RecurrentLayerState(conv=conv, recurrent=recurrent)
 
     def _recurrence(self, chunk_size: int) -> GLARule:
         return GLARule(chunk_size=chunk_size, precision=self.precision)
@@ -206,10 +200,7 @@ class SimpleGatedLinearAttention(AbstractRecurrentLayer[RecurrentLayerState]):
     key_head_dim: int = eqx.field(static=True)
     value_head_dim: int = eqx.field(static=True)
     gate_logit_normalizer: float = eqx.field(static=True)
-    chunk_size: int = eqx.field(static=True)
-    block_size: int | None = eqx.field(static=True)
-    memory: Memory | None = eqx.field(static=True)
-    precision: PrecisionName | None = eqx.field(static=True)
+    options: EngineOptions = eqx.field(static=True)
 
     def __init__(
         self,
@@ -221,46 +212,43 @@ class SimpleGatedLinearAttention(AbstractRecurrentLayer[RecurrentLayerState]):
         gate_logit_normalizer: float = 16,
         conv_kernel_size: int = 4,
         norm_eps: float = 1e-5,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
         block_size: int | None = None,
         memory: Memory | None = None,
         precision: PrecisionName | None = None,
+        options: EngineOptions | None = None,
         key: PRNGKeyArray,
         dtype=None,
     ):
         """**Arguments:** as for [`deltanet_cp.nn.GatedLinearAttention`][] (without
         `gate_low_rank_dim`: the decay's projection is `hidden -> H`, with a bias)."""
-        sizes = dict(
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            key_head_dim=key_head_dim,
-            value_head_dim=value_head_dim,
+        normalizer = _normalizer(gate_logit_normalizer)
+        options = engine_options(options, chunk_size, block_size, memory, precision)
+        s = Skeleton(
+            dict(
+                hidden_size=hidden_size,
+                num_heads=num_heads,
+                key_head_dim=key_head_dim,
+                value_head_dim=value_head_dim,
+            ),
+            heads=("num_heads", "num_heads"),
             conv_kernel_size=conv_kernel_size,
-            chunk_size=chunk_size,
+            options=options,
+            dtype=dtype,
         )
-        checked = _gla_sizes(sizes, block_size, precision, gate_logit_normalizer)
-        hidden_size, num_heads, key_head_dim, value_head_dim = checked[:4]
-        conv_kernel_size, chunk_size, block_size, precision, normalizer = checked[4:]
-        linear = no_bias_linear(dtype)
-        dtype = jnp.zeros(()).dtype if dtype is None else dtype
         keys = jr.split(key, 5)
-        key_dim, value_dim = num_heads * key_head_dim, num_heads * value_head_dim
-        conv_dim = 2 * key_dim + value_dim
-        self.in_proj_qkv = linear(hidden_size, conv_dim, keys[0])
-        self.conv1d = CausalConv1d(conv_dim, conv_kernel_size, key=keys[1], dtype=dtype)
-        self.gk_proj = eqx.nn.Linear(hidden_size, num_heads, key=keys[2], dtype=dtype)
-        self.g_proj = linear(hidden_size, value_dim, keys[3])
-        self.norm = GatedRMSNorm(value_head_dim, eps=norm_eps, dtype=dtype)
-        self.out_proj = linear(value_dim, hidden_size, keys[4])
+        hidden_size, num_heads, key_head_dim, value_head_dim = s.sizes.values()
+        self.in_proj_qkv, self.conv1d = s.qkv(keys[0], keys[1])
+        self.gk_proj = s.linear(hidden_size, num_heads, keys[2], bias=True)
+        self.g_proj = s.linear(hidden_size, s.value_dim, keys[3])
+        self.norm = s.norm(GatedRMSNorm, norm_eps)
+        self.out_proj = s.out_proj(keys[4])
         self.hidden_size = hidden_size
         self.num_heads = num_heads
         self.key_head_dim = key_head_dim
         self.value_head_dim = value_head_dim
         self.gate_logit_normalizer = normalizer
-        self.chunk_size = chunk_size
-        self.block_size = block_size
-        self.memory = as_memory(memory)
-        self.precision = precision
+        self.options = options
 
     @property
     def _recurrent_shape(self) -> tuple[int, int, int]:
@@ -275,9 +263,6 @@ class SimpleGatedLinearAttention(AbstractRecurrentLayer[RecurrentLayerState]):
         q, k, v = split_qkv(mixed, self.num_heads, self.key_head_dim, self.value_head_dim)
         g = _log_sigmoid_decay(gk, self.gate_logit_normalizer)
         return one_sequence(GLAInputs, q, k, v, g), gate.reshape(v.shape)
-
-    def _state(self, conv, recurrent) -> RecurrentLayerState:
-        return RecurrentLayerState(conv=conv, recurrent=recurrent)
 
     def _recurrence(self, chunk_size: int) -> GLARule:
         return GLARule(chunk_size=chunk_size, precision=self.precision)

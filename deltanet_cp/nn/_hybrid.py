@@ -10,19 +10,21 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._options import engine_options, EngineOptions
 from .._parallel import ContextParallel
-from .._precision import as_precision, PrecisionName
+from .._precision import PrecisionName
 from .._run import Memory
 from .._validate import as_positive_index
 from ._attention import CausalSelfAttention
 from ._context import layer_cp
-from ._delta_layer import AbstractRecurrentLayer
 from ._delta_net import DeltaNet
 from ._gated_delta_net import GatedDeltaNet
 from ._gated_delta_net_2 import GatedDeltaNet2
 from ._gated_delta_product import GatedDeltaProduct
 from ._gated_linear_attention import GatedLinearAttention, SimpleGatedLinearAttention
 from ._kimi_delta_attention import KimiDeltaAttention
+from ._mixer import AbstractTokenMixer
+from ._mlp import SwiGLU as SwiGLU
 from ._momentum_delta_net import MomentumDeltaNet
 from ._precond import PrecondGatedDeltaNet, PrecondKimiDeltaAttention
 from ._rwkv7_attention import RWKV7Attention
@@ -30,8 +32,8 @@ from ._schedule import KVSchedule
 from ._tokens import check_tokens
 
 
-# A token mixer of a `HybridBlock`: a recurrent layer of `deltanet_cp.nn` or attention.
-Mixer = AbstractRecurrentLayer | RWKV7Attention | CausalSelfAttention
+# A token mixer of a `HybridBlock`: any of `deltanet_cp.nn`'s, all called alike.
+Mixer = AbstractTokenMixer
 
 # The token mixers `HybridLM` builds by name.
 MixerKind = Literal[
@@ -48,36 +50,6 @@ MixerKind = Literal[
     "precond_kimi_delta_attention",
     "rwkv7",
 ]
-
-
-class SwiGLU(eqx.Module):
-    """The gated MLP of Llama / Qwen: `down(silu(gate(x)) * up(x))`, on one token."""
-
-    gate_proj: eqx.nn.Linear
-    up_proj: eqx.nn.Linear
-    down_proj: eqx.nn.Linear
-
-    def __init__(self, hidden_size: int, intermediate_size: int, *, key: PRNGKeyArray, dtype=None):
-        """**Arguments:**
-
-        - `hidden_size`: the model width.
-        - `intermediate_size`: the width of the hidden layer.
-        - `key`: a PRNG key for the initial parameters.
-        - `dtype`: the parameter dtype; the default floating dtype if `None`.
-        """
-        kg, ku, kd = jr.split(key, 3)
-        self.gate_proj = eqx.nn.Linear(
-            hidden_size, intermediate_size, use_bias=False, key=kg, dtype=dtype
-        )
-        self.up_proj = eqx.nn.Linear(
-            hidden_size, intermediate_size, use_bias=False, key=ku, dtype=dtype
-        )
-        self.down_proj = eqx.nn.Linear(
-            intermediate_size, hidden_size, use_bias=False, key=kd, dtype=dtype
-        )
-
-    def __call__(self, x: Float[Array, " hidden"]) -> Float[Array, " hidden"]:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class HybridBlock(eqx.Module):
@@ -126,16 +98,22 @@ class HybridBlock(eqx.Module):
     ) -> Float[Array, "seq hidden"]:
         """**Arguments:** as for [`deltanet_cp.nn.HybridLM`][], on hidden states, and
         `v_first`: for an RWKV-7 mixer after the model's first, the first one's `values`
-        on its normed input; unused by the other mixers."""
+        on its normed input (`first_values`); `None` up to and including the first one;
+        ignored by the other mixers. Every mixer is called the same way
+        ([`deltanet_cp.nn.AbstractTokenMixer`][])."""
+        return self._forward(x, cp, kv_schedule, v_first)[0]
+
+    def _forward(self, x, cp, kv_schedule, v_first) -> tuple[Array, Array | None]:
+        """`(output, v_first)`: the block's output and the `v_first` of the blocks after
+        it (the given one, or the values this block's mixer makes if it is the first
+        RWKV-7 one; `first_values`)."""
         h = jax.vmap(self.mixer_norm)(x)
-        if isinstance(self.mixer, CausalSelfAttention):
-            h = self.mixer(h, cp=cp, kv_schedule=kv_schedule)
-        elif isinstance(self.mixer, RWKV7Attention):
-            h = self.mixer(h, v_first=None if self.mixer.is_first else v_first, cp=cp)
+        if v_first is None:
+            v_first_after = self.mixer.first_values(h, cp=cp)
         else:
-            h = self.mixer(h, cp=cp)
-        x = x + h
-        return x + jax.vmap(lambda y: self.mlp(self.mlp_norm(y)))(x)
+            v_first_after = v_first
+        x = x + self.mixer(h, cp=cp, kv_schedule=kv_schedule, v_first=v_first)
+        return x + jax.vmap(lambda y: self.mlp(self.mlp_norm(y)))(x), v_first_after
 
 
 class HybridLM(eqx.Module):
@@ -174,11 +152,12 @@ class HybridLM(eqx.Module):
         num_attention_heads: int = 4,
         attention_head_dim: int = 16,
         intermediate_size: int | None = None,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
         block_size: int | None = None,
         memory: Memory | None = None,
         tile_size: int = 128,
         precision: PrecisionName | None = None,
+        options: EngineOptions | None = None,
         key: PRNGKeyArray,
         dtype=None,
     ):
@@ -222,6 +201,9 @@ class HybridLM(eqx.Module):
             The MLPs, the embedding and the LM head multiply in the parameters' dtype at
             JAX's default precision.
         - `intermediate_size`: the MLP width; `4 * hidden_size` if `None`.
+        - `options`: `chunk_size` (`None`: 64), `block_size`, `memory` and `precision` as
+            one [`deltanet_cp.EngineOptions`][] (then pass none of them loose); its
+            `precision` is the attention layers' too.
         - `key`: a PRNG key for the initial parameters.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
 
@@ -236,7 +218,8 @@ class HybridLM(eqx.Module):
         hidden_size = as_positive_index(hidden_size, "hidden_size")
         num_layers = as_positive_index(num_layers, "num_layers")
         attention_every = as_positive_index(attention_every, "attention_every")
-        precision = as_precision(precision)
+        options = engine_options(options, chunk_size, block_size, memory, precision)
+        precision = options.precision
         intermediate_size = 4 * hidden_size if intermediate_size is None else intermediate_size
         if mixers is None:
             mixers = [
@@ -250,14 +233,7 @@ class HybridLM(eqx.Module):
                 f"{len(mixers)}."
             )
         sizes = (num_key_heads, num_value_heads, key_head_dim, value_head_dim)
-        recurrent = dict(
-            conv_kernel_size=conv_kernel_size,
-            chunk_size=chunk_size,
-            block_size=block_size,
-            memory=memory,
-            precision=precision,
-            dtype=dtype,
-        )
+        recurrent = dict(conv_kernel_size=conv_kernel_size, options=options, dtype=dtype)
         attention = dict(tile_size=tile_size, precision=precision, dtype=dtype)
         kemb, khead, *kblocks = jr.split(key, num_layers + 2)
         blocks = []
@@ -275,10 +251,7 @@ class HybridLM(eqx.Module):
                     value_head_dim,
                     layer_idx=before,
                     num_layers=before + sum(m == "rwkv7" for m in mixers[i:] if isinstance(m, str)),
-                    chunk_size=chunk_size,
-                    block_size=block_size,
-                    memory=memory,
-                    precision=precision,
+                    options=options,
                     key=kmix,
                     dtype=dtype,
                 )
@@ -339,9 +312,7 @@ class HybridLM(eqx.Module):
         x = jax.vmap(self.embed)(tokens)
         v_first = None  # the first RWKV-7 block's values, for the later ones
         for block in self.blocks:
-            if isinstance(block.mixer, RWKV7Attention) and block.mixer.is_first:
-                v_first = block.mixer.values(jax.vmap(block.mixer_norm)(x), cp=cp)
-            x = block(x, cp=cp, kv_schedule=kv_schedule, v_first=v_first)
+            x, v_first = block._forward(x, cp, kv_schedule, v_first)
         return jax.vmap(lambda y: self.lm_head(self.norm(y)))(x)
 
 

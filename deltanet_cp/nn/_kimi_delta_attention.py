@@ -1,46 +1,29 @@
 """The Kimi Delta Attention layer of Kimi Linear, with context parallelism."""
 
 import equinox as eqx
-import jax
-import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._options import engine_options, EngineOptions
 from .._precision import PrecisionName
-from .._run import as_memory, Memory
-from ..recurrences._delta_family import DeltaInputs
+from .._run import Memory
 from ..recurrences._kda import KimiDeltaRule
 from ._conv import CausalConv1d
 from ._delta_layer import (
     AbstractDeltaLayer,
-    check_sizes,
     fla_decay_init,
-    log_decay,
-    no_bias_linear,
-    one_sequence,
-    project,
-    split_qkv,
+    RecurrentLayerState,
+    Skeleton,
 )
+from ._kda_gates import kda_project, kda_split
 from ._norm import SigmoidGatedRMSNorm
 
 
-class KimiDeltaAttentionState(eqx.Module):
-    """What a [`deltanet_cp.nn.KimiDeltaAttention`][] carries from one segment to the next.
-
-    **Fields:**
-
-    - `conv`: the last `conv_kernel_size - 1` inputs of the convolution (the projected
-        `concat(q, k, v)` before the convolution), `(conv_kernel_size - 1, 3 H K)`.
-    - `recurrent`: the delta rule's state, `(heads, K, K)`, float32.
-
-    Both may carry the same leading batch axes (to be `jax.vmap`ped over with the input).
-    """
-
-    conv: Float[Array, "*batch history conv_dim"]
-    recurrent: Float[Array, "*batch heads k v"]
+# The state's former name; the public one (`deltanet_cp.nn.KimiDeltaAttentionState`) warns.
+KimiDeltaAttentionState = RecurrentLayerState
 
 
-class KimiDeltaAttention(AbstractDeltaLayer[KimiDeltaAttentionState]):
+class KimiDeltaAttention(AbstractDeltaLayer[RecurrentLayerState]):
     r"""The Kimi Delta Attention (KDA) token mixer of Kimi Linear.
 
     For an input `x` of shape `(seq, hidden)`, with `H` heads of size `K`:
@@ -88,10 +71,7 @@ class KimiDeltaAttention(AbstractDeltaLayer[KimiDeltaAttentionState]):
     hidden_size: int = eqx.field(static=True)
     num_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
-    chunk_size: int = eqx.field(static=True)
-    block_size: int | None = eqx.field(static=True)
-    memory: Memory | None = eqx.field(static=True)
-    precision: PrecisionName | None = eqx.field(static=True)
+    options: EngineOptions = eqx.field(static=True)
 
     def __init__(
         self,
@@ -101,10 +81,11 @@ class KimiDeltaAttention(AbstractDeltaLayer[KimiDeltaAttentionState]):
         *,
         conv_kernel_size: int = 4,
         norm_eps: float = 1e-5,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
         block_size: int | None = None,
         memory: Memory | None = None,
         precision: PrecisionName | None = None,
+        options: EngineOptions | None = None,
         key: PRNGKeyArray,
         dtype=None,
     ):
@@ -125,6 +106,8 @@ class KimiDeltaAttention(AbstractDeltaLayer[KimiDeltaAttentionState]):
             [`deltanet_cp.nn.GatedDeltaNet`][]: `"highest"`, `"bfloat16"`, `"default"`,
             or `None` (from the parameters' dtype). The state, the gates and the norm stay
             float32 under every policy.
+        - `options`: `chunk_size` (`None`: 64), `block_size`, `memory` and `precision` as
+            one [`deltanet_cp.EngineOptions`][] (then pass none of them loose).
         - `key`: a PRNG key for the initial parameters. Linear layers and the convolution
             use the Equinox/torch defaults, $A_{\log} = \log U(1, 16)$ and $\Delta_b$ the
             inverse softplus of $e^{U(\log 10^{-3}, \log 10^{-1})}$ (flash-linear-attention's
@@ -136,40 +119,28 @@ class KimiDeltaAttention(AbstractDeltaLayer[KimiDeltaAttentionState]):
         `TypeError` if a size is not an int, `ValueError` if it is not positive
         (`block_size` may also be `None`).
         """
-        sizes = dict(
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            head_dim=head_dim,
+        s = Skeleton(
+            dict(hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim),
+            heads="num_heads",
+            dims="head_dim",
             conv_kernel_size=conv_kernel_size,
-            chunk_size=chunk_size,
+            options=engine_options(options, chunk_size, block_size, memory, precision),
+            dtype=dtype,
         )
-        checked = check_sizes(sizes, block_size, precision)
-        hidden_size, num_heads, head_dim, conv_kernel_size, chunk_size = checked[:5]
-        block_size, precision = checked[5:]
-        linear = no_bias_linear(dtype)
-        dtype = jnp.zeros(()).dtype if dtype is None else dtype
         keys = jr.split(key, 10)
-        width = num_heads * head_dim
-
-        self.in_proj_qkv = linear(hidden_size, 3 * width, keys[0])
-        self.conv1d = CausalConv1d(3 * width, conv_kernel_size, key=keys[1], dtype=dtype)
-        self.f_a_proj = linear(hidden_size, head_dim, keys[2])
-        self.f_b_proj = linear(head_dim, width, keys[3])
+        hidden_size, num_heads, head_dim = s.sizes.values()
+        self.in_proj_qkv, self.conv1d = s.qkv(keys[0], keys[1])
+        self.f_a_proj = s.linear(hidden_size, head_dim, keys[2])
+        self.f_b_proj = s.linear(head_dim, s.key_dim, keys[3])
         self.A_log, self.dt_bias = fla_decay_init(
-            keys[4], keys[5], (num_heads,), (num_heads, head_dim), dtype
+            keys[4], keys[5], (num_heads,), (num_heads, head_dim), s.dtype
         )
-        self.b_proj = linear(hidden_size, num_heads, keys[6])
-        self.g_a_proj = linear(hidden_size, head_dim, keys[7])
-        self.g_b_proj = linear(head_dim, width, keys[8])
-        self.norm = SigmoidGatedRMSNorm(head_dim, eps=norm_eps, dtype=dtype)
-        self.out_proj = linear(width, hidden_size, keys[9])
-        self.hidden_size = hidden_size
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.chunk_size = chunk_size
-        self.block_size = block_size
-        self.memory = as_memory(memory)
-        self.precision = precision
+        self.b_proj = s.linear(hidden_size, num_heads, keys[6])
+        self.g_a_proj = s.linear(hidden_size, head_dim, keys[7])
+        self.g_b_proj = s.linear(head_dim, s.value_dim, keys[8])
+        self.norm = s.norm(SigmoidGatedRMSNorm, norm_eps)
+        self.out_proj = s.out_proj(keys[9])
+        s.fill(self)
 
     @property
     def _recurrent_shape(self) -> tuple[int, int, int]:
@@ -181,27 +152,5 @@ class KimiDeltaAttention(AbstractDeltaLayer[KimiDeltaAttentionState]):
     def _split(self, mixed, rest):
         return kda_split(self, mixed, rest)
 
-    def _state(self, conv, recurrent) -> KimiDeltaAttentionState:
-        return KimiDeltaAttentionState(conv=conv, recurrent=recurrent)
-
     def _recurrence(self, chunk_size: int) -> KimiDeltaRule:
         return KimiDeltaRule(chunk_size=chunk_size, use_qk_l2norm=True, precision=self.precision)
-
-
-def kda_project(layer, x):
-    """Kimi Delta Attention's projections of `x: (seq, hidden)` (those of `layer`, which has
-    its fields): `(qkv (seq, 3 H K), (f, b, gate))`."""
-    qkv, f, b, gate = project(x, layer.in_proj_qkv, layer.f_a_proj, layer.b_proj, layer.g_a_proj)
-    (f,) = project(f, layer.f_b_proj)
-    (gate,) = project(gate, layer.g_b_proj)
-    return qkv, (f, b, gate)
-
-
-def kda_split(layer, mixed, rest) -> tuple[DeltaInputs, Array]:
-    """Kimi Delta Attention's recurrence inputs (a batch of one) and output gate from the
-    convolution's output after SiLU, `(seq, 3 H K)`, and the rest of `kda_project`."""
-    f, b, gate = rest
-    h, dk = layer.num_heads, layer.head_dim
-    q, k, v = split_qkv(mixed, h, dk, dk)
-    g = log_decay(f.reshape(v.shape), layer.A_log[None, :, None], layer.dt_bias[None])
-    return one_sequence(DeltaInputs, q, k, v, g, jax.nn.sigmoid(b)), gate.reshape(v.shape)

@@ -15,7 +15,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 from .._precision import accumulation_dtype
 from .._sharding import cotangent_like, varying, varying_axes
 from .._validate import as_flag, as_positive_index
-from ._hybrid import SwiGLU
+from ._mlp import SwiGLU
 
 
 # The mesh axis (or axes) a layer's experts are split over inside `jax.shard_map`.

@@ -8,20 +8,19 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._options import engine_options, EngineOptions
 from .._precision import accumulation_dtype, PrecisionName
-from .._run import as_memory, Memory
+from .._run import Memory
 from ..recurrences._momentum import MomentumDeltaRule, MomentumInputs
 from ._conv import CausalConv1d
 from ._delta_layer import (
     AbstractRecurrentLayer,
-    check_sizes,
-    check_value_heads,
     fla_decay_init,
     log_decay,
-    no_bias_linear,
     one_sequence,
     project,
     RecurrentLayerState,
+    Skeleton,
     split_qkv,
 )
 from ._norm import GatedRMSNorm
@@ -88,10 +87,7 @@ class MomentumDeltaNet(AbstractRecurrentLayer[RecurrentLayerState]):
     min_log_mu: float | None = eqx.field(static=True)
     tau: float = eqx.field(static=True)
     allow_neg_eigval: bool = eqx.field(static=True)
-    chunk_size: int = eqx.field(static=True)
-    block_size: int | None = eqx.field(static=True)
-    memory: Memory | None = eqx.field(static=True)
-    precision: PrecisionName | None = eqx.field(static=True)
+    options: EngineOptions = eqx.field(static=True)
 
     def __init__(
         self,
@@ -108,10 +104,11 @@ class MomentumDeltaNet(AbstractRecurrentLayer[RecurrentLayerState]):
         allow_neg_eigval: bool = False,
         conv_kernel_size: int = 4,
         norm_eps: float = 1e-5,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
         block_size: int | None = None,
         memory: Memory | None = None,
         precision: PrecisionName | None = None,
+        options: EngineOptions | None = None,
         key: PRNGKeyArray,
         dtype=None,
     ):
@@ -136,6 +133,8 @@ class MomentumDeltaNet(AbstractRecurrentLayer[RecurrentLayerState]):
             `"high"` (the `memory` of [`deltanet_cp.run`][]).
         - `precision`: how the recurrence's large products multiply, as for
             [`deltanet_cp.nn.GatedDeltaNet`][].
+        - `options`: `chunk_size` (`None`: 64), `block_size`, `memory` and `precision` as
+            one [`deltanet_cp.EngineOptions`][] (then pass none of them loose).
         - `key`: a PRNG key for the initial parameters: the Equinox/torch defaults for the
             linear layers and the convolution; $A_{\log}$ and $M_{\log}$ as
             [`deltanet_cp.nn.GatedDeltaNet`][]'s $A_{\log}$ ($\log U(1, 16)$, where FLA
@@ -149,59 +148,44 @@ class MomentumDeltaNet(AbstractRecurrentLayer[RecurrentLayerState]):
         `TypeError` if a size is not an int, `ValueError` if it is not positive or if
         `num_value_heads` is not a multiple of `num_key_heads`.
         """
-        sizes = dict(
-            hidden_size=hidden_size,
-            num_key_heads=num_key_heads,
-            num_value_heads=num_value_heads,
-            key_head_dim=key_head_dim,
-            value_head_dim=value_head_dim,
+        s = Skeleton.grouped(
+            hidden_size,
+            num_key_heads,
+            num_value_heads,
+            key_head_dim,
+            value_head_dim,
             conv_kernel_size=conv_kernel_size,
-            chunk_size=chunk_size,
+            options=engine_options(options, chunk_size, block_size, memory, precision),
+            dtype=dtype,
         )
-        checked = check_sizes(sizes, block_size, precision)
-        hidden_size, num_key_heads, num_value_heads, key_head_dim, value_head_dim = checked[:5]
-        conv_kernel_size, chunk_size, block_size, precision = checked[5:]
-        check_value_heads(num_value_heads, num_key_heads)
         if not (isinstance(tau_factor, (int, float)) and tau_factor > 0):
             raise ValueError(f"`tau_factor` must be a positive number; got {tau_factor!r}.")
         if min_log_mu is not None and not (
             isinstance(min_log_mu, (int, float)) and min_log_mu <= 0
         ):
             raise ValueError(f"`min_log_mu` must be a number <= 0 or None; got {min_log_mu!r}.")
-        linear = no_bias_linear(dtype)
-        dtype = jnp.zeros(()).dtype if dtype is None else dtype
         keys = jr.split(key, 14)
-        h, hv = num_key_heads, num_value_heads
-        key_dim, value_dim = h * key_head_dim, hv * value_head_dim
-        conv_dim = 2 * key_dim + value_dim
-        self.in_proj_qkv = linear(hidden_size, conv_dim, keys[0])
-        self.conv1d = CausalConv1d(conv_dim, conv_kernel_size, key=keys[1], dtype=dtype)
-        self.a_proj = linear(hidden_size, hv, keys[2])
-        self.b_proj = linear(hidden_size, hv, keys[3])
-        self.m_proj = linear(hidden_size, hv, keys[4])
-        self.e_proj = linear(hidden_size, hv, keys[5])
+        hidden_size, num_key_heads, num_value_heads, key_head_dim, value_head_dim = s.sizes.values()
+        h, hv, dtype = num_key_heads, num_value_heads, s.dtype
+        self.in_proj_qkv, self.conv1d = s.qkv(keys[0], keys[1])
+        self.a_proj = s.linear(hidden_size, hv, keys[2])
+        self.b_proj = s.linear(hidden_size, hv, keys[3])
+        self.m_proj = s.linear(hidden_size, hv, keys[4])
+        self.e_proj = s.linear(hidden_size, hv, keys[5])
         self.A_log, self.dt_bias = fla_decay_init(keys[6], keys[7], (h,), (hv,), dtype)
         self.Mu_log, self.mu_bias = fla_decay_init(keys[8], keys[9], (h,), (hv,), dtype)
         self.log_factor = jnp.log(jr.uniform(keys[10], (h,), dtype, 1e-3, 4.0))
         self.D_log = (
             jnp.log(jr.uniform(keys[11], (h,), dtype, 1e-3, 1.0)) if use_output_correction else None
         )
-        self.g_proj = linear(hidden_size, value_dim, keys[12])
-        self.norm = GatedRMSNorm(value_head_dim, eps=norm_eps, dtype=dtype)
-        self.out_proj = linear(value_dim, hidden_size, keys[13])
-        self.hidden_size = hidden_size
-        self.num_key_heads = num_key_heads
-        self.num_value_heads = num_value_heads
-        self.key_head_dim = key_head_dim
-        self.value_head_dim = value_head_dim
+        self.g_proj = s.linear(hidden_size, s.value_dim, keys[12])
+        self.norm = s.norm(GatedRMSNorm, norm_eps)
+        self.out_proj = s.out_proj(keys[13])
+        s.fill(self)
         self.use_p_times_alpha = bool(use_p_times_alpha)
         self.min_log_mu = None if min_log_mu is None else float(min_log_mu)
         self.tau = math.sqrt(hidden_size / tau_factor)
         self.allow_neg_eigval = bool(allow_neg_eigval)
-        self.chunk_size = chunk_size
-        self.block_size = block_size
-        self.memory = as_memory(memory)
-        self.precision = precision
 
     @property
     def _recurrent_shape(self) -> tuple[int, int, int]:
@@ -236,9 +220,6 @@ class MomentumDeltaNet(AbstractRecurrentLayer[RecurrentLayerState]):
             q = q - jnp.exp(self.D_log)[None, :, None].astype(q.dtype) * k
         inputs = one_sequence(MomentumInputs, q, k, v, k, log_alpha, log_mu, beta, eta)
         return inputs, gate.reshape(v.shape)
-
-    def _state(self, conv, recurrent) -> RecurrentLayerState:
-        return RecurrentLayerState(conv=conv, recurrent=recurrent)
 
     def _recurrence(self, chunk_size: int) -> MomentumDeltaRule:
         return MomentumDeltaRule(

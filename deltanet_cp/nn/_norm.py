@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from .._dtype import param_dtype
 from .._precision import accumulation_dtype
 
 
@@ -33,7 +34,7 @@ class GatedRMSNorm(eqx.Module):
         - `eps`: added to the mean square before the reciprocal square root.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
         """
-        dtype = jnp.zeros(()).dtype if dtype is None else dtype
+        dtype = param_dtype(dtype)
         self.weight = jnp.ones((dim,), dtype)
         self.eps = eps
 
@@ -80,7 +81,7 @@ class SigmoidGatedRMSNorm(eqx.Module):
         - `eps`: added to the mean square before the reciprocal square root.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
         """
-        dtype = jnp.zeros(()).dtype if dtype is None else dtype
+        dtype = param_dtype(dtype)
         self.weight = jnp.ones((dim,), dtype)
         self.eps = eps
 
@@ -119,7 +120,7 @@ class ZeroCenteredRMSNorm(eqx.Module):
         - `eps`: added to the mean square before the reciprocal square root.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
         """
-        dtype = jnp.zeros(()).dtype if dtype is None else dtype
+        dtype = param_dtype(dtype)
         self.weight = jnp.zeros((dim,), dtype)
         self.eps = eps
 
@@ -169,7 +170,7 @@ class GroupNorm(eqx.Module):
         """
         if dim % num_groups:
             raise ValueError(f"`num_groups` ({num_groups}) must divide `dim` ({dim}).")
-        dtype = jnp.zeros(()).dtype if dtype is None else dtype
+        dtype = param_dtype(dtype)
         self.weight = jnp.ones((dim,), dtype)
         self.bias = jnp.zeros((dim,), dtype)
         self.num_groups = num_groups

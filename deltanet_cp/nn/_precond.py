@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._dtype import param_dtype
+from .._options import engine_options, EngineOptions
 from .._precision import PrecisionName
 from .._run import Memory
 from ..recurrences._cascade import as_squash_eps, as_squash_range, cascade
@@ -31,15 +33,16 @@ from ._conv import CausalConv1d
 from ._delta_layer import (
     AbstractRecurrentLayer,
     fla_decay_init,
-    grouped_sizes,
     log_decay,
     no_bias_linear,
     one_sequence,
     project,
+    Skeleton,
     split_qkv,
     step_sizes,
 )
-from ._kimi_delta_attention import kda_project, kda_split, KimiDeltaAttention
+from ._kda_gates import kda_project, kda_split
+from ._kimi_delta_attention import KimiDeltaAttention
 from ._norm import GatedRMSNorm, SigmoidGatedRMSNorm
 
 
@@ -98,7 +101,7 @@ def _precond_parameters(
             "the squash's initial centre in log space (flash-linear-attention: -0.2)."
         )
     linear = no_bias_linear(dtype)
-    dtype = jnp.zeros(()).dtype if dtype is None else dtype
+    dtype = param_dtype(dtype)
     ka, kb, kA, kdt = jr.split(key, 4)
     A_log_atk, dt_bias_atk = fla_decay_init(kA, kdt, (heads,), (heads,), dtype)
     return dict(
@@ -230,10 +233,7 @@ class PrecondGatedDeltaNet(AbstractPrecondLayer):
     allow_neg_eigval: bool = eqx.field(static=True)
     squash_x: float = eqx.field(static=True)
     squash_eps: float = eqx.field(static=True)
-    chunk_size: int = eqx.field(static=True)
-    block_size: int | None = eqx.field(static=True)
-    memory: Memory | None = eqx.field(static=True)
-    precision: PrecisionName | None = eqx.field(static=True)
+    options: EngineOptions = eqx.field(static=True)
 
     def __init__(
         self,
@@ -249,10 +249,11 @@ class PrecondGatedDeltaNet(AbstractPrecondLayer):
         log_atk_scale_init: float = -0.2,
         conv_kernel_size: int = 4,
         norm_eps: float = 1e-5,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
         block_size: int | None = None,
         memory: Memory | None = None,
         precision: PrecisionName | None = None,
+        options: EngineOptions | None = None,
         key: PRNGKeyArray,
         dtype=None,
     ):
@@ -279,6 +280,8 @@ class PrecondGatedDeltaNet(AbstractPrecondLayer):
             `"high"` (the `memory` of [`deltanet_cp.run`][]).
         - `precision`: how both runs' large products multiply, as for
             [`deltanet_cp.nn.GatedDeltaNet`][].
+        - `options`: `chunk_size` (`None`: 64), `block_size`, `memory` and `precision` as
+            one [`deltanet_cp.EngineOptions`][] (then pass none of them loose).
         - `key`: a PRNG key for the initial parameters: the Equinox/torch defaults for the
             linear layers and the convolution; $A_{\log}$ and $A^{atk}_{\log}$ as
             $\log U(1, 16)$ (where FLA draws from $U(0, 16)$), $\Delta_b$ and
@@ -292,45 +295,39 @@ class PrecondGatedDeltaNet(AbstractPrecondLayer):
         `num_value_heads` is not a multiple of `num_key_heads`, or if `squash_x`,
         `squash_eps` or `log_atk_scale_init` is out of its range (each named).
         """
-        sizes = grouped_sizes(
+        s = Skeleton.grouped(
             hidden_size,
             num_key_heads,
             num_value_heads,
             key_head_dim,
             value_head_dim,
-            conv_kernel_size,
-            chunk_size,
-            block_size=block_size,
-            memory=memory,
-            precision=precision,
+            conv_kernel_size=conv_kernel_size,
+            options=engine_options(options, chunk_size, block_size, memory, precision),
+            dtype=dtype,
         )
-        conv_kernel_size = sizes.pop("conv_kernel_size")
         keys = jr.split(key, 9)
+        hidden_size, num_key_heads, num_value_heads, key_head_dim, value_head_dim = s.sizes.values()
         precond = _precond_parameters(
-            sizes["hidden_size"],
-            sizes["num_key_heads"],
+            hidden_size,
+            num_key_heads,
             squash_x=squash_x,
             squash_eps=squash_eps,
             log_atk_scale_init=log_atk_scale_init,
             key=keys[0],
             dtype=dtype,
         )
-        for name, value in {**sizes, **precond}.items():
+        s.fill(self)
+        for name, value in precond.items():
             setattr(self, name, value)
         self.allow_neg_eigval = bool(allow_neg_eigval)
-        linear = no_bias_linear(dtype)
-        dtype = jnp.zeros(()).dtype if dtype is None else dtype
-        hidden, hv = self.hidden_size, self.num_value_heads
-        value_dim = hv * self.value_head_dim
-        conv_dim = 2 * self.num_key_heads * self.key_head_dim + value_dim
-        self.in_proj_qkv = linear(hidden, conv_dim, keys[1])
-        self.conv1d = CausalConv1d(conv_dim, conv_kernel_size, key=keys[2], dtype=dtype)
-        self.a_proj = linear(hidden, hv, keys[3])
-        self.b_proj = linear(hidden, hv, keys[4])
-        self.A_log, self.dt_bias = fla_decay_init(keys[5], keys[6], (hv,), (hv,), dtype)
-        self.g_proj = linear(hidden, value_dim, keys[7])
-        self.norm = GatedRMSNorm(self.value_head_dim, eps=norm_eps, dtype=dtype)
-        self.out_proj = linear(value_dim, hidden, keys[8])
+        hv = num_value_heads
+        self.in_proj_qkv, self.conv1d = s.qkv(keys[1], keys[2])
+        self.a_proj = s.linear(hidden_size, hv, keys[3])
+        self.b_proj = s.linear(hidden_size, hv, keys[4])
+        self.A_log, self.dt_bias = fla_decay_init(keys[5], keys[6], (hv,), (hv,), s.dtype)
+        self.g_proj = s.linear(hidden_size, s.value_dim, keys[7])
+        self.norm = s.norm(GatedRMSNorm, norm_eps)
+        self.out_proj = s.out_proj(keys[8])
 
     @property
     def _recurrent_shape(self) -> tuple[int, int, int]:
@@ -410,10 +407,7 @@ class PrecondKimiDeltaAttention(AbstractPrecondLayer):
     head_dim: int = eqx.field(static=True)
     squash_x: float = eqx.field(static=True)
     squash_eps: float = eqx.field(static=True)
-    chunk_size: int = eqx.field(static=True)
-    block_size: int | None = eqx.field(static=True)
-    memory: Memory | None = eqx.field(static=True)
-    precision: PrecisionName | None = eqx.field(static=True)
+    options: EngineOptions = eqx.field(static=True)
 
     def __init__(
         self,
@@ -426,10 +420,11 @@ class PrecondKimiDeltaAttention(AbstractPrecondLayer):
         log_atk_scale_init: float = -0.2,
         conv_kernel_size: int = 4,
         norm_eps: float = 1e-5,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
         block_size: int | None = None,
         memory: Memory | None = None,
         precision: PrecisionName | None = None,
+        options: EngineOptions | None = None,
         key: PRNGKeyArray,
         dtype=None,
     ):
@@ -441,6 +436,8 @@ class PrecondKimiDeltaAttention(AbstractPrecondLayer):
             runs).
         - `squash_x`, `squash_eps`, `log_atk_scale_init`: as for
             [`deltanet_cp.nn.PrecondGatedDeltaNet`][].
+        - `options`: `chunk_size` (`None`: 64), `block_size`, `memory` and `precision` as
+            one [`deltanet_cp.EngineOptions`][] (then pass none of them loose).
         - `key`: a PRNG key for the initial parameters: those of
             [`deltanet_cp.nn.KimiDeltaAttention`][], and for the preconditioner those of
             [`deltanet_cp.nn.PrecondGatedDeltaNet`][].
@@ -457,10 +454,7 @@ class PrecondKimiDeltaAttention(AbstractPrecondLayer):
             head_dim,
             conv_kernel_size=conv_kernel_size,
             norm_eps=norm_eps,
-            chunk_size=chunk_size,
-            block_size=block_size,
-            memory=memory,
-            precision=precision,
+            options=engine_options(options, chunk_size, block_size, memory, precision),
             key=kkda,
             dtype=dtype,
         )

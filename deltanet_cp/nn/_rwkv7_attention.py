@@ -6,12 +6,14 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._custom_types import CuSeqlens
+from .._dtype import param_dtype
+from .._options import engine_options, EngineOptions
 from .._parallel import ContextParallel
 from .._precision import accumulation_dtype, PrecisionName
-from .._run import as_memory, Memory, run
+from .._run import Memory, run
 from .._shift import previous_tokens
 from .._validate import as_index, as_positive_index
 from ..recurrences._dplr import DPLRDeltaRule, DPLRInputs
@@ -24,7 +26,9 @@ from ._delta_layer import (
     check_sizes,
     one_sequence,
 )
+from ._mixer import AbstractEngineMixer
 from ._norm import GroupNorm
+from ._schedule import KVSchedule
 
 
 # The log decays are w = -e^{-1/2} sigmoid(.), in (-e^{-1/2}, 0): RWKV-7's
@@ -106,7 +110,7 @@ def _ramp(n: int) -> np.ndarray:
     return np.arange(n) / max(n - 1, 1) - 0.5
 
 
-class RWKV7Attention(eqx.Module):
+class RWKV7Attention(AbstractEngineMixer):
     r"""RWKV-7's time-mix token mixer ("Goose"): a token shift, low-rank gates and the
     generalized (diagonal-plus-low-rank) delta rule.
 
@@ -188,10 +192,7 @@ class RWKV7Attention(eqx.Module):
     num_heads: int = eqx.field(static=True)
     key_head_dim: int = eqx.field(static=True)
     value_head_dim: int = eqx.field(static=True)
-    chunk_size: int = eqx.field(static=True)
-    block_size: int | None = eqx.field(static=True)
-    memory: Memory | None = eqx.field(static=True)
-    precision: PrecisionName | None = eqx.field(static=True)
+    options: EngineOptions = eqx.field(static=True)
 
     def __init__(
         self,
@@ -207,10 +208,11 @@ class RWKV7Attention(eqx.Module):
         v_low_rank_dim: int | None = None,
         gate_low_rank_dim: int | None = None,
         norm_eps: float = 1e-5,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
         block_size: int | None = None,
         memory: Memory | None = None,
         precision: PrecisionName | None = None,
+        options: EngineOptions | None = None,
         key: PRNGKeyArray,
         dtype=None,
     ):
@@ -239,6 +241,8 @@ class RWKV7Attention(eqx.Module):
         - `precision`: how the recurrence's large products multiply, as for
             [`deltanet_cp.nn.GatedDeltaNet`][]: `"highest"`, `"bfloat16"`, `"default"`,
             or `None` (from the parameters' dtype).
+        - `options`: `chunk_size` (`None`: 64), `block_size`, `memory` and `precision` as
+            one [`deltanet_cp.EngineOptions`][] (then pass none of them loose).
         - `key`: a PRNG key for the initial parameters, drawn as flash-linear-attention's
             `RWKV7Attention` initialises them for `layer_idx` of `num_layers`: the shift
             weights $\mu_\ast = 1 - (i / \text{hidden})^{p_\ast (1 - \ell / L)}$, $k_k$,
@@ -259,10 +263,9 @@ class RWKV7Attention(eqx.Module):
             key_head_dim=key_head_dim,
             value_head_dim=value_head_dim,
             num_layers=num_layers,
-            chunk_size=chunk_size,
         )
-        checked = check_sizes(sizes, block_size, precision)
-        hidden, h, dk, dv, num_layers, chunk_size, block_size, precision = checked
+        options = engine_options(options, chunk_size, block_size, memory, precision)
+        hidden, h, dk, dv, num_layers = check_sizes(**sizes).values()
         factor = dk / 64
         ranks = {
             "decay_low_rank_dim": (decay_low_rank_dim, 2.5, factor),
@@ -279,7 +282,7 @@ class RWKV7Attention(eqx.Module):
             raise ValueError(
                 f"`layer_idx` ({layer_idx}) must be in [0, num_layers) = [0, {num_layers})."
             )
-        dtype = jnp.zeros(()).dtype if dtype is None else dtype
+        dtype = param_dtype(dtype)
         key_dim, value_dim = h * dk, h * dv
         keys = jr.split(key, 8)
 
@@ -353,10 +356,7 @@ class RWKV7Attention(eqx.Module):
         self.num_heads = h
         self.key_head_dim = dk
         self.value_head_dim = dv
-        self.chunk_size = chunk_size
-        self.block_size = block_size
-        self.memory = as_memory(memory)
-        self.precision = precision
+        self.options = options
 
     @property
     def is_first(self) -> bool:
@@ -364,14 +364,16 @@ class RWKV7Attention(eqx.Module):
         the later layers' `v_first`, and it takes none."""
         return self.v_lora is None
 
-    def init_state(self, dtype=None) -> RWKV7AttentionState:
+    def init_state(self, dtype=None, *, capacity: int | None = None) -> RWKV7AttentionState:
         """The state before the first token: zeros.
 
         **Arguments:**
 
         - `dtype`: the dtype of the shift state; the parameters' dtype if `None`. The
             recurrent state is float32 (float64 for float64 parameters).
+        - `capacity`: ignored (attention's cache size).
         """
+        del capacity
         dtype = self.o_proj.weight.dtype if dtype is None else dtype
         shape = (self.num_heads, self.key_head_dim, self.value_head_dim)
         return RWKV7AttentionState(
@@ -481,8 +483,7 @@ class RWKV7Attention(eqx.Module):
             initial_state=None if h0 is None else h0[None],
             cu_seqlens=cu_seqlens,
             cp=cp,
-            block_size=self.block_size,
-            memory=self.memory,
+            **self.options.run_kwargs(),
         )
         saved = None
         if checkpoint_every is not None:
@@ -533,6 +534,7 @@ class RWKV7Attention(eqx.Module):
         v_first: Float[Array, "seq heads v"] | None = None,
         cp: ContextParallel | None = None,
         cu_seqlens: CuSeqlens | None = None,
+        kv_schedule: KVSchedule = "allgather",
     ) -> Float[Array, "seq hidden"]:
         """**Arguments:**
 
@@ -549,6 +551,8 @@ class RWKV7Attention(eqx.Module):
             list or an int array; global under `cp`, the same on every rank): each
             document starts from zeros, its first token shifting in zeros and the
             recurrence resetting there, as if each were its own call. Not with `state`.
+        - `kv_schedule`: ignored (attention's; every token mixer takes it, see
+            [`deltanet_cp.nn.AbstractTokenMixer`][]).
 
         **Returns:**
 
@@ -561,8 +565,20 @@ class RWKV7Attention(eqx.Module):
         batch: `jax.vmap` the layer over it); for a missing, unexpected or misshapen
         `v_first`; for `cu_seqlens` with `state`.
         """
+        del kv_schedule
         check_documents_without_state(type(self).__name__, state, cu_seqlens)
         return self._forward(x, state, v_first, None, cp, cu_seqlens)[0]
+
+    def first_values(
+        self,
+        x: Float[Array, "seq hidden"],
+        *,
+        cp: ContextParallel | None = None,
+        cu_seqlens: CuSeqlens | None = None,
+    ) -> Float[Array, "seq heads v"] | None:
+        """`values(x, cp=cp, cu_seqlens=cu_seqlens)` on the model's first RWKV-7 layer
+        (`is_first`): the `v_first` of the later ones; `None` on the others."""
+        return self.values(x, cp=cp, cu_seqlens=cu_seqlens) if self.is_first else None
 
     def prefill(
         self,
@@ -597,6 +613,7 @@ class RWKV7Attention(eqx.Module):
         self,
         x: Float[Array, " hidden"],
         state: RWKV7AttentionState,
+        position: Int[Array, ""] | int | None = None,
         *,
         v_first: Float[Array, "heads v"] | None = None,
     ) -> tuple[Float[Array, " hidden"], RWKV7AttentionState]:
@@ -610,12 +627,14 @@ class RWKV7Attention(eqx.Module):
         - `v_first`: the first layer's values of this token, `(heads, V)`
             (`first.values(x0[None], state0)[0]` with that layer's input and state before
             the token); `None` on the first layer.
+        - `position`: ignored (attention's; every token mixer takes it).
 
         **Returns:**
 
         `(y, new_state)`: the output `(hidden,)` in `x`'s dtype and the state after the
         token, in the dtypes of `state`.
         """
+        del position
         check_input(x, self.hidden_size, one_token=True)
         self._check_v_first(v_first, None)
         x_p, delta = self._shift(x[None], state.shift, None, None)
@@ -624,8 +643,7 @@ class RWKV7Attention(eqx.Module):
             self._recurrence(1),
             inputs,
             initial_state=state.recurrent[None],
-            block_size=self.block_size,
-            memory=self.memory,
+            **self.options.run_kwargs(),
         )
         y = self._finish(o[0], *parts)[0].astype(x.dtype)
         new = RWKV7AttentionState(
