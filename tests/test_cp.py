@@ -246,8 +246,16 @@ def test_ring_attention_bytes_count_every_step():
     fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("cp")), out_specs=P("cp")))
     x = jax.device_put(jnp.ones((s, 32), jnp.float32), NamedSharding(mesh, P("cp")))
     text = fn.lower(params, x).compile().as_text() or ""
-    expected = (cp - 1) * 2 * (s // cp) * kv_heads * head_dim * 4
+    block = (s // cp) * kv_heads * head_dim * 4  # one rank's keys (or values), in bytes
+    expected = (cp - 1) * 2 * block
     assert dcp.internal.received_bytes_per_rank(text) == {r: expected for r in range(cp)}
+    # Forward and backward: the backward passes the keys and values around the ring again
+    # (cp - 1 steps) with their gradients' accumulators, which one more step brings home.
+    grad = jax.jit(jax.grad(lambda params, x: jnp.sum(fn(params, x) ** 2)))
+    text = grad.lower(params, x).compile().as_text() or ""
+    permutes = dcp.internal.received_bytes_per_rank(text, kinds=("collective-permute",))
+    expected = (2 * (cp - 1) + 2 * (cp - 1) + 2 * cp) * block
+    assert permutes == {r: expected for r in range(cp)}
 
 
 def test_auto_follows_the_cost_model():
