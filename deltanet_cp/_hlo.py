@@ -295,9 +295,8 @@ def collectives(hlo_text: str) -> list[Collective]:
                 for r in group:
                     received[r] = factor * total_e * (n - 1) // n
                     received_b[r] = factor * total_b * (n - 1) // n
+        # Outside the computations reached from ENTRY (or with no ENTRY): once.
         trips, known = runs.get(computation or "", (1, True))
-        if trips == 0:  # not reached from ENTRY: count it once rather than never
-            trips = 1
         found.append(
             Collective(
                 m.group("name"),
