@@ -9,8 +9,8 @@ program is serialised; the ops outside every loop are what runs once, whatever t
 Counted as XLA compiled the program: a fusion is one op; parameters, tuples, tuple
 elements, constants, bitcasts and the like are not ops. A `call` counts its callee's ops and
 a `conditional` its largest branch. Trip counts come from XLA's `known_trip_count` (else
-the largest `s32` constant in the loop condition). The same count as
-`../shared/tools/seqdepth.py`, with the ops outside loops as well.
+the largest `s32` constant in the loop condition), read by `deltanet_cp.internal.loop_trips`.
+The same count as `../shared/tools/seqdepth.py`, with the ops outside loops as well.
 
 The matmul FLOPs (`matmul_flops`) count a `conditional` in a loop body with as many
 branches as the loop has trips by the mean of its branches per trip: a `fori_loop` over a
@@ -20,6 +20,8 @@ branches as the loop has trips by the mean of its branches per trip: a `fori_loo
 
 import dataclasses
 import re
+
+import deltanet_cp as dcp
 
 
 _NOT_OPS = {
@@ -73,20 +75,15 @@ def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
     return computations, entry
 
 
-def _trips(line: str, computations: dict[str, list[str]]) -> int:
-    known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
-    if known:
-        return int(known.group(1))
-    condition = re.search(r"condition=%?([\w.\-]+)", line).group(1)
-    consts = [
-        int(c)
-        for body_line in computations.get(condition, [])
-        for c in re.findall(r"s32\[\] constant\((\d+)\)", body_line)
-    ]
-    return max(consts, default=1)
+def _trips(line: str, trips: dict[str, int | None]) -> int:
+    """The trips of the `while` on `line`, from `deltanet_cp.internal.loop_trips`; 1 where
+    the module does not give them."""
+    name = line.removeprefix("ROOT ").split("=", 1)[0].strip().lstrip("%")
+    n = trips.get(name)
+    return 1 if n is None else n
 
 
-def _count(computations, name, loops) -> tuple[int, int]:
+def _count(computations, trips, name, loops) -> tuple[int, int]:
     """`(inside, outside)` ops of computation `name`; appends its outermost loops."""
     inside = outside = 0
     for line in computations.get(name, []):
@@ -96,11 +93,11 @@ def _count(computations, name, loops) -> tuple[int, int]:
             continue
         if op == "while":
             body = re.search(r"body=%?([\w.\-]+)", line).group(1)
-            trips = _trips(line, computations)
-            body_inside, body_outside = _count(computations, body, [])
+            n = _trips(line, trips)
+            body_inside, body_outside = _count(computations, trips, body, [])
             per_trip = body_inside + body_outside
-            loops.append((trips, per_trip))
-            inside += trips * per_trip
+            loops.append((n, per_trip))
+            inside += n * per_trip
             continue
         if op in ("call", "conditional"):
             callees = re.findall(
@@ -109,7 +106,7 @@ def _count(computations, name, loops) -> tuple[int, int]:
             branches = re.search(r"branch_computations=\{([^}]*)\}", line)
             if branches:
                 callees += re.findall(r"%?([\w.\-]+)", branches.group(1))
-            counts = [_count(computations, c, loops) for c in callees]
+            counts = [_count(computations, trips, c, loops) for c in callees]
             if counts:
                 best = max(counts, key=lambda c: (c[0] + c[1], c[0]))
                 inside += best[0]
@@ -125,7 +122,7 @@ def hlo_depth(hlo: str) -> Depth:
     """The `Depth` of a compiled module's HLO text (`compiled.as_text()`)."""
     computations, entry = _computations(hlo)
     loops: list[tuple[int, int]] = []
-    inside, outside = _count(computations, entry, loops)
+    inside, outside = _count(computations, dcp.internal.loop_trips(hlo), entry, loops)
     return Depth(inside, outside, tuple(loops))
 
 
@@ -161,7 +158,9 @@ def _dot(line: str, shapes: dict[str, list[int]]) -> float:
     return 2.0 * n * contracted
 
 
-def _flops(computations, name, memo, trips_here: int = 1, unknown: int | None = None) -> float:
+def _flops(
+    computations, trips, name, memo, trips_here: int = 1, unknown: int | None = None
+) -> float:
     """Matmul FLOPs of one computation, run `trips_here` times by the loop it is the body of
     (1 outside loops): a `conditional` with that many branches takes each branch once (a
     `fori_loop` over a `switch` on its index, as `decayed_grams`' VJP walks its levels), so
@@ -182,17 +181,17 @@ def _flops(computations, name, memo, trips_here: int = 1, unknown: int | None = 
             total += _dot(line, shapes)
         elif op == "while":
             body = re.search(r"body=%?([\w.\-]+)", line).group(1)
-            trips = _trips(line, computations)
+            n = _trips(line, trips)
             if unknown is not None and '"known_trip_count"' not in line:
-                trips = unknown
-            total += trips * _flops(computations, body, memo, trips, unknown)
+                n = unknown
+            total += n * _flops(computations, trips, body, memo, n, unknown)
         else:
             for callee in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", line):
-                total += _flops(computations, callee, memo, trips_here, unknown)
+                total += _flops(computations, trips, callee, memo, trips_here, unknown)
             branches = re.search(r"branch_computations=\{([^}]*)\}", line)
             if branches:
                 names = re.findall(r"%?([\w.\-]+)", branches.group(1))
-                counts = [_flops(computations, b, memo, 1, unknown) for b in names]
+                counts = [_flops(computations, trips, b, memo, 1, unknown) for b in names]
                 if len(names) == trips_here > 1:
                     total += sum(counts) / len(counts)
                 else:
@@ -208,7 +207,7 @@ def hlo_matmul_flops(hlo: str, unknown_trips: int | None = None) -> float:
     loop whose trip count XLA does not know (a bound computed at run time, such as the
     number of tiles packed documents leave) runs that many trips."""
     computations, entry = _computations(hlo)
-    return _flops(computations, entry, {}, 1, unknown_trips)
+    return _flops(computations, dcp.internal.loop_trips(hlo), entry, {}, 1, unknown_trips)
 
 
 def matmul_flops(compiled, unknown_trips: int | None = None) -> float:

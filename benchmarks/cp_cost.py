@@ -12,6 +12,10 @@ chunk 64, q/k L2 norm, float32. Four tables (`--only` picks some):
 - `payload`: bytes received per rank, read from the collectives of the compiled HLO
   (`deltanet_cp.internal.received_bytes_per_rank`), beside the exchange's cost model
   (`_common.payload_bytes`), cp = 2, 4, 8: flat in the sequence length.
+- `step`: bytes received per rank, forward and training step (the gradient of a loss of
+  the outputs, the final state unused), for each exchange (`Auto` too) at cp = 4 with
+  Qwen3-Next's Gated DeltaNet heads (H = 16, HV = 32, K = V = 128) at T = 1024: what the
+  README and the exchanges page quote.
 - `memory`: temporaries per device, `memory_analysis()`, at several tokens per rank.
 - `layouts`: contiguous vs zigzag shards at T = 4096 on cp = 4, each exchange: bytes the
   busiest rank receives forward and forward + backward (HLO, beside the cost model),
@@ -55,7 +59,7 @@ import deltanet_cp as dcp  # noqa: E402
 
 EXCHANGES = {"allgather": dcp.AllGather(), "ppermute": dcp.PPermute(), "ring": dcp.Ring()}
 LAYOUTS = {"contiguous": dcp.Contiguous(), "zigzag": dcp.Zigzag()}
-TABLES = ("flops", "payload", "memory", "layouts")
+TABLES = ("flops", "payload", "step", "memory", "layouts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +93,8 @@ class Case:
 
 FULL = Case()
 QUICK = Case(h=2, hv=2, d=32, cps=(2, 4), tokens=256, sizes=(256, 512), layouts_t=512, rounds=2)
+# Qwen3-Next-80B-A3B's Gated DeltaNet heads, at cp = 4 and 256 tokens per rank.
+QWEN3_NEXT = Case(h=16, hv=32, d=128, cps=(4,), tokens=256)
 
 
 def shapes(case: Case, t: int, sharding=None) -> list:
@@ -241,6 +247,36 @@ def payload_table(case: Case) -> None:
     )
 
 
+def step_table(case: Case) -> None:
+    heads = QWEN3_NEXT if case is FULL else case
+    cp, t = heads.cps[-1], heads.tokens * heads.cps[-1]
+    exchanges = {**EXCHANGES, "auto": dcp.Auto()}
+    rows = []
+    for name, exchange in exchanges.items():
+        mesh, forward, _, grad_unused = programs(heads, cp, exchange)
+
+        def loss_unused(*args, forward=forward):
+            return jnp.sum(forward(*args)[0] ** 2)
+
+        fwd = received(compile_sharded(jax.jit(loss_unused), mesh, heads, t))
+        step = received(compile_sharded(grad_unused, mesh, heads, t))
+        m, s = heads.map_elements, heads.state_elements
+        chosen = exchange
+        if isinstance(exchange, dcp.Auto):
+            chosen = exchange.choose(cp, map_elements=m, state_elements=s)
+            name = f"auto ({type(chosen).__name__})"
+        model = payload_bytes(chosen, cp, map_elements=m, state_elements=s)
+        rows.append([name, mib(fwd, 2), mib(model, 2), mib(step, 2), f"{step / fwd:.2f}"])
+        print(f"  {name}: compiled", flush=True)
+    print_table(
+        ["exchange", "forward MiB (HLO)", "payload_elements x 4 B", "training step MiB"]
+        + ["step / forward"],
+        rows,
+        title=f"Bytes received per rank per layer, cp = {cp}, T = {t}, "
+        f"{heads.label()} (the same at every T; the final state unused):",
+    )
+
+
 def memory_table(case: Case) -> None:
     rows = []
     cps = (case.cps[0], case.cps[-1])
@@ -351,7 +387,7 @@ def main():
     print(f"jax {jax.__version__}, {len(jax.devices())} simulated CPU devices; {case.label()}")
     print(f"machine: {machine_line()}")
     for name, table in zip(
-        TABLES, (flops_table, payload_table, memory_table, layouts_tables), strict=True
+        TABLES, (flops_table, payload_table, step_table, memory_table, layouts_tables), strict=True
     ):
         if name in tables:
             table(case)

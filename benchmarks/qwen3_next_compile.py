@@ -218,7 +218,9 @@ def split_flops(compiled) -> tuple[float, list[float]]:
     context parallelism, which the compiled per-rank module does not hold; on one device
     they have a known trip count.
     """
-    computations, entry = _computations(compiled.as_text() or "")
+    text = compiled.as_text() or ""
+    computations, entry = _computations(text)
+    trips = dcp.internal.loop_trips(text)
     unknown: list[float] = []
     memo: dict[str, float] = {}
 
@@ -239,7 +241,7 @@ def split_flops(compiled) -> tuple[float, list[float]]:
             elif op == "while":
                 body = count(re.search(r"body=%?([\w.\-]+)", line).group(1))
                 if '"known_trip_count"' in line:
-                    total += _trips(line, computations) * body
+                    total += _trips(line, trips) * body
                 elif body:
                     unknown.append(body)
             else:
@@ -267,6 +269,7 @@ def received(compiled, kinds: tuple[str, ...] = (*EXCHANGES, "all-reduce")) -> i
     in a loop body counted once per trip (nested loops multiplied)."""
     text = compiled.as_text() or ""
     computations, entry = _computations(text)
+    trips = dcp.internal.loop_trips(text)
     memo: dict[str, dict[int, int]] = {}
 
     def per_rank(name: str) -> dict[int, int]:
@@ -285,7 +288,7 @@ def received(compiled, kinds: tuple[str, ...] = (*EXCHANGES, "all-reduce")) -> i
             if re.search(r"\bwhile\(", line):
                 body = re.search(r"body=%?([\w.\-]+)", line)
                 if body:
-                    add(per_rank(body.group(1)), _trips(line, computations))
+                    add(per_rank(body.group(1)), _trips(line, trips))
             else:
                 for callee in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", line):
                     add(per_rank(callee))

@@ -6,6 +6,13 @@ an all-gather delivers `(group - 1) / group` of its (per-device) result to every
 the group. An all-reduce is counted as a bandwidth-optimal ring all-reduce receives it,
 `2 (group - 1) / group` of its operand (a reduce-scatter and an all-gather); a
 reduce-scatter or all-to-all as `(group - 1) / group`.
+
+A collective inside a `while` loop runs once per trip: its figures are multiplied by the
+loop's trip count (nested loops multiply), read from the compiled module (XLA's
+`known_trip_count`, else the largest `s32` constant of the loop's condition, the bound a
+`fori_loop` compares its index with). A collective in a branch of a `conditional` is
+counted as if its branch ran. Text without an ENTRY computation (one computation's lines)
+counts each collective once.
 """
 
 import dataclasses
@@ -50,8 +57,14 @@ class Collective:
         `"all-to-all"`.
     - `shapes`: the per-device result shapes (several for a tuple-shaped result).
     - `dtypes`: their element types.
-    - `received`: elements received, per rank id (ranks receiving nothing are absent).
+    - `received`: elements received per call of the module, per rank id (ranks receiving
+        nothing are absent): each run's elements times `trips`.
     - `received_bytes`: the same in bytes.
+    - `trips`: how many times it runs per call: the product of the trip counts of the
+        `while` loops around it (1 outside loops).
+    - `trips_known`: `False` when a loop around it has a trip count the compiled module
+        does not give (a bound computed at run time): that loop is counted once, so `trips`
+        and the received figures are lower bounds.
     """
 
     name: str
@@ -60,6 +73,8 @@ class Collective:
     dtypes: tuple[str, ...]
     received: dict[int, int]
     received_bytes: dict[int, int]
+    trips: int = 1
+    trips_known: bool = True
 
     @property
     def elements(self) -> int:
@@ -68,8 +83,119 @@ class Collective:
 
     @property
     def max_received_bytes(self) -> int:
-        """The bytes received by the rank that receives the most (0 if none does)."""
+        """The bytes received by the rank that receives the most (0 if none does), over all
+        its trips."""
         return max(self.received_bytes.values(), default=0)
+
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_WHILE = re.compile(r"^(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?\swhile\(")
+_CALLEE = re.compile(
+    r"\b(to_apply|calls|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
+)
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+    """The instruction lines of each computation, and the ENTRY computation's name."""
+    computations: dict[str, list[str]] = {}
+    current, entry = None, None
+    for line in hlo_text.splitlines():
+        if line and not line.startswith(" "):
+            m = _HEADER.match(line.strip())
+            current = m.group(2) if m else None
+            if m and current:
+                computations[current] = []
+                if m.group(1):
+                    entry = current
+            continue
+        if current and "=" in line:
+            computations[current].append(line.strip())
+    return computations, entry
+
+
+def _trip_count(line: str, computations: dict[str, list[str]]) -> int | None:
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+    if known:
+        return int(known.group(1))
+    condition = re.search(r"condition=%?([\w.\-]+)", line)
+    consts = [
+        int(c)
+        for body_line in computations.get(condition.group(1) if condition else "", [])
+        for c in re.findall(r"s32\[\] constant\((\d+)\)", body_line)
+    ]
+    return max(consts, default=None)
+
+
+def loop_trips(hlo_text: str) -> dict[str, int | None]:
+    """The trip count of every `while` loop of a compiled module.
+
+    Read from XLA's `known_trip_count`, else the largest `s32` constant of the loop's
+    condition (the bound a `fori_loop` compares its index with); `None` where neither is
+    there (a bound computed at run time, carried by the loop).
+
+    **Arguments:**
+
+    - `hlo_text`: a compiled module's text, `jax.jit(f).lower(*args).compile().as_text()`.
+
+    **Returns:**
+
+    A dict from each `while` instruction's name to its trip count, or `None`.
+    """
+    computations, _ = _computations(hlo_text)
+    trips: dict[str, int | None] = {}
+    for lines in computations.values():
+        for line in lines:
+            m = _WHILE.match(line)
+            if m:
+                trips[m.group(1)] = _trip_count(line, computations)
+    return trips
+
+
+def _runs(hlo_text: str) -> dict[str, tuple[int, bool]]:
+    """How many times each computation runs per call of the module (`while` bodies times
+    their trips), and whether every loop on the way had a known trip count."""
+    computations, entry = _computations(hlo_text)
+    if entry is None:
+        return {}
+    trips = loop_trips(hlo_text)
+    edges: dict[str, list[tuple[str, int, bool]]] = {}
+    for name, lines in computations.items():
+        edges[name] = []
+        for line in lines:
+            m = _WHILE.match(line)
+            factor, known = 1, True
+            if m:
+                n = trips.get(m.group(1))
+                factor, known = (1, False) if n is None else (n, True)
+            for _, callee in _CALLEE.findall(line):
+                edges[name].append((callee, factor, known))
+            branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+            if branches:
+                for callee in re.findall(r"%?([\w.\-]+)", branches.group(1)):
+                    edges[name].append((callee, 1, True))
+    # Callers before callees (the call graph is acyclic), then push the counts down.
+    order: list[str] = []
+    seen: set[str] = set()
+    stack: list[tuple[str, bool]] = [(entry, False)]
+    while stack:
+        name, done = stack.pop()
+        if done:
+            order.append(name)
+            continue
+        if name in seen or name not in computations:
+            continue
+        seen.add(name)
+        stack.append((name, True))
+        stack.extend((callee, False) for callee, _, _ in edges[name])
+    runs = {name: (0, True) for name in order}
+    runs[entry] = (1, True)
+    for name in reversed(order):
+        count, known = runs[name]
+        for callee, factor, edge_known in edges[name]:
+            if callee in runs:
+                c, k = runs[callee]
+                runs[callee] = (c + count * factor, k and known and edge_known)
+    return runs
 
 
 def _groups(rest: str) -> list[list[int]]:
@@ -104,7 +230,9 @@ def _groups(rest: str) -> list[list[int]]:
 def collectives(hlo_text: str) -> list[Collective]:
     """Every collective in `hlo_text`, with what each rank receives.
 
-    Asynchronous pairs (`*-start` / `*-done`) are counted once, at the start.
+    Asynchronous pairs (`*-start` / `*-done`) are counted once, at the start. A collective
+    inside `while` loops is counted once per trip (nested loops multiply; see
+    [`deltanet_cp.internal.loop_trips`][]).
 
     **Arguments:**
 
@@ -114,8 +242,14 @@ def collectives(hlo_text: str) -> list[Collective]:
 
     A list of [`deltanet_cp.internal.Collective`][], in the order they appear in the text.
     """
+    runs = _runs(hlo_text)
     found = []
+    computation = None
     for line in hlo_text.splitlines():
+        header = _HEADER.match(line) if line and not line.startswith(" ") else None
+        if header:
+            computation = header.group(2)
+            continue
         m = _INSTR.match(line)
         if not m:
             continue
@@ -161,7 +295,20 @@ def collectives(hlo_text: str) -> list[Collective]:
                 for r in group:
                     received[r] = factor * total_e * (n - 1) // n
                     received_b[r] = factor * total_b * (n - 1) // n
-        found.append(Collective(m.group("name"), kind, shapes, dtypes, received, received_b))
+        # Outside the computations reached from ENTRY (or with no ENTRY): once.
+        trips, known = runs.get(computation or "", (1, True))
+        found.append(
+            Collective(
+                m.group("name"),
+                kind,
+                shapes,
+                dtypes,
+                {r: n * trips for r, n in received.items()},
+                {r: n * trips for r, n in received_b.items()},
+                trips,
+                known,
+            )
+        )
     return found
 
 
@@ -175,12 +322,25 @@ def received_bytes_per_rank(hlo_text: str, kinds: tuple[str, ...] = _KINDS) -> d
 
     **Returns:**
 
-    A dict from rank id to bytes received (ranks receiving nothing are absent). Collectives
-    inside loops are counted once, not once per trip.
+    A dict from rank id to bytes received (ranks receiving nothing are absent). A collective
+    inside `while` loops counts once per trip (nested loops multiply).
+
+    **Raises:**
+
+    `ValueError` if a collective of those kinds sits in a loop whose trip count the module
+    does not give: [`deltanet_cp.internal.collectives`][] then gives lower bounds, marked
+    by `trips_known=False`.
     """
     total: dict[int, int] = {}
     for c in collectives(hlo_text):
         if c.kind in kinds:
+            if not c.trips_known:
+                raise ValueError(
+                    f"{c.kind} {c.name} is inside a while loop whose trip count the compiled "
+                    "module does not give (a bound computed at run time), so its bytes cannot "
+                    "be totalled; use deltanet_cp.internal.collectives(hlo_text), whose "
+                    "Collective.trips_known=False marks such figures as lower bounds"
+                )
             for r, b in c.received_bytes.items():
                 total[r] = total.get(r, 0) + b
     return total

@@ -14,7 +14,8 @@ inspects what the engine does, also needs what is here:
     [`deltanet_cp.internal.DeltaFactors`][], [`deltanet_cp.internal.GatedLinearAttentionFactors`][],
     [`deltanet_cp.internal.MomentumFactors`][], [`deltanet_cp.internal.DPLRFactors`][];
 - the reading of compiled programs: [`deltanet_cp.internal.collectives`][],
-    [`deltanet_cp.internal.Collective`][], [`deltanet_cp.internal.received_bytes_per_rank`][].
+    [`deltanet_cp.internal.Collective`][], [`deltanet_cp.internal.received_bytes_per_rank`][],
+    [`deltanet_cp.internal.loop_trips`][].
 
 These names were importable from `deltanet_cp` itself until now; that path still works for
 one release, with a `DeprecationWarning`.
@@ -23,6 +24,7 @@ one release, with a `DeprecationWarning`.
 from ._hlo import (
     Collective as Collective,
     collectives as collectives,
+    loop_trips as loop_trips,
     received_bytes_per_rank as received_bytes_per_rank,
 )
 from ._layout import Walk as Walk

@@ -5,6 +5,7 @@ and argument checks at every context-parallel entry point, low precision across 
 import functools as ft
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -178,6 +179,83 @@ def test_payload_formulas():
 
 def _sizes(batch_heads, dk, dv) -> dict[str, Any]:
     return dict(map_elements=batch_heads * dk * (dk + dv), state_elements=batch_heads * dk * dv)
+
+
+def _permute_loop_text(body_loops) -> str:
+    """The compiled HLO of `body_loops(x)` over a 4-device mesh, on a float32 `(4, 8)`
+    array sharded by rows (one `(8,)` row, 32 bytes, per rank)."""
+    mesh = _mesh(4)
+    fn = jax.jit(jax.shard_map(body_loops, mesh=mesh, in_specs=P("cp"), out_specs=P("cp")))
+    x = jax.device_put(jnp.ones((4, 8), jnp.float32), NamedSharding(mesh, P("cp")))
+    return fn.lower(x).compile().as_text() or ""
+
+
+def _shift(x):
+    return 1.5 * jax.lax.ppermute(x, "cp", [(i, (i + 1) % 4) for i in range(4)])
+
+
+def test_received_bytes_count_every_trip_of_a_loop():
+    # A ppermute inside a fori_loop of 5 trips moves its 32 bytes per rank 5 times; nested
+    # loops (3 x 2 trips) multiply.
+    text = _permute_loop_text(lambda x: jax.lax.fori_loop(0, 5, lambda i, y: _shift(y), x))
+    assert dcp.internal.received_bytes_per_rank(text) == {r: 5 * 32 for r in range(4)}
+    (found,) = dcp.internal.collectives(text)
+    assert (found.trips, found.trips_known, found.max_received_bytes) == (5, True, 5 * 32)
+    assert list(dcp.internal.loop_trips(text).values()) == [5]
+    # One computation's lines without their module (no ENTRY): each collective once.
+    lines = "\n".join(line.strip() for line in text.splitlines() if "collective-permute" in line)
+    assert dcp.internal.received_bytes_per_rank(lines) == {r: 32 for r in range(4)}
+
+    def nested(x):
+        inner = lambda i, y: jax.lax.fori_loop(0, 2, lambda j, z: _shift(z), y)  # noqa: E731
+        return jax.lax.fori_loop(0, 3, inner, x)
+
+    text = _permute_loop_text(nested)
+    assert dcp.internal.received_bytes_per_rank(text) == {r: 6 * 32 for r in range(4)}
+
+
+def test_received_bytes_refuse_a_loop_of_unknown_trips():
+    # A bound computed at run time: the module does not give the trips, so the total is
+    # refused, and `collectives` marks its figures as a lower bound (one trip).
+    def loop(x):
+        n = jnp.sum(x > 0).astype(jnp.int32)
+        return jax.lax.fori_loop(0, n, lambda i, y: _shift(y), x)
+
+    text = _permute_loop_text(loop)
+    (found,) = [c for c in dcp.internal.collectives(text) if c.kind == "collective-permute"]
+    assert (found.trips, found.trips_known, found.max_received_bytes) == (1, False, 32)
+    with pytest.raises(ValueError, match="trip count"):
+        dcp.internal.received_bytes_per_rank(text)
+    assert dcp.internal.received_bytes_per_rank(text, kinds=("all-reduce",)) is not None
+
+
+def test_ring_attention_bytes_count_every_step():
+    # Ring attention at cp = 4: each rank receives the keys and values of the cp - 1 other
+    # ranks, one block per step of its loop: (cp - 1) x 2 x S / cp x kv heads x head_dim
+    # x 4 bytes (counting the loop's collective once gave a third of that).
+    cp, s, kv_heads, head_dim = 4, 64, 2, 16
+    att = dcp.nn.CausalSelfAttention(
+        32, 4, head_dim, num_kv_heads=kv_heads, tile_size=8, key=jax.random.key(0)
+    )
+    mesh = _mesh(cp)
+    params, static = eqx.partition(att, eqx.is_array)
+
+    def local(params, x):
+        return eqx.combine(params, static)(x, cp=dcp.ContextParallel("cp"), kv_schedule="ring")
+
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("cp")), out_specs=P("cp")))
+    x = jax.device_put(jnp.ones((s, 32), jnp.float32), NamedSharding(mesh, P("cp")))
+    text = fn.lower(params, x).compile().as_text() or ""
+    block = (s // cp) * kv_heads * head_dim * 4  # one rank's keys (or values), in bytes
+    expected = (cp - 1) * 2 * block
+    assert dcp.internal.received_bytes_per_rank(text) == {r: expected for r in range(cp)}
+    # Forward and backward: the backward passes the keys and values around the ring again
+    # (cp - 1 steps) with their gradients' accumulators, which one more step brings home.
+    grad = jax.jit(jax.grad(lambda params, x: jnp.sum(fn(params, x) ** 2)))
+    text = grad.lower(params, x).compile().as_text() or ""
+    permutes = dcp.internal.received_bytes_per_rank(text, kinds=("collective-permute",))
+    expected = (2 * (cp - 1) + 2 * (cp - 1) + 2 * cp) * block
+    assert permutes == {r: expected for r in range(cp)}
 
 
 def test_auto_follows_the_cost_model():
