@@ -108,8 +108,11 @@ class Qwen3_5DecoderLayer(eqx.Module):
         cp: ContextParallel | None,
         kv_schedule: KVSchedule,
         expert_axis: ExpertAxis = None,
+        cu_seqlens=None,
     ) -> tuple[jax.Array, RouterStats | None]:
-        h = self.mixer(self.input_layernorm(x), cp=cp, kv_schedule=kv_schedule)
+        h = self.mixer(
+            self.input_layernorm(x), cp=cp, kv_schedule=kv_schedule, cu_seqlens=cu_seqlens
+        )
         return self._mlp(x + h, expert_axis)
 
     def prefill(
