@@ -193,12 +193,14 @@ def _packed_step(
         )(params, tokens, labels, cu)
 
     shard = NamedSharding(mesh, P("cp"))
-    tokens, labels = (jax.device_put(layout.to_layout(a, cp), shard) for a in (tokens, labels))
+    tokens, labels = (
+        jax.device_put(layout.to_layout(a, cp, axis=0), shard) for a in (tokens, labels)
+    )
     params = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
     (_, (logits, stats)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
         params, tokens, labels, cu
     )
-    return layout.from_layout(logits, cp), stats, grads
+    return layout.from_layout(logits, cp, axis=0), stats, grads
 
 
 def _check(name, got, want):
