@@ -22,7 +22,7 @@ from ..nn._norm import ZeroCenteredRMSNorm
 from ..nn._schedule import KVSchedule
 from ..nn._tokens import check_tokens
 from ._cache import check_cache, concrete, Qwen3_5Cache, Qwen3_5Checkpoints, restore
-from ._config import _QwenTextConfig
+from ._config import AbstractQwenTextConfig
 from ._decoder_layer import Qwen3_5DecoderLayer
 from ._weights import ExpertLayout, save
 
@@ -32,8 +32,8 @@ DECODE_ROOM = 256
 
 
 def init_model(
-    model: "_QwenForCausalLM[Any]",
-    config: _QwenTextConfig,
+    model: "AbstractQwenForCausalLM[Any]",
+    config: AbstractQwenTextConfig,
     *,
     chunk_size: int | None,
     block_size: int | None,
@@ -73,10 +73,10 @@ def init_model(
     model.precision = precision
 
 
-_Config = TypeVar("_Config", bound=_QwenTextConfig)
+_Config = TypeVar("_Config", bound=AbstractQwenTextConfig)
 
 
-class _QwenForCausalLM(eqx.Module, Generic[_Config]):
+class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
     """The Qwen3.5 family's causal language models: an embedding, decoder layers
     ([`deltanet_cp.models.Qwen3_5DecoderLayer`][]), a final zero-centred RMSNorm and the LM
     head. Each concrete model holds these fields and its `__init__` / `from_pretrained`."""
@@ -523,7 +523,7 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
 
 
 @eqx.filter_jit
-def _generate(model: _QwenForCausalLM[Any], tokens, max_new_tokens: int):
+def _generate(model: AbstractQwenForCausalLM[Any], tokens, max_new_tokens: int):
     logits, cache = model.prefill(tokens, capacity=tokens.shape[0] + max_new_tokens)
     first = jnp.argmax(logits[-1]).astype(tokens.dtype)
 

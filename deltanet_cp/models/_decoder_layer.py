@@ -15,7 +15,7 @@ from ..nn._mlp import SwiGLU
 from ..nn._moe import ExpertAxis, RouterStats, SparseMoE
 from ..nn._norm import ZeroCenteredRMSNorm
 from ..nn._schedule import KVSchedule
-from ._config import _QwenTextConfig, Qwen3_5Config, Qwen3_5MoeConfig, Qwen3NextConfig
+from ._config import AbstractQwenTextConfig, Qwen3_5Config, Qwen3_5MoeConfig, Qwen3NextConfig
 
 
 class Qwen3_5DecoderLayer(eqx.Module):
@@ -32,7 +32,7 @@ class Qwen3_5DecoderLayer(eqx.Module):
 
     def __init__(
         self,
-        config: _QwenTextConfig,
+        config: AbstractQwenTextConfig,
         kind: str,
         *,
         sparse: bool = False,
