@@ -22,7 +22,7 @@ from safetensors.numpy import load_file
 
 import deltanet_cp as dcp
 from deltanet_cp.interop import kimi_delta_attention_from_hf
-from deltanet_cp.nn import KimiDeltaAttention, KimiDeltaAttentionState
+from deltanet_cp.nn import KimiDeltaAttention, RecurrentLayerState
 
 from .helpers import rel_err
 
@@ -108,7 +108,7 @@ def test_decode_matches_transformers():
     # transformers keeps the last W inputs as (channels, W); the state holds the last W - 1.
     assert rel_err(state.conv, io["decode_conv"][0].T[1:]) <= 1e-6
     assert rel_err(state.recurrent, io["decode_recurrent"][0]) <= 1e-5
-    assert isinstance(state, KimiDeltaAttentionState)
+    assert isinstance(state, RecurrentLayerState)
 
 
 def test_loader_layouts_and_config():
@@ -189,11 +189,11 @@ def _cp_problem():
     def draw(key):
         keys = jr.split(key, 6)
         x = jr.normal(keys[0], (B, T, layer.hidden_size))
-        state = KimiDeltaAttentionState(
+        state = RecurrentLayerState(
             conv=jr.normal(keys[1], (B, *s.conv.shape)),
             recurrent=0.5 * jr.normal(keys[2], (B, *s.recurrent.shape)),
         )
-        w_state = KimiDeltaAttentionState(
+        w_state = RecurrentLayerState(
             conv=jr.normal(keys[3], state.conv.shape),
             recurrent=jr.normal(keys[4], state.recurrent.shape),
         )

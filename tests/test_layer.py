@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import deltanet_cp as dcp
-from deltanet_cp.nn import CausalConv1d, GatedDeltaNet, GatedDeltaNetState
+from deltanet_cp.nn import CausalConv1d, GatedDeltaNet, RecurrentLayerState
 
 from .helpers import gated_delta_reference, rel_err
 
@@ -41,7 +41,7 @@ def _conv_reference(w, x, state):
     )
 
 
-def layer_reference(layer: GatedDeltaNet, x, state: GatedDeltaNetState | None = None):
+def layer_reference(layer: GatedDeltaNet, x, state: RecurrentLayerState | None = None):
     """The whole layer in float64 numpy, written from DESIGN.md section 5.
 
     **Returns:** `(out (T, hidden), conv state, recurrent state)`.
@@ -94,7 +94,7 @@ def with_slow_decays(layer: GatedDeltaNet, key) -> GatedDeltaNet:
 def _random_state(layer: GatedDeltaNet, key, batch=()):
     kc, kr = jr.split(key)
     s = layer.init_state()
-    return GatedDeltaNetState(
+    return RecurrentLayerState(
         conv=jr.normal(kc, batch + s.conv.shape),
         recurrent=0.5 * jr.normal(kr, batch + s.recurrent.shape),
     )

@@ -20,7 +20,7 @@ import pytest
 
 from deltanet_cp.interop import gated_delta_net_from_hf, transformers as hf
 from deltanet_cp.models import Qwen3_5Config, Qwen3_5ForCausalLM
-from deltanet_cp.nn import GatedDeltaNetState, HybridLM, KVCache
+from deltanet_cp.nn import HybridLM, KVCache, RecurrentLayerState
 
 
 # Compiling dominates these tests; XLA's optimisation passes only slow it (tests/_fast_compile.py).
@@ -190,7 +190,7 @@ def test_cache_of_another_model_is_refused(without_runtime_typecheck):
     with pytest.raises(ValueError, match=r"floating-point"):
         model.decode_step(token, as_ints)
     state = cache.layers[0]
-    assert isinstance(state, GatedDeltaNetState)
+    assert isinstance(state, RecurrentLayerState)
     half = eqx.tree_at(lambda c: c.layers[0].recurrent, cache, state.recurrent.astype(jnp.float16))
     with pytest.raises(ValueError, match=r"`cache.layers\[0\].recurrent` has dtype float16"):
         model.decode_step(token, half)

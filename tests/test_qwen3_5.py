@@ -25,7 +25,7 @@ from safetensors.numpy import load_file, save_file
 
 import deltanet_cp as dcp
 from deltanet_cp.models import Qwen3_5Config, Qwen3_5ForCausalLM
-from deltanet_cp.nn import CausalSelfAttention, GatedDeltaNet, GatedDeltaNetState, KVCache
+from deltanet_cp.nn import CausalSelfAttention, GatedDeltaNet, KVCache, RecurrentLayerState
 
 from .helpers import rel_err
 from .test_layer import with_slow_decays
@@ -312,7 +312,7 @@ def _assert_caches_close(got, want, tol=1e-5):
             assert isinstance(a, KVCache)
             assert rel_err(a.k[:n], b.k[:n]) <= tol and rel_err(a.v[:n], b.v[:n]) <= tol
         else:
-            assert isinstance(a, GatedDeltaNetState) and isinstance(b, GatedDeltaNetState)
+            assert isinstance(a, RecurrentLayerState) and isinstance(b, RecurrentLayerState)
             assert rel_err(a.conv, b.conv) <= tol and rel_err(a.recurrent, b.recurrent) <= tol
 
 
@@ -424,7 +424,7 @@ def test_bfloat16_weights_float32_states():
     }
     logits, cache = _prefill(model, _tokens()[:16], capacity=24)
     assert logits.dtype == jnp.bfloat16
-    gdn = [c for c in cache.layers if isinstance(c, GatedDeltaNetState)]
+    gdn = [c for c in cache.layers if isinstance(c, RecurrentLayerState)]
     assert all(c.recurrent.dtype == jnp.float32 for c in gdn)
     assert rel_err(logits, IO["logits"][:16]) <= 5e-2
 

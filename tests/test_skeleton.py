@@ -83,8 +83,12 @@ def test_one_call_shape(getkey):
     assert all(m.first_values(jnp.zeros((4, 32))) is None for m in mixers[:-2] + mixers[-1:])
     attention = mixers[-1]
     x = jnp.zeros((4, 32))
+    # Packed documents: each one as if alone (causal within it, rotary restarting).
+    y = jr.normal(getkey(), (4, 32))
+    alone = jnp.concatenate([attention(y[:2]), attention(y[2:])])
+    assert jnp.max(jnp.abs(attention(y, cu_seqlens=[0, 2, 4]) - alone)) <= 1e-6
     with pytest.raises(ValueError, match="cu_seqlens"):
-        attention(x, cu_seqlens=[0, 2, 4])
+        attention(x, cu_seqlens=[0, 2, 3])
     with pytest.raises(ValueError, match="prefill"):
         attention(x, attention.init_state(capacity=8))
     with pytest.raises(ValueError, match="capacity"):

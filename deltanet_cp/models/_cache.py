@@ -13,7 +13,7 @@ from jaxtyping import Array, Int
 from .._precision import accumulation_dtype
 from ..nn._attention import KVCache
 from ..nn._delta_layer import RecurrentLayerState
-from ._config import _QwenTextConfig
+from ._config import AbstractQwenTextConfig
 
 
 @runtime_checkable
@@ -22,7 +22,7 @@ class _CachedModel(Protocol):
     or `Qwen3_5MoeForCausalLM`)."""
 
     @property
-    def config(self) -> _QwenTextConfig: ...
+    def config(self) -> AbstractQwenTextConfig: ...
 
     @property
     def layers(self) -> Sequence[Any]: ...

@@ -10,18 +10,19 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._custom_types import CuSeqlens
 from .._options import engine_options, EngineOptions
 from .._parallel import axis_size, ContextParallel
 from .._precision import PrecisionName
 from .._run import Memory
 from .._validate import as_index, as_positive_index
-from ..nn._context import layer_cp, local_positions
+from ..nn._context import documents, layer_cp, local_positions
 from ..nn._moe import ExpertAxis, RouterStats
 from ..nn._norm import ZeroCenteredRMSNorm
 from ..nn._schedule import KVSchedule
 from ..nn._tokens import check_tokens
 from ._cache import check_cache, concrete, Qwen3_5Cache, Qwen3_5Checkpoints, restore
-from ._config import _QwenTextConfig
+from ._config import AbstractQwenTextConfig
 from ._decoder_layer import Qwen3_5DecoderLayer
 from ._weights import ExpertLayout, save
 
@@ -31,8 +32,8 @@ DECODE_ROOM = 256
 
 
 def init_model(
-    model: "_QwenForCausalLM[Any]",
-    config: _QwenTextConfig,
+    model: "AbstractQwenForCausalLM[Any]",
+    config: AbstractQwenTextConfig,
     *,
     chunk_size: int | None,
     block_size: int | None,
@@ -72,10 +73,10 @@ def init_model(
     model.precision = precision
 
 
-_Config = TypeVar("_Config", bound=_QwenTextConfig)
+_Config = TypeVar("_Config", bound=AbstractQwenTextConfig)
 
 
-class _QwenForCausalLM(eqx.Module, Generic[_Config]):
+class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
     """The Qwen3.5 family's causal language models: an embedding, decoder layers
     ([`deltanet_cp.models.Qwen3_5DecoderLayer`][]), a final zero-centred RMSNorm and the LM
     head. Each concrete model holds these fields and its `__init__` / `from_pretrained`."""
@@ -166,6 +167,7 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
         cp: ContextParallel | None = None,
         kv_schedule: KVSchedule = "allgather",
         expert_axis: ExpertAxis = None,
+        cu_seqlens: CuSeqlens | None = None,
     ) -> Float[Array, "seq vocab"]:
         """**Arguments:**
 
@@ -180,6 +182,15 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
             expert on every rank (see [`deltanet_cp.nn.SparseMoE`][]; the parameters'
             `in_specs` from [`deltanet_cp.nn.expert_partition_specs`][]). The tokens must
             be split over the same axes: the context axis, a data axis or both.
+        - `cu_seqlens`: packed documents in `tokens`: the offsets `[0, ..., S]` of the
+            documents of the whole sequence (global, also under `cp`), a list or an integer
+            array, as [`deltanet_cp.data.pack_documents`][] makes them. Every layer then
+            treats each document as a sequence of its own: the recurrent layers and
+            convolutions restart from zeros, attention is causal within each document and
+            its rotary positions restart at 0, so the logits equal each document's run
+            alone. A repeated offset is an empty document: a batch of rows is a `jax.vmap`
+            over the rows and their `cu_seqlens`, padded to one width by repeating `S`.
+            `None`: one document. Decoding (`prefill`, `decode_step`) takes no documents.
 
         **Returns:**
 
@@ -192,9 +203,10 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
         `[0, vocab_size)` (an embedding lookup would silently clamp it). Traced ids (under
         `jax.jit`) are checked through `equinox.error_if`: the computation fails when it
         runs. `ValueError` for an `expert_axis` on a model without experts, or one that
-        does not split them evenly (naming the axis).
+        does not split them evenly (naming the axis), and for `cu_seqlens` that do not
+        start at 0, end at the sequence length (`S`, over all ranks) or increase.
         """
-        return self._forward(tokens, cp, kv_schedule, expert_axis)[0]
+        return self._forward(tokens, cp, kv_schedule, expert_axis, cu_seqlens)[0]
 
     def logits_and_router_stats(
         self,
@@ -203,6 +215,7 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
         cp: ContextParallel | None = None,
         kv_schedule: KVSchedule = "allgather",
         expert_axis: ExpertAxis = None,
+        cu_seqlens: CuSeqlens | None = None,
     ) -> tuple[Float[Array, "seq vocab"], RouterStats]:
         """The forward of a mixture-of-experts model, with what its load-balancing loss
         needs.
@@ -227,7 +240,7 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
                 f"This {type(self).__name__} has no mixture-of-experts layers: there is no "
                 "routing to report. Call the model itself for the logits."
             )
-        logits, stats = self._forward(tokens, cp, kv_schedule, expert_axis)
+        logits, stats = self._forward(tokens, cp, kv_schedule, expert_axis, cu_seqlens)
         assert stats is not None
         return logits, stats
 
@@ -239,7 +252,7 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
             )
 
     def _forward(
-        self, tokens, cp, kv_schedule, expert_axis: ExpertAxis = None
+        self, tokens, cp, kv_schedule, expert_axis: ExpertAxis = None, cu_seqlens=None
     ) -> tuple[Array, RouterStats | None]:
         cp = layer_cp(cp, type(self).__name__)
         self._check_expert_axis(expert_axis)
@@ -251,10 +264,13 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
                 return logits, None
             zero = jnp.zeros((experts,), jnp.float32)
             return logits, RouterStats(zero, zero, jnp.zeros((), jnp.float32))
+        if cu_seqlens is not None:
+            # Checked once, here, for every layer.
+            cu_seqlens = documents(cp, tokens.shape[0], cu_seqlens).cu_seqlens
         x = jax.vmap(self.embed)(tokens)
         stats = None
         for layer in self.layers:
-            x, s = layer(x, cp, kv_schedule, expert_axis)
+            x, s = layer(x, cp, kv_schedule, expert_axis, cu_seqlens)
             if s is not None:
                 stats = s if stats is None else jax.tree.map(jnp.add, stats, s)
         return self._logits(x), stats
@@ -507,7 +523,7 @@ class _QwenForCausalLM(eqx.Module, Generic[_Config]):
 
 
 @eqx.filter_jit
-def _generate(model: _QwenForCausalLM[Any], tokens, max_new_tokens: int):
+def _generate(model: AbstractQwenForCausalLM[Any], tokens, max_new_tokens: int):
     logits, cache = model.prefill(tokens, capacity=tokens.shape[0] + max_new_tokens)
     first = jnp.argmax(logits[-1]).astype(tokens.dtype)
 

@@ -27,11 +27,11 @@ def _bool(name: str, value: Any) -> bool:
     )
 
 
-_C = TypeVar("_C", bound="_QwenTextConfig")
+_C = TypeVar("_C", bound="AbstractQwenTextConfig")
 
 
 @dataclasses.dataclass(frozen=True)
-class _QwenTextConfig:
+class AbstractQwenTextConfig:
     """The fields the Qwen3.5 dense, Qwen3-Next and Qwen3.5 MoE text models share, their checks
     and their reading from transformers' `config.json`; each model's config adds its own
     (keyword-only) fields.
@@ -275,7 +275,7 @@ def _check_experts(config: Any) -> None:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Qwen3_5Config(_QwenTextConfig):
+class Qwen3_5Config(AbstractQwenTextConfig):
     """The sizes of a Qwen3.5 dense text model, with transformers' field names.
 
     A frozen dataclass: a static configuration, hashable. `layer_types` defaults to
@@ -307,7 +307,7 @@ class Qwen3_5Config(_QwenTextConfig):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Qwen3NextConfig(_QwenTextConfig):
+class Qwen3NextConfig(AbstractQwenTextConfig):
     """The sizes of a Qwen3-Next text model (transformers' `Qwen3NextConfig`), with its
     field names.
 
@@ -353,7 +353,7 @@ class Qwen3NextConfig(_QwenTextConfig):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Qwen3_5MoeConfig(_QwenTextConfig):
+class Qwen3_5MoeConfig(AbstractQwenTextConfig):
     """The sizes of a Qwen3.5 MoE text model (transformers' `Qwen3_5MoeTextConfig`, or the
     `text_config` of its multimodal `Qwen3_5MoeConfig`), with its field names.
 
@@ -387,4 +387,8 @@ class Qwen3_5MoeConfig(_QwenTextConfig):
         return True
 
 
-_CONFIGS: tuple[type[_QwenTextConfig], ...] = (Qwen3_5Config, Qwen3NextConfig, Qwen3_5MoeConfig)
+_CONFIGS: tuple[type[AbstractQwenTextConfig], ...] = (
+    Qwen3_5Config,
+    Qwen3NextConfig,
+    Qwen3_5MoeConfig,
+)

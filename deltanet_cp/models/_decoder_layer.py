@@ -15,7 +15,7 @@ from ..nn._mlp import SwiGLU
 from ..nn._moe import ExpertAxis, RouterStats, SparseMoE
 from ..nn._norm import ZeroCenteredRMSNorm
 from ..nn._schedule import KVSchedule
-from ._config import _QwenTextConfig, Qwen3_5Config, Qwen3_5MoeConfig, Qwen3NextConfig
+from ._config import AbstractQwenTextConfig, Qwen3_5Config, Qwen3_5MoeConfig, Qwen3NextConfig
 
 
 class Qwen3_5DecoderLayer(eqx.Module):
@@ -32,7 +32,7 @@ class Qwen3_5DecoderLayer(eqx.Module):
 
     def __init__(
         self,
-        config: _QwenTextConfig,
+        config: AbstractQwenTextConfig,
         kind: str,
         *,
         sparse: bool = False,
@@ -108,8 +108,11 @@ class Qwen3_5DecoderLayer(eqx.Module):
         cp: ContextParallel | None,
         kv_schedule: KVSchedule,
         expert_axis: ExpertAxis = None,
+        cu_seqlens=None,
     ) -> tuple[jax.Array, RouterStats | None]:
-        h = self.mixer(self.input_layernorm(x), cp=cp, kv_schedule=kv_schedule)
+        h = self.mixer(
+            self.input_layernorm(x), cp=cp, kv_schedule=kv_schedule, cu_seqlens=cu_seqlens
+        )
         return self._mlp(x + h, expert_axis)
 
     def prefill(

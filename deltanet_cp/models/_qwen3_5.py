@@ -9,13 +9,13 @@ from .._options import engine_options, EngineOptions
 from .._precision import PrecisionName
 from .._run import Memory
 from ..nn._norm import ZeroCenteredRMSNorm
-from ._causal_lm import _QwenForCausalLM, init_model
+from ._causal_lm import AbstractQwenForCausalLM, init_model
 from ._config import Qwen3_5Config
 from ._decoder_layer import Qwen3_5DecoderLayer
 from ._weights import load
 
 
-class Qwen3_5ForCausalLM(_QwenForCausalLM[Qwen3_5Config]):
+class Qwen3_5ForCausalLM(AbstractQwenForCausalLM[Qwen3_5Config]):
     """The Qwen3.5 dense text model: what transformers' `Qwen3_5ForCausalLM` computes.
 
     Embedding; `num_hidden_layers` pre-norm residual blocks whose token mixer is a

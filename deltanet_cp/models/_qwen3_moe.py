@@ -10,13 +10,13 @@ from .._options import engine_options, EngineOptions
 from .._precision import PrecisionName
 from .._run import Memory
 from ..nn._norm import ZeroCenteredRMSNorm
-from ._causal_lm import _QwenForCausalLM, init_model
+from ._causal_lm import AbstractQwenForCausalLM, init_model
 from ._config import Qwen3_5MoeConfig, Qwen3NextConfig
 from ._decoder_layer import Qwen3_5DecoderLayer
 from ._weights import load
 
 
-class Qwen3NextForCausalLM(_QwenForCausalLM[Qwen3NextConfig]):
+class Qwen3NextForCausalLM(AbstractQwenForCausalLM[Qwen3NextConfig]):
     """The Qwen3-Next text model: what transformers' `Qwen3NextForCausalLM` computes.
 
     [`deltanet_cp.models.Qwen3_5ForCausalLM`][]'s layers (Gated DeltaNet and gated
@@ -129,7 +129,7 @@ class Qwen3NextForCausalLM(_QwenForCausalLM[Qwen3NextConfig]):
         )
 
 
-class Qwen3_5MoeForCausalLM(_QwenForCausalLM[Qwen3_5MoeConfig]):
+class Qwen3_5MoeForCausalLM(AbstractQwenForCausalLM[Qwen3_5MoeConfig]):
     """The Qwen3.5 MoE text model: what transformers' `Qwen3_5MoeForCausalLM` computes.
 
     [`deltanet_cp.models.Qwen3_5ForCausalLM`][]'s layers with, in every layer, a sparse

@@ -22,7 +22,7 @@ from .._precision import (
     resolve_precision,
 )
 from .._validate import as_index, as_positive_index
-from ._context import layer_cp, local_positions
+from ._context import documents, layer_cp, local_positions
 from ._flash import (
     blockwise_attention,
     check_precision,
@@ -347,8 +347,13 @@ class CausalSelfAttention(AbstractTokenMixer):
         - `x`: one sequence, `(seq, hidden)`; with `cp`, this rank's shard of it.
         - `state`: must be `None` (the call of every token mixer takes it; to attend to
             cached tokens as well, call `prefill` with the cache and its length).
-        - `cu_seqlens`: packed documents; not yet supported by attention (a
-            `ValueError`): call it on each document.
+        - `cu_seqlens`: packed documents: the global offsets `[0, ..., S]` of the
+            documents of the (whole, with `cp`) sequence, a list or an integer array, as the
+            recurrent layers take them. Each token attends only to the tokens before it in
+            its own document (tiles wholly outside a document are skipped), and the rotary
+            positions restart at 0 at each document's first token: the output equals each
+            document's run alone. A repeated offset is an empty document (rows padded to
+            one width with repeated `S` are `jax.vmap`ped over).
         - `cp`: how the call is sharded, as in [`deltanet_cp.ContextParallel`][] (without
             `mesh`); `None` on one device. With [`deltanet_cp.Zigzag`][] the causal work
             is the same on every rank; `cp.exchange` plays no part here.
@@ -366,7 +371,8 @@ class CausalSelfAttention(AbstractTokenMixer):
 
         **Raises:**
 
-        `ValueError` for a `state` or `cu_seqlens`.
+        `ValueError` for a `state`, or for `cu_seqlens` that do not start at 0, end at
+        the sequence length or increase.
         """
         del v_first
         if state is not None:
@@ -374,15 +380,12 @@ class CausalSelfAttention(AbstractTokenMixer):
                 "CausalSelfAttention.__call__ takes no `state`: to attend to cached tokens "
                 "as well, call `prefill(x, cache, length)`."
             )
-        if cu_seqlens is not None:
-            raise ValueError(
-                "CausalSelfAttention does not take `cu_seqlens` yet (packed documents are "
-                "not masked from each other): call it on each document separately."
-            )
         check_kv_schedule(kv_schedule)
         cp = layer_cp(cp, "CausalSelfAttention")
         rel = local_positions(cp, x.shape[0])
-        q, k, v, gate = self._project(x, rel)
+        docs = None if cu_seqlens is None else documents(cp, x.shape[0], cu_seqlens)
+        # Global positions mask the scores; in-document positions turn the queries and keys.
+        q, k, v, gate = self._project(x, rel if docs is None else docs.positions)
         out, _ = blockwise_attention(
             q,
             k,
@@ -392,6 +395,7 @@ class CausalSelfAttention(AbstractTokenMixer):
             kv_schedule=kv_schedule,
             tile_size=self.tile_size,
             precision=resolve_precision(self.precision, q, k, v),
+            cu_seqlens=None if docs is None else docs.cu_seqlens,
         )
         return self._finish(out, gate)
 

@@ -10,13 +10,14 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._custom_types import CuSeqlens
 from .._options import engine_options, EngineOptions
 from .._parallel import ContextParallel
 from .._precision import PrecisionName
 from .._run import Memory
 from .._validate import as_positive_index
 from ._attention import CausalSelfAttention
-from ._context import layer_cp
+from ._context import documents, layer_cp
 from ._delta_net import DeltaNet
 from ._gated_delta_net import GatedDeltaNet
 from ._gated_delta_net_2 import GatedDeltaNet2
@@ -95,24 +96,27 @@ class HybridBlock(eqx.Module):
         cp: ContextParallel | None = None,
         kv_schedule: KVSchedule = "allgather",
         v_first: Float[Array, "seq heads v"] | None = None,
+        cu_seqlens: CuSeqlens | None = None,
     ) -> Float[Array, "seq hidden"]:
         """**Arguments:** as for [`deltanet_cp.nn.HybridLM`][], on hidden states, and
         `v_first`: for an RWKV-7 mixer after the model's first, the first one's `values`
         on its normed input (`first_values`); `None` up to and including the first one;
         ignored by the other mixers. Every mixer is called the same way
         ([`deltanet_cp.nn.AbstractTokenMixer`][])."""
-        return self._forward(x, cp, kv_schedule, v_first)[0]
+        return self._forward(x, cp, kv_schedule, v_first, cu_seqlens)[0]
 
-    def _forward(self, x, cp, kv_schedule, v_first) -> tuple[Array, Array | None]:
+    def _forward(self, x, cp, kv_schedule, v_first, cu_seqlens=None) -> tuple[Array, Array | None]:
         """`(output, v_first)`: the block's output and the `v_first` of the blocks after
         it (the given one, or the values this block's mixer makes if it is the first
         RWKV-7 one; `first_values`)."""
         h = jax.vmap(self.mixer_norm)(x)
         if v_first is None:
-            v_first_after = self.mixer.first_values(h, cp=cp)
+            v_first_after = self.mixer.first_values(h, cp=cp, cu_seqlens=cu_seqlens)
         else:
             v_first_after = v_first
-        x = x + self.mixer(h, cp=cp, kv_schedule=kv_schedule, v_first=v_first)
+        x = x + self.mixer(
+            h, cp=cp, kv_schedule=kv_schedule, v_first=v_first, cu_seqlens=cu_seqlens
+        )
         return x + jax.vmap(lambda y: self.mlp(self.mlp_norm(y)))(x), v_first_after
 
 
@@ -282,6 +286,7 @@ class HybridLM(eqx.Module):
         *,
         cp: ContextParallel | None = None,
         kv_schedule: KVSchedule = "allgather",
+        cu_seqlens: CuSeqlens | None = None,
     ) -> Float[Array, "seq vocab"]:
         """**Arguments:**
 
@@ -293,6 +298,14 @@ class HybridLM(eqx.Module):
         - `kv_schedule`: how the attention layers get the other ranks' keys and values:
         - `kv_schedule`: how the attention layers get the other ranks' keys and values:
             `"allgather"` or `"ring"` (see [`deltanet_cp.nn.CausalSelfAttention`][]).
+        - `cu_seqlens`: packed documents in `tokens`: the offsets `[0, ..., S]` of the
+            documents of the whole sequence (global, also under `cp`), a list or an integer
+            array, as [`deltanet_cp.data.pack_documents`][] makes them. Every mixer treats
+            each document as a sequence of its own (recurrences and convolutions restart
+            from zeros, attention is causal within each document with its rotary positions
+            restarting at 0), so the logits equal each document's run alone. A repeated
+            offset is an empty document: a batch of rows is a `jax.vmap` over the rows and
+            their `cu_seqlens`, padded to one width by repeating `S`. `None`: one document.
 
         **Returns:**
 
@@ -303,16 +316,20 @@ class HybridLM(eqx.Module):
         `ValueError` if `tokens` is not a 1-D integer array, or holds a token id outside
         `[0, vocab_size)` (which an embedding lookup would silently clamp). Traced ids
         (under `jax.jit`) are checked through `equinox.error_if`: the computation fails
-        when it runs.
+        when it runs. `ValueError` for `cu_seqlens` that do not start at 0, end at the
+        sequence length (`S`, over all ranks) or increase.
         """
         cp = layer_cp(cp, "HybridLM")
         tokens = check_tokens(tokens, self.embed.num_embeddings)
         if tokens.shape[0] == 0:
             return jnp.zeros((0, self.embed.num_embeddings), self.lm_head.weight.dtype)
+        if cu_seqlens is not None:
+            # Checked once, here, for every block.
+            cu_seqlens = documents(cp, tokens.shape[0], cu_seqlens).cu_seqlens
         x = jax.vmap(self.embed)(tokens)
         v_first = None  # the first RWKV-7 block's values, for the later ones
         for block in self.blocks:
-            x, v_first = block._forward(x, cp, kv_schedule, v_first)
+            x, v_first = block._forward(x, cp, kv_schedule, v_first, cu_seqlens)
         return jax.vmap(lambda y: self.lm_head(self.norm(y)))(x)
 
 

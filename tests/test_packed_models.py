@@ -1,0 +1,266 @@
+"""Packed documents through every model (`cu_seqlens=`): the logits of a packed row equal
+each document run alone through the same model, and the gradient of a packed loss equals
+the sum of the documents' losses' gradients; on one device, and (slow) under context
+parallelism in both layouts with documents crossing the ranks' boundaries, experts split.
+
+One shared packed fixture: five documents of 5, 14, 13, 11 and 21 tokens packed by
+`deltanet_cp.data.pack_documents` into two rows of 32 (`[0, 5, 19, 32, 32]` and
+`[0, 11, 32, 32, 32]`: one width, padded by repeating 32). At cp = 4 (contiguous) the
+ranks hold 8 tokens each, so the second document crosses two boundaries and the third one;
+at cp = 2 (zigzag) the first rank holds tokens 0-7 and 24-31. The models are the smallest
+of their test modules: two layers ([linear, full]) of the fixtures' sizes.
+"""
+
+import functools as ft
+import json
+import pathlib
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import deltanet_cp as dcp
+from deltanet_cp.data import pack_documents
+from deltanet_cp.models import (
+    Qwen3_5Config,
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
+from deltanet_cp.nn import expert_partition_specs, GatedDeltaNet, HybridLM
+
+from .helpers import rel_err
+from .test_layer import with_slow_decays
+
+
+DATA = pathlib.Path(__file__).parent / "data"
+LENGTHS = (5, 14, 13, 11, 21)
+ROW = 32
+VOCAB = 64  # every model's here
+TWO_LAYERS = {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]}
+
+
+def _qwen(cls, config_cls, folder: str, **changes):
+    fields = json.loads((DATA / folder / "config.json").read_text())
+    fields.update(TWO_LAYERS, **changes)
+    model = cls(config_cls.from_hf(fields), chunk_size=4, key=jr.key(0))
+    gdn = model.layers[0].mixer
+    assert isinstance(gdn, GatedDeltaNet)
+    return eqx.tree_at(lambda m: m.layers[0].mixer, model, with_slow_decays(gdn, jr.key(1)))
+
+
+def _hybrid():
+    model = HybridLM(  # test_hybrid's: one Gated DeltaNet block and one attention block
+        VOCAB,
+        32,
+        2,
+        attention_every=2,
+        num_key_heads=2,
+        num_value_heads=4,
+        key_head_dim=8,
+        value_head_dim=8,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        intermediate_size=32,
+        chunk_size=8,
+        key=jr.key(0),
+    )
+    gdn = model.blocks[0].mixer
+    assert isinstance(gdn, GatedDeltaNet)
+    return eqx.tree_at(lambda m: m.blocks[0].mixer, model, with_slow_decays(gdn, jr.key(3)))
+
+
+BUILDERS = {
+    "qwen3_5": lambda: _qwen(Qwen3_5ForCausalLM, Qwen3_5Config, "qwen3_5_lm"),
+    # Layer 1 is sparse (the fixture's `mlp_only_layers=[1]` dropped).
+    "qwen3_next": lambda: _qwen(
+        Qwen3NextForCausalLM, Qwen3NextConfig, "qwen3_next_moe", mlp_only_layers=[]
+    ),
+    "qwen3_5_moe": lambda: _qwen(Qwen3_5MoeForCausalLM, Qwen3_5MoeConfig, "qwen3_5_moe"),
+    "hybrid": _hybrid,
+}
+MOE = ("qwen3_next", "qwen3_5_moe")
+
+
+@ft.cache
+def _model(name: str):
+    return BUILDERS[name]()
+
+
+@ft.cache
+def _packed():
+    """The shared packed fixture: `PackedRows` of two rows, and the documents."""
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, VOCAB, n).astype(np.int32) for n in LENGTHS]
+    rows = pack_documents(docs, ROW)
+    np.testing.assert_array_equal(rows.cu_seqlens, [[0, 5, 19, 32, 32], [0, 11, 32, 32, 32]])
+    return rows, docs
+
+
+def _call(model, tokens, cu_seqlens=None, **kwargs):
+    """`(logits, router stats or None)`."""
+    if isinstance(model, HybridLM):
+        assert kwargs.pop("expert_axis", None) is None
+        return model(tokens, cu_seqlens=cu_seqlens, **kwargs), None
+    if any(model.config.is_sparse(i) for i in range(len(model.layers))):
+        return model.logits_and_router_stats(tokens, cu_seqlens=cu_seqlens, **kwargs)
+    return model(tokens, cu_seqlens=cu_seqlens, **kwargs), None
+
+
+def _nll_sum(logits, labels):
+    """The summed cross entropy over the targets that are not -100."""
+    real = labels != -100
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(logp, jnp.where(real, labels, 0)[..., None], axis=-1)[..., 0]
+    return -jnp.sum(jnp.where(real, picked, 0.0))
+
+
+def _doc_labels(doc):
+    return jnp.asarray(np.append(doc[1:], -100), jnp.int32)
+
+
+@ft.cache
+def _alone(name: str, row: int = 0):
+    """Each document of `row` run alone, concatenated: `(logits, summed stats)`, and the
+    gradient of the sum of the documents' losses."""
+    model = _model(name)
+    rows, docs = _packed()
+    mine = [docs[i] for i in rows.document_ids[row] if i >= 0]
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def loss(params):
+        m = eqx.combine(params, static)
+        outs = [_call(m, jnp.asarray(d)) for d in mine]
+        total = sum(_nll_sum(logits, _doc_labels(d)) for (logits, _), d in zip(outs, mine))
+        logits = jnp.concatenate([o[0] for o in outs])
+        stats = (
+            None if outs[0][1] is None else jax.tree.map(lambda *a: sum(a), *(o[1] for o in outs))
+        )
+        return total, (logits, stats)
+
+    (_, (logits, stats)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    return logits, stats, grads
+
+
+def _packed_step(
+    name,
+    cp: int = 1,
+    layout: dcp.AbstractLayout = dcp.Contiguous(),
+    kv_schedule="allgather",
+    expert_axis=None,
+):
+    """The packed row 0 through the model: `(logits, stats)` and the gradient of its
+    summed loss, on one device or sharded over `cp` ranks under `layout`."""
+    model = _model(name)
+    rows, _ = _packed()
+    tokens, labels = jnp.asarray(rows.tokens[0]), jnp.asarray(rows.labels[0])
+    cu = jnp.asarray(rows.cu_seqlens[0])
+    params, static = eqx.partition(model, eqx.is_array)
+    if cp == 1:
+
+        def one(params):
+            logits, stats = _call(eqx.combine(params, static), tokens, cu)
+            return _nll_sum(logits, labels), (logits, stats)
+
+        (_, (logits, stats)), grads = jax.jit(jax.value_and_grad(one, has_aux=True))(params)
+        return logits, stats, grads
+    mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
+    context = dcp.ContextParallel("cp", layout=layout)
+    if expert_axis is None:
+        specs = jax.tree.map(lambda _: P(), params)
+    else:
+        specs = expert_partition_specs(params, expert_axis)
+
+    def local(params, tokens, labels, cu):
+        m = eqx.combine(params, static)
+        logits, stats = _call(
+            m, tokens, cu, cp=context, kv_schedule=kv_schedule, expert_axis=expert_axis
+        )
+        total = jax.lax.psum(_nll_sum(logits, labels), "cp")
+        stats = None if stats is None else jax.lax.psum(stats, "cp")
+        return total, (logits, stats)
+
+    def loss(params, tokens, labels, cu):
+        out_specs = (P(), (P("cp"), P()))
+        return jax.shard_map(
+            local, mesh=mesh, in_specs=(specs, P("cp"), P("cp"), P()), out_specs=out_specs
+        )(params, tokens, labels, cu)
+
+    shard = NamedSharding(mesh, P("cp"))
+    tokens, labels = (
+        jax.device_put(layout.to_layout(a, cp, axis=0), shard) for a in (tokens, labels)
+    )
+    params = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    (_, (logits, stats)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
+        params, tokens, labels, cu
+    )
+    return layout.from_layout(logits, cp, axis=0), stats, grads
+
+
+def _check(name, got, want):
+    logits, stats, grads = got
+    logits1, stats1, grads1 = want
+    assert rel_err(logits, logits1) <= 1e-5
+    if stats1 is not None:
+        # The router's sums over the packed row are the documents' sums.
+        assert max(jax.tree.leaves(jax.tree.map(rel_err, stats, stats1))) <= 1e-5
+    errors = jax.tree.map(rel_err, grads, grads1)
+    assert max(jax.tree.leaves(errors)) <= 1e-4, errors
+
+
+@pytest.mark.usefixtures("fast_compile_one_test")
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_packed_equals_documents_alone(name):
+    _check(name, _packed_step(name), _alone(name))
+
+
+CP_CASES = [
+    pytest.param(2, dcp.Zigzag(), "ring", None, id="cp2-zigzag-ring"),
+    pytest.param(4, dcp.Contiguous(), "allgather", None, id="cp4-contiguous-allgather"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fast_compile_one_test")
+@pytest.mark.parametrize("cp, layout, kv_schedule, experts", CP_CASES)
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_packed_context_parallel(name, cp, layout, kv_schedule, experts):
+    _check(name, _packed_step(name, cp, layout, kv_schedule, experts), _alone(name))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fast_compile_one_test")
+@pytest.mark.parametrize("cp, layout", [(4, dcp.Zigzag()), (2, dcp.Contiguous())])
+def test_packed_with_experts_split(cp, layout):
+    # The 8 experts split over the context axis, the routing summed over the ranks.
+    got = _packed_step("qwen3_5_moe", cp, layout, "allgather", "cp")
+    _check("qwen3_5_moe", got, _alone("qwen3_5_moe"))
+
+
+@pytest.mark.usefixtures("fast_compile_one_test")
+def test_batch_of_rows_is_a_vmap():
+    # Rows with their own documents, `cu_seqlens` padded to one width by repeating 32.
+    model = _model("hybrid")
+    rows, _ = _packed()
+    logits = eqx.filter_jit(jax.vmap(lambda m, t, cu: m(t, cu_seqlens=cu), (None, 0, 0)))(
+        model, jnp.asarray(rows.tokens), jnp.asarray(rows.cu_seqlens)
+    )
+    for row in range(2):
+        assert rel_err(logits[row], _alone("hybrid", row)[0]) <= 1e-5
+
+
+def test_packed_errors():
+    model = _model("hybrid")
+    tokens = jnp.zeros((8,), jnp.int32)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        model(tokens, cu_seqlens=[0, 3, 7])
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        model(tokens, cu_seqlens=[1, 3, 8])
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        _model("qwen3_5")(tokens, cu_seqlens=[0, 5, 3, 8])
