@@ -13,8 +13,8 @@ backward (the gradient of a weighted sum of the outputs w.r.t. q, k and v), floa
 - Time: the median of paired rounds (every program once per round); "separate" is the
   sum of the eight documents' calls, one after the other.
 
-The target (issue 51): packed <= 1.3 x separate. On a small CPU, pass smaller sizes
-(`--doc-len 1024`: eight 1K documents in 8K); `--quick` is a smoke test.
+The target: a packed row costs at most 1.3 x its documents run separately. On a small CPU,
+pass smaller sizes (`--doc-len 1024`: eight 1K documents in 8K); `--quick` is a smoke test.
 
     python benchmarks/attention_packed.py                  # 8 x 4096 in 32768
     python benchmarks/attention_packed.py --doc-len 1024   # 8 x 1024 in 8192
