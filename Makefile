@@ -18,7 +18,8 @@ $(VENV)/.installed-%: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.installed-demo
 	$(BIN)/python examples/demo.py
 
-# The default suite (10 minutes on 2 cores from a fresh clone, 6 once .cache/jax is warm);
+# The default suite (817 s on 2 cores from a fresh clone, over its 10-minute budget; less once
+# .cache/jax is warm);
 # `make test-slow` runs the rest of the parameter grids (tests marked `slow`, 19 minutes after
 # the default suite), `make test-all` both. CI runs both. JOBS test processes run side by
 # side (pytest-xdist); JOBS=0 runs them in this process. Every run shares the persistent
