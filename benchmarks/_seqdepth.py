@@ -22,6 +22,7 @@ import dataclasses
 import re
 
 import deltanet_cp as dcp
+from deltanet_cp._hlo import hlo_computations
 
 
 _NOT_OPS = {
@@ -34,7 +35,6 @@ _NOT_OPS = {
     "partition-id",
     "replica-id",
 }
-_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _OPCODE = re.compile(r"^(?:ROOT )?%?[\w.\-]+ = .*? ([a-z][\w\-]*)\(")
 
 
@@ -57,19 +57,7 @@ class Depth:
 
 
 def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
-    computations: dict[str, list[str]] = {}
-    current, entry = None, None
-    for line in hlo.splitlines():
-        if line and not line.startswith(" "):
-            m = _HEADER.match(line.strip())
-            current = m.group(2) if m else None
-            if current:
-                computations[current] = []
-                if m.group(1):
-                    entry = current
-            continue
-        if current and "=" in line:
-            computations[current].append(line.strip())
+    computations, entry = hlo_computations(hlo)
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     return computations, entry

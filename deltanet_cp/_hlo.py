@@ -95,8 +95,9 @@ _CALLEE = re.compile(
 )
 
 
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
-    """The instruction lines of each computation, and the ENTRY computation's name."""
+def hlo_computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+    """The instruction lines of each computation of an HLO module's text, and the ENTRY
+    computation's name (`None` for text without one). The benchmarks' HLO readers use it too."""
     computations: dict[str, list[str]] = {}
     current, entry = None, None
     for line in hlo_text.splitlines():
@@ -141,7 +142,7 @@ def loop_trips(hlo_text: str) -> dict[str, int | None]:
 
     A dict from each `while` instruction's name to its trip count, or `None`.
     """
-    computations, _ = _computations(hlo_text)
+    computations, _ = hlo_computations(hlo_text)
     trips: dict[str, int | None] = {}
     for lines in computations.values():
         for line in lines:
@@ -154,7 +155,7 @@ def loop_trips(hlo_text: str) -> dict[str, int | None]:
 def _runs(hlo_text: str) -> dict[str, tuple[int, bool]]:
     """How many times each computation runs per call of the module (`while` bodies times
     their trips), and whether every loop on the way had a known trip count."""
-    computations, entry = _computations(hlo_text)
+    computations, entry = hlo_computations(hlo_text)
     if entry is None:
         return {}
     trips = loop_trips(hlo_text)
