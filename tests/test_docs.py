@@ -298,7 +298,11 @@ def _run_page(page: str) -> dict:
 
 
 # Each page in a process of its own, so that the pages spread over the test processes as
-# any other tests do (pytest-xdist), whatever the distribution.
+# any other tests do (pytest-xdist), whatever the distribution. The pages run in the slow
+# suite (CI runs it): they compile as a reader's run compiles, 280 s of the default suite's
+# test time on 2 cores from a cold cache; the default suite runs the quickstart
+# (`test_readme_and_front_page_run_as_written`).
+@pytest.mark.slow
 @pytest.mark.parametrize("page", _RUNNABLE_PAGES)
 def test_runnable_examples(page):
     """A page's runnable blocks, in order, in one namespace (as a reader would run them)."""

@@ -19,6 +19,7 @@ def _load(name):
     return module
 
 
+@pytest.mark.slow
 def test_own_recurrence():
     # docs/guides/own_recurrence.md: a new recurrence in one class, on the same engine: one
     # device and packed documents vs float64 loops, context parallelism (every exchange) vs
