@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from . import _stall
 
@@ -32,7 +32,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_together(commands: Sequence[Sequence[str]], *, devices: int | None = None) -> list[str]:
+def run_together(
+    commands: Sequence[Sequence[str]],
+    *,
+    devices: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> list[str]:
     """Run each command in its own process, all at once from the repository's root, on the
     CPU, and return their outputs (stdout and stderr together) once every one exits 0.
 
@@ -41,14 +46,17 @@ def run_together(commands: Sequence[Sequence[str]], *, devices: int | None = Non
     - `commands`: the argument lists, each starting with the program (`sys.executable`).
     - `devices`: simulated CPU devices per process (`XLA_FLAGS`); `None` leaves the flag
         to the processes (the test's own `XLA_FLAGS` is never passed on).
+    - `env`: more environment variables for every process (an `XLA_FLAGS` here comes before
+        the device count's).
 
     **Raises:** `AssertionError` with the end of the log of a process that failed;
     `_stall.Stalled` if they all stop using CPU time (every one is killed).
     """
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+    environ = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    environ |= {"JAX_PLATFORMS": "cpu", **(env or {})}
     if devices is not None:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        flags = [environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={devices}"]
+        environ["XLA_FLAGS"] = " ".join(flags).strip()
     # The outputs go to files: a pipe nobody reads while waiting would fill and block.
     with tempfile.TemporaryDirectory() as folder:
         logs = [pathlib.Path(folder) / f"{i}.log" for i in range(len(commands))]
@@ -60,7 +68,7 @@ def run_together(commands: Sequence[Sequence[str]], *, devices: int | None = Non
                         subprocess.Popen(
                             list(command),
                             cwd=ROOT,
-                            env=env,
+                            env=environ,
                             stdin=subprocess.DEVNULL,
                             stdout=out,
                             stderr=subprocess.STDOUT,
