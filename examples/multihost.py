@@ -182,9 +182,7 @@ def make_step(static, mesh: Mesh, layout, optimizer):
         return causal_lm_loss(logits, labels, axis_name=("dp", "cp"))[0]
 
     seq, rows = P("dp", "cp"), P("dp", None)
-    loss_fn = jax.shard_map(
-        per_rank, mesh=mesh, in_specs=(P(), seq, seq, rows), out_specs=P(), check_vma=True
-    )
+    loss_fn = jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), seq, seq, rows), out_specs=P())
 
     @jax.jit
     def step(params, opt_state, batch):
