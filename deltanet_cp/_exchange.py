@@ -110,7 +110,9 @@ class AbstractCostedExchange(AbstractExchange):
         final_state: bool = False,
         layout: AbstractLayout | None = None,
     ) -> int:
-        """Elements each rank receives (the largest over ranks).
+        """Elements each rank receives in the forward (the largest over ranks). A training
+        step receives more, its backward running the exchange's transpose:
+        `python benchmarks/cp_cost.py --only step` measures both.
 
         Under [`deltanet_cp.Zigzag`][] it is two walks (see [`deltanet_cp.run`][]): the
         first pieces in rank order, ending in a state every rank needs (so its final state

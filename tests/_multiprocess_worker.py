@@ -1,31 +1,23 @@
 """One process of the multi-process test (tests/test_multiprocess.py); not collected by pytest.
 
-Usage: python _multiprocess_worker.py PORT NUM_PROCESSES PROCESS_ID OUT_FILE
-Each process owns 2 simulated CPU devices; together they form one context-parallel mesh.
+Usage: python -m tests._multiprocess_worker PORT NUM_PROCESSES PROCESS_ID OUT_DIR
+Each process owns 2 simulated CPU devices (`tests._processes.run_workers`); together they form
+one context-parallel mesh.
 """
 
 import os
-import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from . import _processes
 
 
 def main():
-    port, nproc, pid, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=nproc,
-        process_id=pid,
-        initialization_timeout=60,
-    )
+    (folder,) = _processes.join()
     import deltanet_cp as dcp
 
     cp = jax.device_count()
@@ -80,7 +72,7 @@ def main():
         )
     err_o = float(np.max(np.abs(np.asarray(o) - np.asarray(ref_o))) / np.max(np.abs(ref_o)))
     err_h = float(np.max(np.abs(np.asarray(hf) - np.asarray(ref_h))) / np.max(np.abs(ref_h)))
-    with open(out, "w") as f:
+    with open(os.path.join(folder, f"out{jax.process_index()}.txt"), "w") as f:
         f.write(f"{cp} {jax.process_count()} {err_o} {err_h}\n")
     jax.distributed.shutdown()
 

@@ -1,32 +1,24 @@
 """One process of the two-process `save_pretrained` test (tests/test_save_pretrained.py); not
 collected by pytest.
 
-Usage: python _save_worker.py PORT NUM_PROCESSES PROCESS_ID FIXTURE OUT_DIR
-Each process owns 2 simulated CPU devices; the fixture's parameters are split over the 4 of
-them (the first axis divisible by 4, else replicated) and saved to OUT_DIR.
+Usage: python -m tests._save_worker PORT NUM_PROCESSES PROCESS_ID FIXTURE OUT_DIR
+Each process owns 2 simulated CPU devices (`tests._processes.run_workers`); the fixture's
+parameters are split over the 4 of them (the first axis divisible by 4, else replicated) and
+saved to OUT_DIR.
 """
 
 import os
-import sys
 
+import equinox as eqx
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-
-import equinox as eqx  # noqa: E402
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from . import _processes
 
 
 def main():
-    port, nproc, pid, fixture, out = sys.argv[1:6]
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=int(nproc),
-        process_id=int(pid),
-        initialization_timeout=60,
-    )
+    fixture, out = _processes.join()
     from deltanet_cp.models import Qwen3_5MoeForCausalLM
 
     model = Qwen3_5MoeForCausalLM.from_pretrained(fixture)

@@ -2,10 +2,15 @@
 
 import importlib.util
 import pathlib
+import re
+import sys
 
 import jax
 import numpy as np
 import pytest
+
+from . import _processes
+from ._fast_compile import FAST_COMPILE_OPTIONS
 
 
 EXAMPLES = pathlib.Path(__file__).parent.parent / "examples"
@@ -87,3 +92,37 @@ def test_train_hybrid_data_and_context_parallel():
         one = module.train(cfg, 1)
         sharded = module.train(cfg, 2, dp=2)
     np.testing.assert_allclose(sharded, one, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_multihost_two_processes_train_as_one(layout, tmp_path):
+    # docs/examples/multihost.md: the script as two hosts (two processes of two CPU devices,
+    # gloo on loopback: dp = 2 across them, cp = 2 inside each) and as one process of four
+    # devices on the same mesh shape; two training steps on the same packed rows, each host
+    # loading only its block, give the same losses and parameters. All three compile with
+    # tests/_fast_compile.py's settings (the step in 11 s, not 40, on a loaded machine).
+    script = str(EXAMPLES / "multihost.py")
+    port = _processes.free_port()
+    common = [sys.executable, script, "--steps", "2", "--layout", layout, "--cp", "2"]
+    hosts = [
+        [*common, "--local-devices", "2", "--coordinator", f"127.0.0.1:{port}"]
+        + ["--num-processes", "2", "--process-id", str(i), "--save", str(tmp_path / "two.npz")]
+        for i in range(2)
+    ]
+    alone = [*common, "--local-devices", "4", "--save", str(tmp_path / "one.npz")]
+    fast = {
+        "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
+        "XLA_FLAGS": " ".join(f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE_OPTIONS.items()),
+    }
+    logs = _processes.run_together([*hosts, alone], env=fast)
+    assert "2 process(es) x 2 devices: mesh dp=2 x cp=2" in logs[0], logs[0][-3000:]
+    assert "1 process(es) x 4 devices: mesh dp=2 x cp=2" in logs[2], logs[2][-3000:]
+    assert not re.search(r"step \d", logs[1])  # only process 0 prints
+    two, one = np.load(tmp_path / "two.npz"), np.load(tmp_path / "one.npz")
+    assert two.files == one.files and len(one.files) > 2
+    np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-5)
+    for name in one.files:
+        x, y = one[name], two[name]
+        assert x.shape == y.shape, name
+        assert float(np.max(np.abs(x - y))) <= 1e-5 * float(np.max(np.abs(x))), name

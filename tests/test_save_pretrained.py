@@ -15,11 +15,7 @@ starts two interpreters (about 18 s on 2 cores).
 
 import functools as ft
 import json
-import os
 import pathlib
-import socket
-import subprocess
-import sys
 
 import equinox as eqx
 import jax
@@ -34,7 +30,7 @@ from safetensors.numpy import load_file
 import deltanet_cp.interop._checkpoint as checkpoint_io
 from deltanet_cp.models import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 
-from . import _stall
+from . import _processes
 
 
 DATA = pathlib.Path(__file__).parent / "data"
@@ -46,7 +42,6 @@ FIXTURES = {
 }
 MOE = ["qwen3_next_moe", "qwen3_5_moe"]
 INDEX = "model.safetensors.index.json"
-WORKER = pathlib.Path(__file__).parent / "_save_worker.py"
 
 
 @ft.cache
@@ -278,38 +273,11 @@ def test_safetensors_writer_header(tmp_path):
         checkpoint_io.write_safetensors(file, {"c": np.zeros(2, np.complex64)})
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_save_pretrained_from_two_processes(tmp_path):
     # Two processes (gloo on loopback, 2 CPU devices each) holding the parameters split over
     # all 4 devices: process 0 writes, after gathers, the same bytes as one device.
-    port, nproc = _free_port(), 2
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
     fixture, out = DATA / "qwen3_5_moe", tmp_path / "two"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(port), str(nproc), str(i), str(fixture), str(out)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(nproc)
-    ]
-    try:
-        _stall.wait_all(procs)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p in procs:
-        assert p.returncode == 0, p.communicate()[0][-3000:]
+    _processes.run_workers("_save_worker", 2, str(fixture), str(out), devices=2)
     _model("qwen3_5_moe").save_pretrained(tmp_path / "one", max_shard_size=20_000)
     files = sorted(p.name for p in (tmp_path / "one").iterdir())
     assert sorted(p.name for p in out.iterdir()) == files
