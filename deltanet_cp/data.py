@@ -48,7 +48,9 @@ in float32 over the real targets: inside `jax.shard_map` the sum and the count o
 rank are added up (`psum`) before the division, so the loss is the mean over all the real
 targets of the batch, not a mean of per-rank means (which weights a rank holding few
 targets as much as one holding many). [`add_router_loss`][deltanet_cp.data.add_router_loss]
-adds a mixture-of-experts model's load-balancing loss as transformers does.
+adds a mixture-of-experts model's load-balancing loss as transformers does, its routing
+counted over the real tokens ([`real_tokens`][deltanet_cp.data.real_tokens], the model's
+`token_mask=`), as transformers counts them under its `attention_mask`.
 """
 
 from collections.abc import Sequence
@@ -58,9 +60,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int, Shaped
+from jaxtyping import Array, Bool, Float, Int, Shaped
 
 from ._layout import AbstractLayout
+from ._parallel import ContextParallel
 from .nn import load_balancing_loss, RouterStats
 
 
@@ -73,6 +76,7 @@ __all__ = [
     "PackedRows",
     "process_local_data",
     "rank_shard",
+    "real_tokens",
 ]
 
 IGNORE_INDEX = -100
@@ -484,6 +488,73 @@ def make_global_batch(
     )
 
 
+def real_tokens(packed: PackedRows, *, cp: ContextParallel | None = None) -> Bool[Array, "..."]:
+    """Which tokens of packed rows are real (a document's), not padding: the `token_mask`
+    of a mixture-of-experts model's `logits_and_router_stats`, so that the routing
+    statistics and the load-balancing loss count real tokens only (transformers'
+    `attention_mask`).
+
+    A token is padding if its segment (of `cu_seqlens`) holds no document
+    (`document_ids == -1`); prompt tokens are real (they are routed and balanced, though
+    they are no targets).
+
+    **Arguments:**
+
+    - `packed`: packed rows: whole rows in sequence order (what
+        [`deltanet_cp.data.pack_documents`][] returns), or, inside `jax.shard_map` with
+        `cp`, this rank's block of a [`deltanet_cp.data.make_global_batch`][] batch (its
+        tokens in `cp.layout`'s order, the global `cu_seqlens` and `document_ids` of its
+        rows).
+    - `cp`: `None` for whole rows; inside `jax.shard_map`, the
+        [`deltanet_cp.ContextParallel`][] the model is called with, for this rank's
+        tokens' places in the row.
+
+    **Returns:**
+
+    A boolean array of `packed.tokens`' shape, `True` on the real tokens.
+
+    **Raises:**
+
+    `ValueError` if `cu_seqlens` and `document_ids` do not have the rows of `tokens` and
+    one more offset than segments, or if, without `cp`, the rows are not whole (the
+    offsets end at another length than the tokens' rows: pass `cp`).
+    """
+    tokens, cu, ids = packed.tokens, packed.cu_seqlens, packed.document_ids
+    rows, length = np.shape(tokens)[:-1], np.shape(tokens)[-1]
+    if (
+        np.ndim(cu) < 1
+        or np.shape(cu)[:-1] != rows
+        or np.shape(ids) != (*rows, np.shape(cu)[-1] - 1)
+    ):
+        raise ValueError(
+            f"`packed.cu_seqlens` must be (*rows, segments + 1) and `packed.document_ids` "
+            f"(*rows, segments), with the rows of `packed.tokens` {tuple(rows)}; got "
+            f"{np.shape(cu)} and {np.shape(ids)}."
+        )
+    if cp is None:
+        try:
+            ends = np.unique(np.asarray(cu)[..., -1])
+        except jax.errors.TracerArrayConversionError:  # traced: not checked
+            ends = np.asarray([length])
+        if ends.size and (ends != length).any():
+            raise ValueError(
+                f"`packed`'s rows hold {length} tokens, but its `cu_seqlens` end at "
+                f"{ends.tolist()}: these are not whole rows. For a rank's shard, call "
+                "`real_tokens(packed, cp=...)` inside `jax.shard_map`."
+            )
+        positions = jnp.arange(length)
+    else:
+        positions = cp.layout.positions(length, cp.axis_name)
+
+    def row(cu, ids):
+        segment = jnp.searchsorted(cu, positions, side="right") - 1
+        return ids[jnp.clip(segment, 0, ids.shape[0] - 1)] >= 0
+
+    cu, ids = jnp.asarray(cu), jnp.asarray(ids)
+    flat = jax.vmap(row)(cu.reshape(-1, cu.shape[-1]), ids.reshape(-1, ids.shape[-1]))
+    return flat.reshape(np.shape(tokens))
+
+
 def _replicated_flag(bad: Array, axis_name: AxisNames) -> Array:
     """`bad` reduced over `axis_name` (inside `shard_map`), the same on every rank."""
     axes = _axes(axis_name)
@@ -573,8 +644,10 @@ def add_router_loss(
     transformers' MoE models (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE) compute
     `aux_loss = load_balancing_loss_func(router_logits, num_experts, top_k, attention_mask)`
     over every layer's routing of every token of the batch together and return
-    `loss + router_aux_loss_coef * aux_loss`. Here the routing's sums (a
-    [`deltanet_cp.nn.RouterStats`][], from a model's `logits_and_router_stats`) are
+    `loss + router_aux_loss_coef * aux_loss`, the padding left out through the
+    `attention_mask`. Here the routing's sums (a [`deltanet_cp.nn.RouterStats`][], from a
+    model's `logits_and_router_stats`, with `token_mask=real_tokens(...)` to leave the
+    padding out) are
     summed over any leading batch axes (a `jax.vmap` over rows) and, inside
     `jax.shard_map`, over `axis_name` (every rank's tokens), before
     [`deltanet_cp.nn.load_balancing_loss`][] normalises them once.

@@ -18,6 +18,7 @@ from deltanet_cp.data import (
     PackedRows,
     process_local_data,
     rank_shard,
+    real_tokens,
 )
 from deltanet_cp.nn import load_balancing_loss, RouterStats
 
@@ -241,6 +242,39 @@ def test_hosts_slices_assemble_the_batch_in_layout_order(layout):
             context_axis="cp",
             devices=[mesh.devices[0, 0], mesh.devices[1, 1]],
         )
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["contiguous", "zigzag"])
+def test_real_tokens_on_each_rank(layout):
+    # Rows of 16: the padding (and only it) is not real, prompts are; each rank's mask,
+    # taken inside shard_map from its block of the global batch, is its shard of the rows'.
+    docs = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 9], [3] * 11, [7] * 13]
+    packed = pack_documents(docs, 16, prompt_lengths=[1, 2, 0, 3, 0], max_documents=3)
+    np.testing.assert_array_equal(
+        packed.cu_seqlens, [[0, 3, 8, 10, 16], [0, 11, 16, 16, 16], [0, 13, 16, 16, 16]]
+    )
+    packed = PackedRows(*(np.resize(a, (4, *a.shape[1:])) for a in packed))  # 2 per data rank
+    want = np.zeros((4, 16), bool)
+    for r, n in enumerate([10, 11, 13, 10]):
+        want[r, :n] = True
+    np.testing.assert_array_equal(real_tokens(packed), want)
+    mesh = _mesh()
+    batch = make_global_batch(packed, mesh, layout, data_axis="dp", context_axis="cp")
+    cp = dcp.ContextParallel("cp", layout=layout)
+    tok, row = P("dp", "cp"), P("dp", None)
+    per_rank = jax.jit(
+        jax.shard_map(
+            lambda b: real_tokens(b, cp=cp),
+            mesh=mesh,
+            in_specs=(PackedRows(tok, tok, row, row, row),),
+            out_specs=tok,
+        )
+    )
+    np.testing.assert_array_equal(per_rank(batch), layout.to_layout(want, 4))
+    # A rank's shard is not whole rows: without `cp` it is refused.
+    shard = rank_shard(packed, layout, cp=4, context_rank=1)
+    with pytest.raises(ValueError, match="not whole rows"):
+        real_tokens(shard)
 
 
 def test_slicing_bad_input():

@@ -24,7 +24,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import deltanet_cp as dcp
-from deltanet_cp.data import pack_documents
+from deltanet_cp.data import pack_documents, real_tokens
 from deltanet_cp.models import (
     Qwen3_5Config,
     Qwen3_5ForCausalLM,
@@ -253,6 +253,29 @@ def test_batch_of_rows_is_a_vmap():
     )
     for row in range(2):
         assert rel_err(logits[row], _alone("hybrid", row)[0]) <= 1e-5
+
+
+@pytest.mark.usefixtures("fast_compile_one_test")
+def test_router_stats_count_real_tokens_only():
+    # Row 0's three documents (32 tokens) packed into a row of 40: with the row's real
+    # tokens as `token_mask`, the routing's sums are the documents' alone (the 8 padding
+    # tokens are routed, but not counted), as transformers' attention mask does.
+    model = _model("qwen3_5_moe")
+    _, docs = _packed()
+    padded = pack_documents(docs[:3], 40)
+    np.testing.assert_array_equal(padded.cu_seqlens, [[0, 5, 19, 32, 40]])
+    mask = real_tokens(padded)[0]
+    assert int(mask.sum()) == 32 and not bool(mask[32:].any())
+    run = eqx.filter_jit(
+        lambda m, t, cu, mask: m.logits_and_router_stats(t, cu_seqlens=cu, token_mask=mask)
+    )
+    cu = jnp.asarray(padded.cu_seqlens[0])
+    logits, stats = run(model, jnp.asarray(padded.tokens[0]), cu, mask)
+    want_logits, want, _ = _alone("qwen3_5_moe")
+    assert rel_err(logits[:32], want_logits) <= 1e-5
+    np.testing.assert_array_equal(stats.counts, want.counts)
+    assert float(stats.tokens) == float(want.tokens) == 32 * 2  # two sparse layers
+    assert rel_err(stats.probabilities, want.probabilities) <= 1e-6
 
 
 def test_packed_errors():
