@@ -33,7 +33,7 @@ from deltanet_cp.models import (
     Qwen3NextConfig,
     Qwen3NextForCausalLM,
 )
-from deltanet_cp.nn import expert_partition_specs, GatedDeltaNet, HybridLM
+from deltanet_cp.nn import CausalSelfAttention, expert_partition_specs, GatedDeltaNet, HybridLM
 
 from .helpers import rel_err
 from .test_layer import with_slow_decays
@@ -276,6 +276,32 @@ def test_router_stats_count_real_tokens_only():
     np.testing.assert_array_equal(stats.counts, want.counts)
     assert float(stats.tokens) == float(want.tokens) == 32 * 2  # two sparse layers
     assert rel_err(stats.probabilities, want.probabilities) <= 1e-6
+
+
+@pytest.mark.usefixtures("fast_compile_one_test")
+def test_rows_over_a_data_axis_without_context_parallelism():
+    # Inside shard_map over "dp" only, each rank's `cu_seqlens` differ (they vary over
+    # "dp"): the check on their values must take that (it did not: equinox's `error_if`
+    # refused an operand varying over a mesh axis).
+    layer = CausalSelfAttention(8, 1, 4, tile_size=4, key=jr.key(0))
+    x = jr.normal(jr.key(1), (2, 8, 8))
+    cu = jnp.asarray([[0, 3, 8], [0, 5, 8]], jnp.int32)
+    mesh = jax.make_mesh((2,), ("dp",), devices=jax.devices()[:2])
+    rows = NamedSharding(mesh, P("dp"))
+    run = jax.jit(
+        jax.shard_map(
+            lambda x, cu: layer(x[0], cu_seqlens=cu[0])[None],
+            mesh=mesh,
+            in_specs=(P("dp"), P("dp")),
+            out_specs=P("dp"),
+        )
+    )
+    got = run(jax.device_put(x, rows), jax.device_put(cu, rows))
+    want = jax.jit(jax.vmap(lambda x, cu: layer(x, cu_seqlens=cu)))(x, cu)
+    assert rel_err(np.asarray(got), want) <= 1e-6
+    bad = jnp.asarray([[0, 3, 8], [0, 9, 8]], jnp.int32)
+    with pytest.raises(Exception, match="must start at 0, not decrease"):
+        jax.block_until_ready(run(jax.device_put(x, rows), jax.device_put(bad, rows)))
 
 
 def test_packed_errors():
