@@ -308,12 +308,47 @@ def _axis_size(mesh: jax.sharding.Mesh, axis: AxisNames) -> int:
 def _layout_order(layout: AbstractLayout, length: int, cp: int) -> np.ndarray:
     """The sequence position at each place of a row in `layout`'s order (ranks' shards one
     after another): `layout.position_table` read rank after rank."""
-    if length % cp:
+    pieces = layout.pieces(cp)
+    if length % pieces:
+        each = "" if pieces == cp else f", {pieces // cp} pieces per rank"
         raise ValueError(
             f"The row length {length} must be a multiple of the context-parallel size {cp} "
-            f"(and of the pieces of {layout!r}): pack with such a `row_length`."
+            f"and of the {pieces} pieces {layout!r} cuts a row into for {cp} ranks"
+            f"{each}: pack with a `row_length` that is a multiple of {pieces}."
         )
     return layout.position_table(length // cp, cp).reshape(-1)
+
+
+def _check_packed(packed: PackedRows) -> None:
+    """A `ValueError` naming the field unless `packed`'s arrays fit together: `tokens` and
+    `labels` `(rows, length)`, `cu_seqlens` `(rows, segments + 1)`, `document_ids` and
+    `document_offsets` `(rows, segments)`."""
+    if not isinstance(packed, PackedRows):
+        raise TypeError(
+            f"`packed` must be a `deltanet_cp.data.PackedRows` (from `pack_documents`); got "
+            f"{type(packed).__name__}."
+        )
+    shape = np.shape(packed.tokens)
+    if len(shape) != 2:
+        raise ValueError(f"`packed.tokens` must be (rows, length); got shape {shape}.")
+    if np.shape(packed.labels) != shape:
+        raise ValueError(
+            f"`packed.labels` must have the shape of `packed.tokens`, {shape}: one target "
+            f"(or -100) per token, shifted already; got {np.shape(packed.labels)}."
+        )
+    cu = np.shape(packed.cu_seqlens)
+    if len(cu) != 2 or cu[0] != shape[0] or cu[1] < 2:
+        raise ValueError(
+            f"`packed.cu_seqlens` must be (rows, segments + 1) with rows = {shape[0]}, each "
+            f"row's offsets [0, ..., {shape[1]}]; got shape {cu}."
+        )
+    for name in ("document_ids", "document_offsets"):
+        got = np.shape(getattr(packed, name))
+        if got != (shape[0], cu[1] - 1):
+            raise ValueError(
+                f"`packed.{name}` must be (rows, segments) = {(shape[0], cu[1] - 1)}, one "
+                f"entry per segment of `cu_seqlens`; got {got}."
+            )
 
 
 def rank_shard(
@@ -340,7 +375,14 @@ def rank_shard(
     `labels` hold the positions `layout.position_table(length // cp, cp)[context_rank]`
     (under zigzag, pieces `r` and `2 cp - 1 - r`); the per-row fields (`cu_seqlens`, ...)
     stay global (every context rank gets the same, as the recurrences expect).
+
+    **Raises:**
+
+    `ValueError` if `packed`'s fields do not fit together (`labels` not of `tokens`'
+    shape, offsets not one row per row), the rows do not divide over `dp`, or the row
+    length over the layout's pieces (`cp`, or `2 * cp` under [`deltanet_cp.Zigzag`][]).
     """
+    _check_packed(packed)
     rows, length = np.shape(packed.tokens)
     if rows % dp:
         raise ValueError(f"The batch's {rows} rows must be a multiple of the data axis size {dp}.")
@@ -429,9 +471,12 @@ def process_local_data(
 
     **Raises:**
 
-    `ValueError` if the rows do not divide over the data axis, the row length over the
-    context axis's pieces, or if the process's devices do not hold one rectangular block.
+    `ValueError` if `packed`'s fields do not fit together (`labels` not of `tokens`'
+    shape, offsets not one row per row), the rows do not divide over the data axis, the
+    row length over the context axis's pieces (`2 * cp` under [`deltanet_cp.Zigzag`][]),
+    or if the process's devices do not hold one rectangular block.
     """
+    _check_packed(packed)
     tokens = np.asarray(packed.tokens)
     rows, length = tokens.shape
     cp = _axis_size(mesh, context_axis)
@@ -477,6 +522,10 @@ def make_global_batch(
     **Returns:**
 
     A [`deltanet_cp.data.PackedRows`][] of global `jax.Array`s.
+
+    **Raises:**
+
+    As [`deltanet_cp.data.process_local_data`][].
     """
     local = process_local_data(packed, mesh, layout, data_axis=data_axis, context_axis=context_axis)
     shardings = _shardings(mesh, data_axis, context_axis)
@@ -555,6 +604,20 @@ def real_tokens(packed: PackedRows, *, cp: ContextParallel | None = None) -> Boo
     return flat.reshape(np.shape(tokens))
 
 
+def _psum(tree: Any, axis_name: AxisNames) -> Any:
+    """`jax.lax.psum` of every leaf over `axis_name` (inside `shard_map`), a leaf that does
+    not vary over one of the axes (a rank's sum computed from per-row fields only, or an
+    axis of size 1 the tokens never met) taken as that rank's own part of the sum."""
+    axes = _axes(axis_name)
+
+    def one(x):
+        varying = jax.typeof(x).manual_axis_type.varying
+        missing = tuple(a for a in axes if a not in varying)
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.lax.psum(jax.tree.map(one, tree), axes)
+
+
 def _replicated_flag(bad: Array, axis_name: AxisNames) -> Array:
     """`bad` reduced over `axis_name` (inside `shard_map`), the same on every rank."""
     axes = _axes(axis_name)
@@ -624,7 +687,7 @@ def causal_lm_loss(
     total = -jnp.sum(jnp.where(real, picked, 0.0))
     count = jnp.sum(real, dtype=jnp.float32)
     if _axes(axis_name):
-        total, count = jax.lax.psum((total, count), _axes(axis_name))
+        total, count = _psum((total, count), axis_name)
     msg = (
         f"`labels` must lie in [0, {vocab}) (the vocabulary) or equal ignore_index={ignore_index}."
     )
@@ -669,5 +732,5 @@ def add_router_loss(
         tokens=jnp.sum(stats.tokens),
     )
     if _axes(axis_name):
-        stats = jax.lax.psum(stats, _axes(axis_name))
+        stats = _psum(stats, axis_name)
     return loss + coefficient * load_balancing_loss(stats)

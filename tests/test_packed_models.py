@@ -313,3 +313,30 @@ def test_packed_errors():
         model(tokens, cu_seqlens=[1, 3, 8])
     with pytest.raises(ValueError, match="cu_seqlens"):
         _model("qwen3_5")(tokens, cu_seqlens=[0, 5, 3, 8])
+
+
+def test_cu_seqlens_not_int(without_runtime_typecheck):
+    # What a user without jaxtyping's checks sees.
+    tokens = jnp.zeros((8,), jnp.int32)
+    with pytest.raises(ValueError, match="`cu_seqlens` must hold ints"):
+        _model("hybrid")(tokens, cu_seqlens=[0, 3.5, 8])
+    with pytest.raises(ValueError, match="integer array of document offsets"):
+        _model("qwen3_5_moe").logits_and_router_stats(tokens, cu_seqlens=jnp.asarray([0.0, 8.0]))
+
+
+def test_zigzag_row_not_in_two_pieces_per_rank():
+    # 6 tokens over 2 zigzag ranks: 3 local tokens do not cut into the 2 pieces each rank
+    # holds, and the error says the global length to use (checked while tracing).
+    model = _model("hybrid")
+    mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
+    cp = dcp.ContextParallel("cp", layout=dcp.Zigzag())
+    run = jax.shard_map(
+        lambda t, cu: model(t, cp=cp, cu_seqlens=cu),
+        mesh=mesh,
+        in_specs=(P("cp"), P()),
+        out_specs=P("cp"),
+    )
+    tokens = jax.device_put(jnp.zeros((6,), jnp.int32), NamedSharding(mesh, P("cp")))
+    cu = jax.device_put(jnp.asarray([0, 2, 6], jnp.int32), NamedSharding(mesh, P()))
+    with pytest.raises(ValueError, match=r"must be even; got 3.*multiple of 2 \* cp"):
+        jax.jit(run)(tokens, cu)
