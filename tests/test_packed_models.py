@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import deltanet_cp as dcp
 from deltanet_cp.data import pack_documents, real_tokens
@@ -302,6 +302,114 @@ def test_rows_over_a_data_axis_without_context_parallelism():
     bad = jnp.asarray([[0, 3, 8], [0, 9, 8]], jnp.int32)
     with pytest.raises(Exception, match="must start at 0, not decrease"):
         jax.block_until_ready(run(jax.device_put(x, rows), jax.device_put(bad, rows)))
+
+
+def _nan_step(name, cp: int, layout: dcp.AbstractLayout, expert_axis=None):
+    """Row 0's three documents (`[0, 5, 19, 32]`) with unique token ids, through the model
+    sharded over `cp` ranks: a function of the embedding table giving the logits (in
+    sequence order) and the gradient, with respect to the table, of the loss over the
+    first and last documents (the middle one's labels are -100)."""
+    model = _model(name)
+    rows, _ = _packed()
+    cu = jnp.asarray(rows.cu_seqlens[0, :4])
+    tokens = jnp.arange(ROW, dtype=jnp.int32)  # one id per position: per-token gradients
+    labels = jnp.where((tokens >= 5) & (tokens < 19), -100, (tokens * 7) % VOCAB)
+    params, static = eqx.partition(model, eqx.is_array)  # the table is replaced in `local`
+    mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
+    context = dcp.ContextParallel("cp", layout=layout)
+    specs = (
+        jax.tree.map(lambda _: P(), params)
+        if expert_axis is None
+        else expert_partition_specs(params, expert_axis)
+    )
+
+    def local(table, params, tokens, labels):
+        m = eqx.combine(eqx.tree_at(lambda m: m.embed.weight, params, table), static)
+        kwargs = {} if expert_axis is None else {"expert_axis": expert_axis}
+        logits, _ = _call(m, tokens, cu, cp=context, **kwargs)
+        return jax.lax.psum(_nll_sum(logits, labels), "cp"), logits
+
+    def loss(table, params, tokens, labels):
+        return jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(), specs, P("cp"), P("cp")),
+            out_specs=(P(), P("cp")),
+        )(table, params, tokens, labels)
+
+    shard = NamedSharding(mesh, P("cp"))
+    tokens, labels = (
+        jax.device_put(layout.to_layout(a, cp, axis=0), shard) for a in (tokens, labels)
+    )
+    params = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    grad = jax.jit(jax.grad(loss, has_aux=True))
+
+    def run(table):
+        g, logits = grad(table, params, tokens, labels)
+        return np.asarray(layout.from_layout(logits, cp, axis=0)), np.asarray(g)
+
+    return model.embed.weight, run
+
+
+def _check_nan_stays_in_its_document(name, cp, layout, expert_axis=None):
+    # A NaN in one embedding of the middle document (position 11): the other documents'
+    # logits and the gradients at their tokens are finite and those of the clean run. (The
+    # middle document's own gradients may be NaN before position 11 too: reverse mode
+    # multiplies its zero cotangents by the NaN, as through any recurrence.)
+    table, run = _nan_step(name, cp, layout, expert_axis)
+    clean_logits, clean_grads = run(table)
+    logits, grads = run(table.at[11].set(jnp.nan))
+    other = np.r_[0:5, 19:32]
+    assert np.isnan(logits[11]).all()
+    assert np.isfinite(logits[other]).all() and np.isfinite(grads[other]).all()
+    assert rel_err(logits[other], clean_logits[other]) <= 1e-6
+    assert rel_err(grads[other], clean_grads[other]) <= 1e-5
+
+
+@pytest.mark.usefixtures("fast_compile_one_test")
+def test_nan_stays_in_its_document_gated_delta_net_layer():
+    # The cheap case of the model tests below: one Gated DeltaNet layer (its convolution and
+    # recurrence) at cp = 4, zigzag, the documents [0, 5, 19, 32] crossing the ranks.
+    layer = _model("hybrid").blocks[0].mixer
+    cu = jnp.asarray([0, 5, 19, 32], jnp.int32)
+    cp, layout = 4, dcp.Zigzag()
+    mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp], axis_types=(AxisType.Auto,))
+    context = dcp.ContextParallel("cp", layout=layout)
+    keep = jnp.asarray(np.r_[0:5, 19:32])
+    weights = jr.normal(jr.key(5), (ROW, 32))
+
+    def loss(x):
+        y = jax.shard_map(
+            lambda x: layer(x, cp=context, cu_seqlens=cu),
+            mesh=mesh,
+            in_specs=P("cp"),
+            out_specs=P("cp"),
+        )(layout.to_layout(x, cp, axis=0))
+        y = layout.from_layout(y, cp, axis=0)
+        return jnp.sum(y[keep] * weights[keep]), y
+
+    run = jax.jit(jax.grad(loss, has_aux=True))
+    x = jr.normal(jr.key(4), (ROW, 32))
+    clean_grads, clean = run(x)
+    grads, y = run(x.at[11].set(jnp.nan))
+    assert np.isnan(np.asarray(y[11])).all()
+    assert np.isfinite(np.asarray(y[keep])).all() and np.isfinite(np.asarray(grads[keep])).all()
+    assert rel_err(y[keep], clean[keep]) <= 1e-6
+    assert rel_err(grads[keep], clean_grads[keep]) <= 1e-5
+
+
+NAN_CASES = [
+    pytest.param(name, layout, None, id=f"{name}-{layout_id}")
+    for name in BUILDERS
+    for layout, layout_id in ((dcp.Contiguous(), "contiguous"), (dcp.Zigzag(), "zigzag"))
+] + [pytest.param(name, dcp.Contiguous(), "cp", id=f"{name}-experts-split") for name in MOE]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fast_compile_one_test")
+@pytest.mark.parametrize("name, layout, experts", NAN_CASES)
+def test_nan_stays_in_its_document_at_cp4(name, layout, experts):
+    _check_nan_stays_in_its_document(name, 4, layout, experts)
 
 
 def test_packed_errors():
