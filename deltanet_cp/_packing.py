@@ -191,7 +191,9 @@ def check_cu_seqlens(
     )
     msg = f"`cu_seqlens` must start at 0, not decrease, and end {end}."
     if axis_name is None:
-        return eqx.error_if(cu, bad, msg)
+        # On a zero, not on `cu`: inside `jax.shard_map`, `cu` may vary over a data axis,
+        # and `error_if`'s operand must not.
+        return cu + eqx.error_if(jnp.zeros((), cu.dtype), bad, msg)
     bad = bad.astype(jnp.int32)
     if axis_name not in jax.typeof(bad).manual_axis_type.varying:
         bad = jax.lax.pcast(bad, (axis_name,), to="varying")

@@ -48,7 +48,9 @@ in float32 over the real targets: inside `jax.shard_map` the sum and the count o
 rank are added up (`psum`) before the division, so the loss is the mean over all the real
 targets of the batch, not a mean of per-rank means (which weights a rank holding few
 targets as much as one holding many). [`add_router_loss`][deltanet_cp.data.add_router_loss]
-adds a mixture-of-experts model's load-balancing loss as transformers does.
+adds a mixture-of-experts model's load-balancing loss as transformers does, its routing
+counted over the real tokens ([`real_tokens`][deltanet_cp.data.real_tokens], the model's
+`token_mask=`), as transformers counts them under its `attention_mask`.
 """
 
 from collections.abc import Sequence
@@ -58,9 +60,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int, Shaped
+from jaxtyping import Array, Bool, Float, Int, Shaped
 
 from ._layout import AbstractLayout
+from ._parallel import ContextParallel
 from .nn import load_balancing_loss, RouterStats
 
 
@@ -73,6 +76,7 @@ __all__ = [
     "PackedRows",
     "process_local_data",
     "rank_shard",
+    "real_tokens",
 ]
 
 IGNORE_INDEX = -100
@@ -304,12 +308,47 @@ def _axis_size(mesh: jax.sharding.Mesh, axis: AxisNames) -> int:
 def _layout_order(layout: AbstractLayout, length: int, cp: int) -> np.ndarray:
     """The sequence position at each place of a row in `layout`'s order (ranks' shards one
     after another): `layout.position_table` read rank after rank."""
-    if length % cp:
+    pieces = layout.pieces(cp)
+    if length % pieces:
+        each = "" if pieces == cp else f", {pieces // cp} pieces per rank"
         raise ValueError(
             f"The row length {length} must be a multiple of the context-parallel size {cp} "
-            f"(and of the pieces of {layout!r}): pack with such a `row_length`."
+            f"and of the {pieces} pieces {layout!r} cuts a row into for {cp} ranks"
+            f"{each}: pack with a `row_length` that is a multiple of {pieces}."
         )
     return layout.position_table(length // cp, cp).reshape(-1)
+
+
+def _check_packed(packed: PackedRows) -> None:
+    """A `ValueError` naming the field unless `packed`'s arrays fit together: `tokens` and
+    `labels` `(rows, length)`, `cu_seqlens` `(rows, segments + 1)`, `document_ids` and
+    `document_offsets` `(rows, segments)`."""
+    if not isinstance(packed, PackedRows):
+        raise TypeError(
+            f"`packed` must be a `deltanet_cp.data.PackedRows` (from `pack_documents`); got "
+            f"{type(packed).__name__}."
+        )
+    shape = np.shape(packed.tokens)
+    if len(shape) != 2:
+        raise ValueError(f"`packed.tokens` must be (rows, length); got shape {shape}.")
+    if np.shape(packed.labels) != shape:
+        raise ValueError(
+            f"`packed.labels` must have the shape of `packed.tokens`, {shape}: one target "
+            f"(or -100) per token, shifted already; got {np.shape(packed.labels)}."
+        )
+    cu = np.shape(packed.cu_seqlens)
+    if len(cu) != 2 or cu[0] != shape[0] or cu[1] < 2:
+        raise ValueError(
+            f"`packed.cu_seqlens` must be (rows, segments + 1) with rows = {shape[0]}, each "
+            f"row's offsets [0, ..., {shape[1]}]; got shape {cu}."
+        )
+    for name in ("document_ids", "document_offsets"):
+        got = np.shape(getattr(packed, name))
+        if got != (shape[0], cu[1] - 1):
+            raise ValueError(
+                f"`packed.{name}` must be (rows, segments) = {(shape[0], cu[1] - 1)}, one "
+                f"entry per segment of `cu_seqlens`; got {got}."
+            )
 
 
 def rank_shard(
@@ -336,7 +375,14 @@ def rank_shard(
     `labels` hold the positions `layout.position_table(length // cp, cp)[context_rank]`
     (under zigzag, pieces `r` and `2 cp - 1 - r`); the per-row fields (`cu_seqlens`, ...)
     stay global (every context rank gets the same, as the recurrences expect).
+
+    **Raises:**
+
+    `ValueError` if `packed`'s fields do not fit together (`labels` not of `tokens`'
+    shape, offsets not one row per row), the rows do not divide over `dp`, or the row
+    length over the layout's pieces (`cp`, or `2 * cp` under [`deltanet_cp.Zigzag`][]).
     """
+    _check_packed(packed)
     rows, length = np.shape(packed.tokens)
     if rows % dp:
         raise ValueError(f"The batch's {rows} rows must be a multiple of the data axis size {dp}.")
@@ -425,9 +471,12 @@ def process_local_data(
 
     **Raises:**
 
-    `ValueError` if the rows do not divide over the data axis, the row length over the
-    context axis's pieces, or if the process's devices do not hold one rectangular block.
+    `ValueError` if `packed`'s fields do not fit together (`labels` not of `tokens`'
+    shape, offsets not one row per row), the rows do not divide over the data axis, the
+    row length over the context axis's pieces (`2 * cp` under [`deltanet_cp.Zigzag`][]),
+    or if the process's devices do not hold one rectangular block.
     """
+    _check_packed(packed)
     tokens = np.asarray(packed.tokens)
     rows, length = tokens.shape
     cp = _axis_size(mesh, context_axis)
@@ -473,6 +522,10 @@ def make_global_batch(
     **Returns:**
 
     A [`deltanet_cp.data.PackedRows`][] of global `jax.Array`s.
+
+    **Raises:**
+
+    As [`deltanet_cp.data.process_local_data`][].
     """
     local = process_local_data(packed, mesh, layout, data_axis=data_axis, context_axis=context_axis)
     shardings = _shardings(mesh, data_axis, context_axis)
@@ -482,6 +535,87 @@ def make_global_batch(
             for s, x, full in zip(shardings, local, packed)
         )
     )
+
+
+def real_tokens(packed: PackedRows, *, cp: ContextParallel | None = None) -> Bool[Array, "..."]:
+    """Which tokens of packed rows are real (a document's), not padding: the `token_mask`
+    of a mixture-of-experts model's `logits_and_router_stats`, so that the routing
+    statistics and the load-balancing loss count real tokens only (transformers'
+    `attention_mask`).
+
+    A token is padding if its segment (of `cu_seqlens`) holds no document
+    (`document_ids == -1`); prompt tokens are real (they are routed and balanced, though
+    they are no targets).
+
+    **Arguments:**
+
+    - `packed`: packed rows: whole rows in sequence order (what
+        [`deltanet_cp.data.pack_documents`][] returns), or, inside `jax.shard_map` with
+        `cp`, this rank's block of a [`deltanet_cp.data.make_global_batch`][] batch (its
+        tokens in `cp.layout`'s order, the global `cu_seqlens` and `document_ids` of its
+        rows).
+    - `cp`: `None` for whole rows; inside `jax.shard_map`, the
+        [`deltanet_cp.ContextParallel`][] the model is called with, for this rank's
+        tokens' places in the row.
+
+    **Returns:**
+
+    A boolean array of `packed.tokens`' shape, `True` on the real tokens.
+
+    **Raises:**
+
+    `ValueError` if `cu_seqlens` and `document_ids` do not have the rows of `tokens` and
+    one more offset than segments, or if, without `cp`, the rows are not whole (the
+    offsets end at another length than the tokens' rows: pass `cp`).
+    """
+    tokens, cu, ids = packed.tokens, packed.cu_seqlens, packed.document_ids
+    rows, length = np.shape(tokens)[:-1], np.shape(tokens)[-1]
+    if (
+        np.ndim(cu) < 1
+        or np.shape(cu)[:-1] != rows
+        or np.shape(ids) != (*rows, np.shape(cu)[-1] - 1)
+    ):
+        raise ValueError(
+            f"`packed.cu_seqlens` must be (*rows, segments + 1) and `packed.document_ids` "
+            f"(*rows, segments), with the rows of `packed.tokens` {tuple(rows)}; got "
+            f"{np.shape(cu)} and {np.shape(ids)}."
+        )
+    if cp is None:
+        try:
+            ends = np.unique(np.asarray(cu)[..., -1])
+        except jax.errors.TracerArrayConversionError:  # traced: not checked
+            ends = np.asarray([length])
+        if ends.size and (ends != length).any():
+            raise ValueError(
+                f"`packed`'s rows hold {length} tokens, but its `cu_seqlens` end at "
+                f"{ends.tolist()}: these are not whole rows. For a rank's shard, call "
+                "`real_tokens(packed, cp=...)` inside `jax.shard_map`."
+            )
+        positions = jnp.arange(length)
+    else:
+        positions = cp.layout.positions(length, cp.axis_name)
+
+    def row(cu, ids):
+        segment = jnp.searchsorted(cu, positions, side="right") - 1
+        return ids[jnp.clip(segment, 0, ids.shape[0] - 1)] >= 0
+
+    cu, ids = jnp.asarray(cu), jnp.asarray(ids)
+    flat = jax.vmap(row)(cu.reshape(-1, cu.shape[-1]), ids.reshape(-1, ids.shape[-1]))
+    return flat.reshape(np.shape(tokens))
+
+
+def _psum(tree: Any, axis_name: AxisNames) -> Any:
+    """`jax.lax.psum` of every leaf over `axis_name` (inside `shard_map`), a leaf that does
+    not vary over one of the axes (a rank's sum computed from per-row fields only, or an
+    axis of size 1 the tokens never met) taken as that rank's own part of the sum."""
+    axes = _axes(axis_name)
+
+    def one(x):
+        varying = jax.typeof(x).manual_axis_type.varying
+        missing = tuple(a for a in axes if a not in varying)
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.lax.psum(jax.tree.map(one, tree), axes)
 
 
 def _replicated_flag(bad: Array, axis_name: AxisNames) -> Array:
@@ -553,7 +687,7 @@ def causal_lm_loss(
     total = -jnp.sum(jnp.where(real, picked, 0.0))
     count = jnp.sum(real, dtype=jnp.float32)
     if _axes(axis_name):
-        total, count = jax.lax.psum((total, count), _axes(axis_name))
+        total, count = _psum((total, count), axis_name)
     msg = (
         f"`labels` must lie in [0, {vocab}) (the vocabulary) or equal ignore_index={ignore_index}."
     )
@@ -573,8 +707,10 @@ def add_router_loss(
     transformers' MoE models (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE) compute
     `aux_loss = load_balancing_loss_func(router_logits, num_experts, top_k, attention_mask)`
     over every layer's routing of every token of the batch together and return
-    `loss + router_aux_loss_coef * aux_loss`. Here the routing's sums (a
-    [`deltanet_cp.nn.RouterStats`][], from a model's `logits_and_router_stats`) are
+    `loss + router_aux_loss_coef * aux_loss`, the padding left out through the
+    `attention_mask`. Here the routing's sums (a [`deltanet_cp.nn.RouterStats`][], from a
+    model's `logits_and_router_stats`, with `token_mask=real_tokens(...)` to leave the
+    padding out) are
     summed over any leading batch axes (a `jax.vmap` over rows) and, inside
     `jax.shard_map`, over `axis_name` (every rank's tokens), before
     [`deltanet_cp.nn.load_balancing_loss`][] normalises them once.
@@ -596,5 +732,5 @@ def add_router_loss(
         tokens=jnp.sum(stats.tokens),
     )
     if _axes(axis_name):
-        stats = jax.lax.psum(stats, _axes(axis_name))
+        stats = _psum(stats, axis_name)
     return loss + coefficient * load_balancing_loss(stats)

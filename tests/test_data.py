@@ -18,6 +18,7 @@ from deltanet_cp.data import (
     PackedRows,
     process_local_data,
     rank_shard,
+    real_tokens,
 )
 from deltanet_cp.nn import load_balancing_loss, RouterStats
 
@@ -243,12 +244,64 @@ def test_hosts_slices_assemble_the_batch_in_layout_order(layout):
         )
 
 
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["contiguous", "zigzag"])
+def test_real_tokens_on_each_rank(layout):
+    # Rows of 16: the padding (and only it) is not real, prompts are; each rank's mask,
+    # taken inside shard_map from its block of the global batch, is its shard of the rows'.
+    docs = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 9], [3] * 11, [7] * 13]
+    packed = pack_documents(docs, 16, prompt_lengths=[1, 2, 0, 3, 0], max_documents=3)
+    np.testing.assert_array_equal(
+        packed.cu_seqlens, [[0, 3, 8, 10, 16], [0, 11, 16, 16, 16], [0, 13, 16, 16, 16]]
+    )
+    packed = PackedRows(*(np.resize(a, (4, *a.shape[1:])) for a in packed))  # 2 per data rank
+    want = np.zeros((4, 16), bool)
+    for r, n in enumerate([10, 11, 13, 10]):
+        want[r, :n] = True
+    np.testing.assert_array_equal(real_tokens(packed), want)
+    mesh = _mesh()
+    batch = make_global_batch(packed, mesh, layout, data_axis="dp", context_axis="cp")
+    cp = dcp.ContextParallel("cp", layout=layout)
+    tok, row = P("dp", "cp"), P("dp", None)
+    per_rank = jax.jit(
+        jax.shard_map(
+            lambda b: real_tokens(b, cp=cp),
+            mesh=mesh,
+            in_specs=(PackedRows(tok, tok, row, row, row),),
+            out_specs=tok,
+        )
+    )
+    np.testing.assert_array_equal(per_rank(batch), layout.to_layout(want, 4))
+    # A rank's shard is not whole rows: without `cp` it is refused.
+    shard = rank_shard(packed, layout, cp=4, context_rank=1)
+    with pytest.raises(ValueError, match="not whole rows"):
+        real_tokens(shard)
+
+
 def test_slicing_bad_input():
     packed = pack_documents([[1, 2, 3]], 6)
     with pytest.raises(ValueError, match="multiple of the context-parallel size 4"):
         rank_shard(packed, dcp.Contiguous(), cp=4, context_rank=0)
-    with pytest.raises(ValueError, match="local sequence length must be even"):
+    with pytest.raises(ValueError, match="4 pieces Zigzag.*`row_length` that is a multiple of 4"):
         rank_shard(packed, dcp.Zigzag(), cp=2, context_rank=0)
+    with pytest.raises(ValueError, match="`row_length` that is a multiple of 4"):
+        make_global_batch(packed, _mesh(), dcp.Zigzag(), data_axis=None, context_axis="dp")
+    # Fields that do not fit together: labels of another shape, offsets of other rows.
+    short = packed._replace(labels=packed.labels[:, :5])
+    with pytest.raises(ValueError, match=r"`packed.labels` must have the shape .* \(1, 6\)"):
+        rank_shard(short, dcp.Contiguous(), cp=2, context_rank=0)
+    with pytest.raises(ValueError, match=r"`packed.labels` must have the shape"):
+        make_global_batch(short, _mesh(), dcp.Contiguous(), data_axis=None, context_axis="dp")
+    with pytest.raises(ValueError, match=r"`packed.cu_seqlens` must be \(rows, segments \+ 1\)"):
+        rank_shard(
+            packed._replace(cu_seqlens=packed.cu_seqlens[0]), dcp.Contiguous(), cp=2, context_rank=0
+        )
+    with pytest.raises(ValueError, match=r"`packed.document_ids` must be \(rows, segments\)"):
+        rank_shard(
+            packed._replace(document_ids=packed.document_ids[:, :1]),
+            dcp.Contiguous(),
+            cp=2,
+            context_rank=0,
+        )
     with pytest.raises(ValueError, match="no axis 'x'"):
         make_global_batch(packed, _mesh(), dcp.Contiguous(), data_axis="x", context_axis="cp")
 
@@ -333,3 +386,24 @@ def test_router_loss_sums_rows_before_normalising():
     np.testing.assert_allclose(out, expect, rtol=1e-6)
     summed = jax.tree.map(lambda a: jnp.sum(a, 0), stats)
     np.testing.assert_allclose(out, 1.5 + 0.01 * load_balancing_loss(summed), rtol=1e-6)
+
+
+def test_router_loss_of_stats_not_varying_over_every_axis():
+    # Stats that vary over "dp" only (e.g. the token count of a mask made from per-row
+    # fields, or a context axis of size 1), summed over ("dp", "cp"): each rank's is its own
+    # part, and the normalised loss is the rows' (it was a tracing error).
+    rng = np.random.default_rng(4)
+    counts = rng.integers(0, 5, (2, 4)).astype(np.float32)
+    probs = rng.random((2, 4)).astype(np.float32)
+    tokens = np.asarray([5.0, 7.0], np.float32)
+    stats = jax.vmap(RouterStats)(jnp.asarray(counts), jnp.asarray(probs), jnp.asarray(tokens))
+    one = add_router_loss(jnp.zeros(()), stats, 1.0)
+    mesh = _mesh()
+    stats = jax.device_put(stats, jax.sharding.NamedSharding(mesh, P("dp")))
+    per_rank = jax.shard_map(
+        lambda s: add_router_loss(jnp.zeros(()), s, 1.0, axis_name=("dp", "cp")),
+        mesh=mesh,
+        in_specs=(P("dp"),),
+        out_specs=P(),
+    )
+    np.testing.assert_allclose(jax.jit(per_rank)(stats), one, rtol=1e-6)

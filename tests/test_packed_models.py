@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import deltanet_cp as dcp
-from deltanet_cp.data import pack_documents
+from deltanet_cp.data import pack_documents, real_tokens
 from deltanet_cp.models import (
     Qwen3_5Config,
     Qwen3_5ForCausalLM,
@@ -33,7 +33,7 @@ from deltanet_cp.models import (
     Qwen3NextConfig,
     Qwen3NextForCausalLM,
 )
-from deltanet_cp.nn import expert_partition_specs, GatedDeltaNet, HybridLM
+from deltanet_cp.nn import CausalSelfAttention, expert_partition_specs, GatedDeltaNet, HybridLM
 
 from .helpers import rel_err
 from .test_layer import with_slow_decays
@@ -266,6 +266,163 @@ def test_batch_of_rows_is_a_vmap():
         assert rel_err(logits[row], alone(model)) <= 1e-5
 
 
+@pytest.mark.usefixtures("fast_compile_one_test")
+def test_router_stats_count_real_tokens_only():
+    # Row 0's three documents (32 tokens) packed into a row of 40: with the row's real
+    # tokens as `token_mask`, the routing's sums are the documents' alone (the 8 padding
+    # tokens are routed, but not counted), as transformers' attention mask does.
+    model = _model("qwen3_5_moe")
+    _, docs = _packed()
+    padded = pack_documents(docs[:3], 40)
+    np.testing.assert_array_equal(padded.cu_seqlens, [[0, 5, 19, 32, 40]])
+    mask = real_tokens(padded)[0]
+    assert int(mask.sum()) == 32 and not bool(mask[32:].any())
+    run = eqx.filter_jit(
+        lambda m, t, cu, mask: m.logits_and_router_stats(t, cu_seqlens=cu, token_mask=mask)
+    )
+    cu = jnp.asarray(padded.cu_seqlens[0])
+    logits, stats = run(model, jnp.asarray(padded.tokens[0]), cu, mask)
+    want_logits, want, _ = _alone("qwen3_5_moe")
+    assert rel_err(logits[:32], want_logits) <= 1e-5
+    np.testing.assert_array_equal(stats.counts, want.counts)
+    assert float(stats.tokens) == float(want.tokens) == 32 * 2  # two sparse layers
+    assert rel_err(stats.probabilities, want.probabilities) <= 1e-6
+
+
+@pytest.mark.usefixtures("fast_compile_one_test")
+def test_rows_over_a_data_axis_without_context_parallelism():
+    # Inside shard_map over "dp" only, each rank's `cu_seqlens` differ (they vary over
+    # "dp"): the check on their values must take that (it did not: equinox's `error_if`
+    # refused an operand varying over a mesh axis).
+    layer = CausalSelfAttention(8, 1, 4, tile_size=4, key=jr.key(0))
+    x = jr.normal(jr.key(1), (2, 8, 8))
+    cu = jnp.asarray([[0, 3, 8], [0, 5, 8]], jnp.int32)
+    mesh = jax.make_mesh((2,), ("dp",), devices=jax.devices()[:2])
+    rows = NamedSharding(mesh, P("dp"))
+    run = jax.jit(
+        jax.shard_map(
+            lambda x, cu: layer(x[0], cu_seqlens=cu[0])[None],
+            mesh=mesh,
+            in_specs=(P("dp"), P("dp")),
+            out_specs=P("dp"),
+        )
+    )
+    got = run(jax.device_put(x, rows), jax.device_put(cu, rows))
+    want = jax.jit(jax.vmap(lambda x, cu: layer(x, cu_seqlens=cu)))(x, cu)
+    assert rel_err(np.asarray(got), want) <= 1e-6
+    bad = jnp.asarray([[0, 3, 8], [0, 9, 8]], jnp.int32)
+    with pytest.raises(Exception, match="must start at 0, not decrease"):
+        jax.block_until_ready(run(jax.device_put(x, rows), jax.device_put(bad, rows)))
+
+
+def _nan_step(name, cp: int, layout: dcp.AbstractLayout, expert_axis=None):
+    """Row 0's three documents (`[0, 5, 19, 32]`) with unique token ids, through the model
+    sharded over `cp` ranks: a function of the embedding table giving the logits (in
+    sequence order) and the gradient, with respect to the table, of the loss over the
+    first and last documents (the middle one's labels are -100)."""
+    model = _model(name)
+    rows, _ = _packed()
+    cu = jnp.asarray(rows.cu_seqlens[0, :4])
+    tokens = jnp.arange(ROW, dtype=jnp.int32)  # one id per position: per-token gradients
+    labels = jnp.where((tokens >= 5) & (tokens < 19), -100, (tokens * 7) % VOCAB)
+    params, static = eqx.partition(model, eqx.is_array)  # the table is replaced in `local`
+    mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
+    context = dcp.ContextParallel("cp", layout=layout)
+    specs = (
+        jax.tree.map(lambda _: P(), params)
+        if expert_axis is None
+        else expert_partition_specs(params, expert_axis)
+    )
+
+    def local(table, params, tokens, labels):
+        m = eqx.combine(eqx.tree_at(lambda m: m.embed.weight, params, table), static)
+        kwargs = {} if expert_axis is None else {"expert_axis": expert_axis}
+        logits, _ = _call(m, tokens, cu, cp=context, **kwargs)
+        return jax.lax.psum(_nll_sum(logits, labels), "cp"), logits
+
+    def loss(table, params, tokens, labels):
+        return jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(), specs, P("cp"), P("cp")),
+            out_specs=(P(), P("cp")),
+        )(table, params, tokens, labels)
+
+    shard = NamedSharding(mesh, P("cp"))
+    tokens, labels = (
+        jax.device_put(layout.to_layout(a, cp, axis=0), shard) for a in (tokens, labels)
+    )
+    params = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    grad = jax.jit(jax.grad(loss, has_aux=True))
+
+    def run(table):
+        g, logits = grad(table, params, tokens, labels)
+        return np.asarray(layout.from_layout(logits, cp, axis=0)), np.asarray(g)
+
+    return model.embed.weight, run
+
+
+def _check_nan_stays_in_its_document(name, cp, layout, expert_axis=None):
+    # A NaN in one embedding of the middle document (position 11): the other documents'
+    # logits and the gradients at their tokens are finite and those of the clean run. (The
+    # middle document's own gradients may be NaN before position 11 too: reverse mode
+    # multiplies its zero cotangents by the NaN, as through any recurrence.)
+    table, run = _nan_step(name, cp, layout, expert_axis)
+    clean_logits, clean_grads = run(table)
+    logits, grads = run(table.at[11].set(jnp.nan))
+    other = np.r_[0:5, 19:32]
+    assert np.isnan(logits[11]).all()
+    assert np.isfinite(logits[other]).all() and np.isfinite(grads[other]).all()
+    assert rel_err(logits[other], clean_logits[other]) <= 1e-6
+    assert rel_err(grads[other], clean_grads[other]) <= 1e-5
+
+
+@pytest.mark.usefixtures("fast_compile_one_test")
+def test_nan_stays_in_its_document_gated_delta_net_layer():
+    # The cheap case of the model tests below: one Gated DeltaNet layer (its convolution and
+    # recurrence) at cp = 4, zigzag, the documents [0, 5, 19, 32] crossing the ranks.
+    layer = _model("hybrid").blocks[0].mixer
+    cu = jnp.asarray([0, 5, 19, 32], jnp.int32)
+    cp, layout = 4, dcp.Zigzag()
+    mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp], axis_types=(AxisType.Auto,))
+    context = dcp.ContextParallel("cp", layout=layout)
+    keep = jnp.asarray(np.r_[0:5, 19:32])
+    weights = jr.normal(jr.key(5), (ROW, 32))
+
+    def loss(x):
+        y = jax.shard_map(
+            lambda x: layer(x, cp=context, cu_seqlens=cu),
+            mesh=mesh,
+            in_specs=P("cp"),
+            out_specs=P("cp"),
+        )(layout.to_layout(x, cp, axis=0))
+        y = layout.from_layout(y, cp, axis=0)
+        return jnp.sum(y[keep] * weights[keep]), y
+
+    run = jax.jit(jax.grad(loss, has_aux=True))
+    x = jr.normal(jr.key(4), (ROW, 32))
+    clean_grads, clean = run(x)
+    grads, y = run(x.at[11].set(jnp.nan))
+    assert np.isnan(np.asarray(y[11])).all()
+    assert np.isfinite(np.asarray(y[keep])).all() and np.isfinite(np.asarray(grads[keep])).all()
+    assert rel_err(y[keep], clean[keep]) <= 1e-6
+    assert rel_err(grads[keep], clean_grads[keep]) <= 1e-5
+
+
+NAN_CASES = [
+    pytest.param(name, layout, None, id=f"{name}-{layout_id}")
+    for name in BUILDERS
+    for layout, layout_id in ((dcp.Contiguous(), "contiguous"), (dcp.Zigzag(), "zigzag"))
+] + [pytest.param(name, dcp.Contiguous(), "cp", id=f"{name}-experts-split") for name in MOE]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fast_compile_one_test")
+@pytest.mark.parametrize("name, layout, experts", NAN_CASES)
+def test_nan_stays_in_its_document_at_cp4(name, layout, experts):
+    _check_nan_stays_in_its_document(name, 4, layout, experts)
+
+
 def test_packed_errors():
     model = _model("hybrid")
     tokens = jnp.zeros((8,), jnp.int32)
@@ -275,3 +432,30 @@ def test_packed_errors():
         model(tokens, cu_seqlens=[1, 3, 8])
     with pytest.raises(ValueError, match="cu_seqlens"):
         _model("qwen3_5")(tokens, cu_seqlens=[0, 5, 3, 8])
+
+
+def test_cu_seqlens_not_int(without_runtime_typecheck):
+    # What a user without jaxtyping's checks sees.
+    tokens = jnp.zeros((8,), jnp.int32)
+    with pytest.raises(ValueError, match="`cu_seqlens` must hold ints"):
+        _model("hybrid")(tokens, cu_seqlens=[0, 3.5, 8])
+    with pytest.raises(ValueError, match="integer array of document offsets"):
+        _model("qwen3_5_moe").logits_and_router_stats(tokens, cu_seqlens=jnp.asarray([0.0, 8.0]))
+
+
+def test_zigzag_row_not_in_two_pieces_per_rank():
+    # 6 tokens over 2 zigzag ranks: 3 local tokens do not cut into the 2 pieces each rank
+    # holds, and the error says the global length to use (checked while tracing).
+    model = _model("hybrid")
+    mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
+    cp = dcp.ContextParallel("cp", layout=dcp.Zigzag())
+    run = jax.shard_map(
+        lambda t, cu: model(t, cp=cp, cu_seqlens=cu),
+        mesh=mesh,
+        in_specs=(P("cp"), P()),
+        out_specs=P("cp"),
+    )
+    tokens = jax.device_put(jnp.zeros((6,), jnp.int32), NamedSharding(mesh, P("cp")))
+    cu = jax.device_put(jnp.asarray([0, 2, 6], jnp.int32), NamedSharding(mesh, P()))
+    with pytest.raises(ValueError, match=r"must be even; got 3.*multiple of 2 \* cp"):
+        jax.jit(run)(tokens, cu)

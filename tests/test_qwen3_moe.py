@@ -257,6 +257,70 @@ def test_moe_layer_against_dense_reference(norm_topk_prob, getkey):
     assert abs(float(load_balancing_loss(stats)) - want) <= 1e-5 * want
 
 
+def _transformers_aux_loss(router_logits, num_experts, top_k, attention_mask):
+    """transformers' `load_balancing_loss_func` with an `attention_mask`, in float64 NumPy:
+    `router_logits` `(layers, batch * seq, E)`, `attention_mask` `(batch, seq)` of 0/1."""
+    layers = router_logits.shape[0]
+    logits = router_logits.reshape(-1, num_experts)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    selected = np.argsort(-p, -1, kind="stable")[:, :top_k]
+    expert_mask = np.eye(num_experts)[selected]  # (layers * batch * seq, top_k, E)
+    mask = np.broadcast_to(attention_mask[None], (layers, *attention_mask.shape)).reshape(-1)
+    tokens_per_expert = np.sum(expert_mask * mask[:, None, None], 0) / mask.sum()
+    router_prob_per_expert = np.sum(p * mask[:, None], 0) / mask.sum()
+    return num_experts * np.sum(tokens_per_expert * router_prob_per_expert[None])
+
+
+@pytest.mark.usefixtures("fast_compile_one_test")
+def test_router_stats_count_the_masked_tokens_as_transformers(getkey):
+    # Two sparse layers over a batch of two rows with padding at their ends: the stats with
+    # `token_mask` (summed over rows and layers) give transformers' masked loss; with every
+    # token in the mask, its unmasked one, bit for bit the stats without a mask.
+    layers = [SparseMoE(16, 6, 2, 8, 5, key=getkey()) for _ in range(2)]
+    x = jr.normal(getkey(), (2, 2, 10, 16))  # (layers, batch, seq, hidden)
+    mask = np.ones((2, 10), bool)
+    mask[0, 7:] = mask[1, 4:] = False
+
+    @jax.jit
+    def stats(layers, x, mask):
+        def summed(mask):
+            per = [
+                jax.vmap(lambda x: moe(x)[1])(xl)
+                if mask is None
+                else jax.vmap(lambda x, m: moe(x, token_mask=m)[1])(xl, mask)
+                for moe, xl in zip(layers, x)
+            ]
+            return jax.tree.map(lambda *a: sum(jnp.sum(b, 0) for b in a), *per)
+
+        return summed(mask), summed(jnp.ones_like(mask)), summed(None)
+
+    logits = np.stack(
+        [
+            np.asarray(xl, np.float64).reshape(-1, 16) @ np.asarray(m.gate.weight, np.float64).T
+            for m, xl in zip(layers, x)
+        ]
+    )
+    masked, everything, unmasked = stats(layers, x, jnp.asarray(mask))
+    assert float(masked.tokens) == 2 * mask.sum()
+    want = _transformers_aux_loss(logits, 6, 2, mask.astype(np.float64))
+    assert abs(float(load_balancing_loss(masked)) - want) <= 1e-5 * want
+    want_full = _transformers_aux_loss(logits, 6, 2, np.ones((2, 10)))
+    assert abs(float(load_balancing_loss(unmasked)) - want_full) <= 1e-5 * want_full
+    assert abs(want - want_full) > 1e-3 * want  # the padding does move the loss
+    for a, b in zip(jax.tree.leaves(everything), jax.tree.leaves(unmasked)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_token_mask_errors(getkey, without_runtime_typecheck):
+    moe = SparseMoE(16, 6, 2, 8, 5, key=getkey())
+    x = jnp.zeros((10, 16))
+    with pytest.raises(ValueError, match="`token_mask` must be a boolean array"):
+        moe(x, token_mask=jnp.ones(10, jnp.int32))
+    with pytest.raises(ValueError, match=r"seq = 10.*got bool \(9,\)"):
+        moe(x, token_mask=jnp.ones(9, bool))
+
+
 @pytest.mark.usefixtures("fast_compile_one_test")
 def test_moe_gradients_flow_to_router_and_experts(getkey):
     # Gradients through the grouped matmuls and the routing weights (the choice of experts

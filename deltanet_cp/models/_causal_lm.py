@@ -8,7 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._custom_types import CuSeqlens
 from .._options import engine_options, EngineOptions
@@ -17,7 +17,7 @@ from .._precision import PrecisionName
 from .._run import Memory
 from .._validate import as_index, as_positive_index
 from ..nn._context import documents, layer_cp, local_positions
-from ..nn._moe import ExpertAxis, RouterStats
+from ..nn._moe import check_token_mask, ExpertAxis, RouterStats
 from ..nn._norm import ZeroCenteredRMSNorm
 from ..nn._schedule import KVSchedule
 from ..nn._tokens import check_tokens
@@ -216,31 +216,41 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         kv_schedule: KVSchedule = "allgather",
         expert_axis: ExpertAxis = None,
         cu_seqlens: CuSeqlens | None = None,
+        token_mask: Bool[Array, " seq"] | None = None,
     ) -> tuple[Float[Array, "seq vocab"], RouterStats]:
         """The forward of a mixture-of-experts model, with what its load-balancing loss
         needs.
 
-        **Arguments:** as for `__call__`.
+        **Arguments:** as for `__call__`, and
+
+        - `token_mask`: `None` (every token counts), or a boolean array of `tokens`' shape
+            (this rank's, in `cp.layout`'s order like `tokens`), `True` on the tokens the
+            routing statistics count: the real tokens of a packed row, its padding
+            excluded ([`deltanet_cp.data.real_tokens`][]), as transformers'
+            `load_balancing_loss_func` takes the `attention_mask`. It changes the
+            statistics only, not the logits.
 
         **Returns:**
 
         `(logits, stats)`: the logits, as `__call__`'s, and the
         [`deltanet_cp.nn.RouterStats`][] of this sequence summed over the sparse layers
-        (over this rank's tokens with `cp`: `jax.lax.psum` them). The training loss adds
+        (over this rank's tokens with `cp`: `jax.lax.psum` them; over the masked ones with
+        `token_mask`). The training loss adds
         `config.router_aux_loss_coef * deltanet_cp.nn.load_balancing_loss(stats)` (the
         stats summed over the batch first), as transformers' `output_router_logits=True`
-        does.
+        does ([`deltanet_cp.data.add_router_loss`][]).
 
         **Raises:**
 
-        As `__call__`; and `ValueError` for a model without sparse layers.
+        As `__call__`; and `ValueError` for a model without sparse layers, or a
+        `token_mask` that is not a boolean array of `tokens`' shape.
         """
         if not any(self.config.is_sparse(i) for i in range(len(self.layers))):
             raise ValueError(
                 f"This {type(self).__name__} has no mixture-of-experts layers: there is no "
                 "routing to report. Call the model itself for the logits."
             )
-        logits, stats = self._forward(tokens, cp, kv_schedule, expert_axis, cu_seqlens)
+        logits, stats = self._forward(tokens, cp, kv_schedule, expert_axis, cu_seqlens, token_mask)
         assert stats is not None
         return logits, stats
 
@@ -252,11 +262,19 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
             )
 
     def _forward(
-        self, tokens, cp, kv_schedule, expert_axis: ExpertAxis = None, cu_seqlens=None
+        self,
+        tokens,
+        cp,
+        kv_schedule,
+        expert_axis: ExpertAxis = None,
+        cu_seqlens=None,
+        token_mask=None,
     ) -> tuple[Array, RouterStats | None]:
         cp = layer_cp(cp, type(self).__name__)
         self._check_expert_axis(expert_axis)
         tokens = check_tokens(tokens, self.config.vocab_size)
+        if token_mask is not None:
+            check_token_mask(token_mask, tokens.shape[0])
         experts = getattr(self.config, "num_experts", None)
         if tokens.shape[0] == 0:
             logits = jnp.zeros((0, self.config.vocab_size), self.embed.weight.dtype)
@@ -270,7 +288,7 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         x = jax.vmap(self.embed)(tokens)
         stats = None
         for layer in self.layers:
-            x, s = layer(x, cp, kv_schedule, expert_axis, cu_seqlens)
+            x, s = layer(x, cp, kv_schedule, expert_axis, cu_seqlens, token_mask)
             if s is not None:
                 stats = s if stats is None else jax.tree.map(jnp.add, stats, s)
         return self._logits(x), stats

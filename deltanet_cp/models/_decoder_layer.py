@@ -95,10 +95,12 @@ class Qwen3_5DecoderLayer(eqx.Module):
             assert isinstance(c, (Qwen3_5Config, Qwen3NextConfig))
             self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, key=kmlp, dtype=dtype)
 
-    def _mlp(self, x, expert_axis: ExpertAxis = None) -> tuple[jax.Array, RouterStats | None]:
+    def _mlp(
+        self, x, expert_axis: ExpertAxis = None, token_mask=None
+    ) -> tuple[jax.Array, RouterStats | None]:
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, SparseMoE):
-            h, stats = self.mlp(h, expert_axis=expert_axis)
+            h, stats = self.mlp(h, expert_axis=expert_axis, token_mask=token_mask)
             return x + h, stats
         return x + jax.vmap(self.mlp)(h), None
 
@@ -109,11 +111,12 @@ class Qwen3_5DecoderLayer(eqx.Module):
         kv_schedule: KVSchedule,
         expert_axis: ExpertAxis = None,
         cu_seqlens=None,
+        token_mask=None,
     ) -> tuple[jax.Array, RouterStats | None]:
         h = self.mixer(
             self.input_layernorm(x), cp=cp, kv_schedule=kv_schedule, cu_seqlens=cu_seqlens
         )
-        return self._mlp(x + h, expert_axis)
+        return self._mlp(x + h, expert_axis, token_mask)
 
     def prefill(
         self,

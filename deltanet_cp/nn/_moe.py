@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
 from .._precision import accumulation_dtype
 from .._sharding import cotangent_like, varying, varying_axes
@@ -37,7 +37,8 @@ class RouterStats(eqx.Module):
         `top_k`), float32.
     - `probabilities`: `(experts,)`, the router's probabilities (softmax over all experts)
         summed over the tokens, float32.
-    - `tokens`: how many tokens (routing decisions) the sums are over, float32.
+    - `tokens`: how many tokens (routing decisions) the sums are over, float32 (with a
+        `token_mask`, the masked ones).
     """
 
     counts: Float[Array, " experts"]
@@ -551,7 +552,11 @@ class SparseMoE(eqx.Module):
         return probs, experts, top.astype(x.dtype)
 
     def __call__(
-        self, x: Float[Array, "seq hidden"], *, expert_axis: ExpertAxis = None
+        self,
+        x: Float[Array, "seq hidden"],
+        *,
+        expert_axis: ExpertAxis = None,
+        token_mask: Bool[Array, " seq"] | None = None,
     ) -> tuple[Float[Array, "seq hidden"], RouterStats]:
         """**Arguments:**
 
@@ -564,6 +569,14 @@ class SparseMoE(eqx.Module):
             tokens, the tokens of every rank of the axes are gathered, each rank runs its
             experts' pairs and the outputs are summed back onto their ranks. The router
             and the shared expert are whole on every rank.
+        - `token_mask`: `None`, or a boolean `(seq,)` array, `True` on the tokens the
+            routing statistics count (the real tokens of a packed row, not its padding:
+            [`deltanet_cp.data.real_tokens`][]), sharded like `x`. As transformers'
+            `load_balancing_loss_func(..., attention_mask)` weights the expert counts and
+            router probabilities by the attention mask and divides by its sum, the stats
+            then sum over the masked tokens only and `tokens` counts them. Every token is
+            still routed and computed: the mask changes the statistics, not `y`. `None`:
+            every token counts.
 
         Each part computes in its parameters' dtype (the router, the routed experts, the
         shared expert and its gate may differ: a checkpoint with float32 experts and
@@ -577,7 +590,8 @@ class SparseMoE(eqx.Module):
         **Raises:**
 
         `TypeError` if `expert_axis` is not a name or a tuple of names; `ValueError` for
-        `x` not `(seq, hidden)`, if `expert_axis` names no axis of the enclosing
+        `x` not `(seq, hidden)`, a `token_mask` that is not a boolean `(seq,)` array, if
+        `expert_axis` names no axis of the enclosing
         `jax.shard_map`, if its ranks times the experts this module holds are not the
         router's experts (with `expert_axis=None`: if this module does not hold every
         expert), or if the experts' weights vary over other mesh axes than `expert_axis`
@@ -585,6 +599,8 @@ class SparseMoE(eqx.Module):
         """
         expert_axis = _as_expert_axis(expert_axis)
         _check_placement(self.experts, expert_axis, self.gate.weight.shape[0])
+        if token_mask is not None:
+            check_token_mask(token_mask, x.shape[0])
         probs, experts, weights = self.route(x)
         routed = self.experts._apply(x, experts, weights, expert_axis)
         s, g = self.shared_expert.down_proj.weight, self.shared_expert_gate.weight
@@ -592,12 +608,40 @@ class SparseMoE(eqx.Module):
         gate = jax.nn.sigmoid(x.astype(g.dtype) @ g.T)
         dtype = _common_dtype(routed.dtype, shared.dtype, gate.dtype)
         y = routed.astype(dtype) + gate.astype(dtype) * shared.astype(dtype)
-        stats = RouterStats(
-            counts=jnp.zeros(probs.shape[-1], jnp.float32).at[experts.reshape(-1)].add(1.0),
+        return y.astype(x.dtype), _router_stats(probs, experts, token_mask)
+
+
+def _router_stats(probs, experts, token_mask) -> RouterStats:
+    """The routing's sums over the tokens (those of `token_mask` if given)."""
+    counts = jnp.zeros(probs.shape[-1], jnp.float32)
+    if token_mask is None:
+        return RouterStats(
+            counts=counts.at[experts.reshape(-1)].add(1.0),
             probabilities=jnp.sum(probs, axis=0).astype(jnp.float32),
-            tokens=jnp.asarray(x.shape[0], jnp.float32),
+            tokens=jnp.asarray(probs.shape[0], jnp.float32),
         )
-        return y.astype(x.dtype), stats
+    # `where`, not a product: a masked-out token's non-finite probabilities stay out of
+    # the sums and their gradients.
+    chosen = jnp.repeat(token_mask, experts.shape[-1])
+    return RouterStats(
+        counts=counts.at[experts.reshape(-1)].add(chosen.astype(jnp.float32)),
+        probabilities=jnp.sum(jnp.where(token_mask[:, None], probs, 0), axis=0).astype(jnp.float32),
+        tokens=jnp.sum(token_mask, dtype=jnp.float32),
+    )
+
+
+def check_token_mask(token_mask: object, seq: int) -> None:
+    """A `ValueError` naming `token_mask` unless it is a boolean `(seq,)` array."""
+    dtype = getattr(token_mask, "dtype", None)
+    shape = tuple(getattr(token_mask, "shape", ()))
+    if dtype != jnp.bool_ or shape != (seq,):
+        got = type(token_mask).__name__ if dtype is None else f"{dtype} {shape}"
+        raise ValueError(
+            f"`token_mask` must be a boolean array (seq,) with seq = {seq}, True on the "
+            f"tokens the routing statistics count (this rank's, like the tokens); got {got}. "
+            "From packed rows: `deltanet_cp.data.real_tokens(packed)`; from 0/1 values: "
+            "`mask.astype(bool)`."
+        )
 
 
 def _check_placement(experts: SwiGLUExperts, expert_axis: ExpertAxis, total: int | None) -> int:
