@@ -294,3 +294,32 @@ def test_bad_sharding_names_what_to_change(without_runtime_typecheck):
     )
     with pytest.raises(ValueError, match=r"`specs` is not of `tree`'s structure"):
         jax.eval_shape(f, dense)
+
+
+def test_apply_gathers_again_in_the_backward():
+    # `FSDP.apply` keeps no gathered weight for the backward: the gradient program gathers
+    # the second layer's weights again in the backward (the first one's are not needed
+    # there: no gradient of the input), a plain `gather_params` keeps them.
+    mesh = _mesh()
+    layers = [eqx.nn.Linear(8, 8, use_bias=False, key=jr.key(i)) for i in range(2)]
+    specs = partition_specs(layers, mesh, data_axis="dp")
+    fsdp = FSDP("dp", specs)
+    assert specs[0].weight == P("dp")
+
+    def loss(layers, x, regather):
+        def local(layers, x):
+            for i, layer in enumerate(layers):
+                if regather:
+                    x = jax.vmap(lambda r: fsdp.apply(layer, lambda s: s[i], r))(x)
+                else:
+                    x = jax.vmap(fsdp.gather(layer, lambda s: s[i]))(x)
+            return jax.lax.psum(jnp.sum(jnp.sin(x)), ("dp", "cp"))
+
+        return jax.shard_map(local, mesh=mesh, in_specs=(specs, P(("dp", "cp"))), out_specs=P())(
+            layers, x
+        )
+
+    x = jnp.ones((8, 8))
+    for regather, gathers in ((False, 2), (True, 3)):
+        text = jax.jit(jax.grad(ft.partial(loss, regather=regather))).lower(layers, x).as_text()
+        assert text.count("stablehlo.all_gather") == gathers

@@ -156,17 +156,13 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         save(self, path, dtype=dtype, experts=experts, max_shard_size=max_shard_size)
 
     def _logits(self, x, fsdp: FSDP | None = None):
-        norm, head, embed = self.norm, self.lm_head, self.embed
-        if fsdp is not None:  # gathered where used
-            norm = fsdp.gather(norm, lambda s: s.norm)
-            if head is None:
-                embed = fsdp.gather(embed, lambda s: s.embed)
-            else:
-                head = fsdp.gather(head, lambda s: s.lm_head)
-        x = norm(x)
-        if head is None:
-            return x @ embed.weight.T
-        return jax.vmap(head)(x)
+        # The final norm and the head (the embedding if tied): gathered where used.
+        tied = self.lm_head is None
+        parts = (self.norm, self.lm_head, self.embed if tied else None)
+        if fsdp is None:
+            return _head(parts, x)
+        where = lambda s: (s.norm, s.lm_head, s.embed if tied else None)  # noqa: E731
+        return fsdp.apply(parts, where, x, fn=_head)
 
     def __call__(
         self,
@@ -294,8 +290,8 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         x = jax.vmap(embed)(tokens)
         stats = None
         for i, layer in enumerate(self.layers):
-            layer = layer if fsdp is None else fsdp.gather(layer, lambda s: s.layers[i])
-            x, s = layer(x, cp, kv_schedule, expert_axis, cu_seqlens)
+            args = (x, cp, kv_schedule, expert_axis, cu_seqlens)
+            x, s = layer(*args) if fsdp is None else fsdp.apply(layer, lambda s: s.layers[i], *args)
             if s is not None:
                 stats = s if stats is None else jax.tree.map(jnp.add, stats, s)
         return self._logits(x, fsdp), stats
@@ -545,6 +541,16 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         if tokens.shape[0] == 0:
             raise ValueError("`tokens` is empty: `generate` needs a prompt of at least one token.")
         return _generate(self, tokens, max_new_tokens)
+
+
+def _head(parts, x):
+    """The logits of the last hidden states `x`: the final norm, then the LM head (the
+    embedding's transpose if the head is tied)."""
+    norm, head, embed = parts
+    x = norm(x)
+    if head is None:
+        return x @ embed.weight.T
+    return jax.vmap(head)(x)
 
 
 @eqx.filter_jit

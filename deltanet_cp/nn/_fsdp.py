@@ -261,12 +261,43 @@ def gather_params(tree: PyTree, specs: PyTree, axis: MeshAxis) -> PyTree:
     return eqx.combine(gathered, rest)
 
 
+# Primitives that only move, retype or broadcast a value: recomputed in the backward rather
+# than saved, so that a gathered weight is not kept in another layout (transposed, cast to
+# varying over another axis).
+_LAYOUT = frozenset(
+    {
+        "transpose",
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "broadcast_in_dim",
+        "pvary",
+        "reduce_precision",
+        "copy",
+        "copy_p",
+    }
+)
+
+
+def _not_the_gathers(names: tuple[str, ...]) -> Callable[..., bool]:
+    """A `jax.checkpoint` policy: save every intermediate but the all-gathers over `names`
+    and the layout changes of values (which the backward redoes from their inputs)."""
+
+    def policy(prim, *_, **params) -> bool:
+        if prim.name == "all_gather":
+            return tuple(params.get("axis_name", ())) != names
+        return prim.name not in _LAYOUT
+
+    return policy
+
+
 @dataclasses.dataclass(frozen=True)
 class FSDP:
     """Fully sharded data parallelism inside `jax.shard_map`: the mesh axis a model's
     parameters are split over and their specs. A model called with `fsdp=FSDP(axis,
-    specs)` gathers each layer's parameters just before the layer runs (the embedding
-    and the LM head where they are used), with [`deltanet_cp.nn.gather_params`][].
+    specs)` runs each layer through `apply`: the layer's parameters are gathered just
+    before it runs and gathered again in the backward, so that only one layer's whole
+    parameters live at once (the embedding and the LM head likewise, where they are used).
 
     **Fields:**
 
@@ -286,3 +317,36 @@ class FSDP:
         """`tree` gathered (see [`deltanet_cp.nn.gather_params`][]), whose specs are
         `where(self.specs)` (e.g. `lambda s: s.layers[i]`)."""
         return gather_params(tree, where(self.specs), self.axis)
+
+    def apply(
+        self,
+        tree: PyTree,
+        where: Callable[[PyTree], PyTree],
+        *args: Any,
+        fn: Callable[..., Any] | None = None,
+    ) -> Any:
+        """`fn(gathered, *args)` (`gathered(*args)` if `fn` is `None`: a layer's call),
+        `gathered` being `tree` gathered as `gather` does.
+
+        Autodiff would keep each gathered layer for the backward (the products' gradients
+        need the weights): the whole model gathered at once. Here the call runs under
+        `jax.checkpoint` with a policy that saves every intermediate but the all-gathers
+        over `axis`, which the backward repeats (as FSDP does). An all-gather over the
+        same axes inside the layer (a mixture of experts' token gather when `expert_axis`
+        equals `axis`) is repeated too.
+
+        **Arguments:**
+
+        - `tree`: the layer (or part of the model) as this rank holds it.
+        - `where`: its specs in `self.specs` (e.g. `lambda s: s.layers[i]`).
+        - `args`: the call's arguments.
+        - `fn`: what to compute from the gathered `tree` and `args`.
+        """
+        specs, axis = where(self.specs), self.axis
+
+        def run(tree, *args):
+            gathered = gather_params(tree, specs, axis)
+            return gathered(*args) if fn is None else fn(gathered, *args)
+
+        policy = _not_the_gathers(_names(axis, "axis", optional=False))
+        return eqx.filter_checkpoint(run, policy=policy)(tree, *args)
