@@ -323,3 +323,32 @@ def test_apply_gathers_again_in_the_backward():
     for regather, gathers in ((False, 2), (True, 3)):
         text = jax.jit(jax.grad(ft.partial(loss, regather=regather))).lower(layers, x).as_text()
         assert text.count("stablehlo.all_gather") == gathers
+
+
+def test_gather_params_of_a_stack_of_layers():
+    # A stack of two layers (each array with a leading layer dimension, as `jax.lax.scan`
+    # runs them), its specs the one layer's behind `None`: gathered whole on every rank,
+    # the experts' dimension left split.
+    mesh = _mesh()
+    layer = _model("moe").layers[0]
+    layer = (layer.mixer.out_proj, layer.mlp.experts)
+    stack = jax.tree.map(lambda a: np.stack([a, np.asarray(a) + 1]), layer)
+    one = partition_specs(layer, mesh, data_axis="dp", expert_axis="cp")
+    specs = jax.tree.map(lambda s: P(None, *s), one, is_leaf=lambda s: isinstance(s, P))
+    assert specs[0].weight == P(None, None, "dp")
+    assert specs[1].gate_proj == P(None, "cp", None, "dp")
+
+    def local(stack):
+        gathered = gather_params(stack, specs, "dp")
+        return jax.tree.map(lambda a: a[None], gathered)
+
+    out_specs = jax.tree.map(
+        lambda s: P("dp", None, "cp") if s[1:2] == ("cp",) else P("dp"),
+        specs,
+        is_leaf=lambda s: isinstance(s, P),
+    )
+    placed = jax.device_put(stack, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    out = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=out_specs))(placed)
+    for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(stack)):
+        for rank in range(DP):
+            np.testing.assert_array_equal(got[rank], want)
