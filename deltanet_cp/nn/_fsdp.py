@@ -102,8 +102,8 @@ def partition_specs(
     transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))` (Adam's
     moments get their parameters' specs, its step count `P()`). Inside the step, a model
     called with `fsdp=deltanet_cp.nn.FSDP(data_axis, specs)` gathers each layer's
-    parameters just before the layer runs ([`deltanet_cp.nn.gather_params`][]); their
-    gradients come out split as the parameters.
+    parameters just before the layer runs and again in its backward
+    ([`deltanet_cp.nn.FSDP`][]); their gradients come out split as the parameters.
 
     **Arguments:**
 
@@ -167,9 +167,7 @@ def partition_specs(
 
     def node(path, x):
         if is_experts(x):
-            return jax.tree_util.tree_map_with_path(
-                lambda p, y: one(path + p, y, True), x, is_leaf=lambda y: y is None
-            )
+            return jax.tree_util.tree_map_with_path(lambda p, y: one(path + p, y, True), x)
         return one(path, x, False)
 
     specs = jax.tree_util.tree_map_with_path(node, tree, is_leaf=is_experts)
@@ -274,7 +272,6 @@ _LAYOUT = frozenset(
         "pvary",
         "reduce_precision",
         "copy",
-        "copy_p",
     }
 )
 
