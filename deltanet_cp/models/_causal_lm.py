@@ -200,9 +200,10 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
             sharded data parallelism): a [`deltanet_cp.nn.FSDP`][] naming the axis and the
             parameters' specs (from [`deltanet_cp.nn.partition_specs`][], the
             `shard_map`'s `in_specs` of them). Each layer's parameters are gathered over
-            the axis just before it runs, the embedding and the LM head where they are
-            used; the gradients come out split as the parameters. `None`: the parameters
-            are whole on every rank (but the experts split over `expert_axis`).
+            the axis just before it runs and again in its backward (`FSDP.apply`), the
+            embedding and the LM head where they are used; the gradients come out split as
+            the parameters. `None`: the parameters are whole on every rank (but the experts
+            split over `expert_axis`).
 
         **Returns:**
 
