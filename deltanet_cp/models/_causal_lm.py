@@ -16,6 +16,7 @@ from .._parallel import axis_size, ContextParallel
 from .._precision import PrecisionName
 from .._run import Memory
 from .._validate import as_index, as_positive_index
+from ..nn import FSDP
 from ..nn._context import documents, layer_cp, local_positions
 from ..nn._moe import check_token_mask, ExpertAxis, RouterStats
 from ..nn._norm import ZeroCenteredRMSNorm
@@ -154,11 +155,14 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         """
         save(self, path, dtype=dtype, experts=experts, max_shard_size=max_shard_size)
 
-    def _logits(self, x):
-        x = self.norm(x)
-        if self.lm_head is None:
-            return x @ self.embed.weight.T
-        return jax.vmap(self.lm_head)(x)
+    def _logits(self, x, fsdp: FSDP | None = None):
+        # The final norm and the head (the embedding if tied): gathered where used.
+        tied = self.lm_head is None
+        parts = (self.norm, self.lm_head, self.embed if tied else None)
+        if fsdp is None:
+            return _head(parts, x)
+        where = lambda s: (s.norm, s.lm_head, s.embed if tied else None)  # noqa: E731
+        return fsdp.apply(parts, where, x, fn=_head)
 
     def __call__(
         self,
@@ -168,6 +172,7 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         kv_schedule: KVSchedule = "allgather",
         expert_axis: ExpertAxis = None,
         cu_seqlens: CuSeqlens | None = None,
+        fsdp: FSDP | None = None,
     ) -> Float[Array, "seq vocab"]:
         """**Arguments:**
 
@@ -191,6 +196,14 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
             alone. A repeated offset is an empty document: a batch of rows is a `jax.vmap`
             over the rows and their `cu_seqlens`, padded to one width by repeating `S`.
             `None`: one document. Decoding (`prefill`, `decode_step`) takes no documents.
+        - `fsdp`: inside `jax.shard_map`, for parameters split over a data axis (fully
+            sharded data parallelism): a [`deltanet_cp.nn.FSDP`][] naming the axis and the
+            parameters' specs (from [`deltanet_cp.nn.partition_specs`][], the
+            `shard_map`'s `in_specs` of them). Each layer's parameters are gathered over
+            the axis just before it runs and again in its backward (`FSDP.apply`), the
+            embedding and the LM head where they are used; the gradients come out split as
+            the parameters. `None`: the parameters are whole on every rank (but the experts
+            split over `expert_axis`).
 
         **Returns:**
 
@@ -206,7 +219,7 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         does not split them evenly (naming the axis), and for `cu_seqlens` that do not
         start at 0, end at the sequence length (`S`, over all ranks) or increase.
         """
-        return self._forward(tokens, cp, kv_schedule, expert_axis, cu_seqlens)[0]
+        return self._forward(tokens, cp, kv_schedule, expert_axis, cu_seqlens, fsdp=fsdp)[0]
 
     def logits_and_router_stats(
         self,
@@ -217,6 +230,7 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         expert_axis: ExpertAxis = None,
         cu_seqlens: CuSeqlens | None = None,
         token_mask: Bool[Array, " seq"] | None = None,
+        fsdp: FSDP | None = None,
     ) -> tuple[Float[Array, "seq vocab"], RouterStats]:
         """The forward of a mixture-of-experts model, with what its load-balancing loss
         needs.
@@ -250,7 +264,9 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
                 f"This {type(self).__name__} has no mixture-of-experts layers: there is no "
                 "routing to report. Call the model itself for the logits."
             )
-        logits, stats = self._forward(tokens, cp, kv_schedule, expert_axis, cu_seqlens, token_mask)
+        logits, stats = self._forward(
+            tokens, cp, kv_schedule, expert_axis, cu_seqlens, token_mask=token_mask, fsdp=fsdp
+        )
         assert stats is not None
         return logits, stats
 
@@ -269,6 +285,7 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         expert_axis: ExpertAxis = None,
         cu_seqlens=None,
         token_mask=None,
+        fsdp: FSDP | None = None,
     ) -> tuple[Array, RouterStats | None]:
         cp = layer_cp(cp, type(self).__name__)
         self._check_expert_axis(expert_axis)
@@ -285,13 +302,15 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         if cu_seqlens is not None:
             # Checked once, here, for every layer.
             cu_seqlens = documents(cp, tokens.shape[0], cu_seqlens).cu_seqlens
-        x = jax.vmap(self.embed)(tokens)
+        embed = self.embed if fsdp is None else fsdp.gather(self.embed, lambda s: s.embed)
+        x = jax.vmap(embed)(tokens)
         stats = None
-        for layer in self.layers:
-            x, s = layer(x, cp, kv_schedule, expert_axis, cu_seqlens, token_mask)
+        for i, layer in enumerate(self.layers):
+            args = (x, cp, kv_schedule, expert_axis, cu_seqlens, token_mask)
+            x, s = layer(*args) if fsdp is None else fsdp.apply(layer, lambda s: s.layers[i], *args)
             if s is not None:
                 stats = s if stats is None else jax.tree.map(jnp.add, stats, s)
-        return self._logits(x), stats
+        return self._logits(x, fsdp), stats
 
     def init_cache(self, capacity: int, dtype=None) -> Qwen3_5Cache:
         """The cache before the first token, with room for `capacity` tokens.
@@ -538,6 +557,16 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         if tokens.shape[0] == 0:
             raise ValueError("`tokens` is empty: `generate` needs a prompt of at least one token.")
         return _generate(self, tokens, max_new_tokens)
+
+
+def _head(parts, x):
+    """The logits of the last hidden states `x`: the final norm, then the LM head (the
+    embedding's transpose if the head is tied)."""
+    norm, head, embed = parts
+    x = norm(x)
+    if head is None:
+        return x @ embed.weight.T
+    return jax.vmap(head)(x)
 
 
 @eqx.filter_jit

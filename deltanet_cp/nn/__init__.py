@@ -12,6 +12,11 @@ from ._delta_layer import (
     Skeleton as Skeleton,
 )
 from ._delta_net import DeltaNet as DeltaNet
+from ._fsdp import (
+    FSDP as FSDP,
+    gather_params as gather_params,
+    partition_specs as partition_specs,
+)
 from ._gated_delta_net import GatedDeltaNet as GatedDeltaNet
 from ._gated_delta_net_2 import GatedDeltaNet2 as GatedDeltaNet2
 from ._gated_delta_product import GatedDeltaProduct as GatedDeltaProduct
