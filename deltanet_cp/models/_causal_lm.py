@@ -23,7 +23,8 @@ from ..nn._schedule import KVSchedule
 from ..nn._tokens import check_tokens
 from ._cache import check_cache, concrete, Qwen3_5Cache, Qwen3_5Checkpoints, restore
 from ._config import AbstractQwenTextConfig
-from ._decoder_layer import Qwen3_5DecoderLayer
+from ._decoder_layer import Qwen3_5DecoderLayer, Remat, REMAT_POLICIES
+from ._layer_stack import Qwen3_5LayerStack, run_layers, stack_layers
 from ._weights import ExpertLayout, save
 
 
@@ -41,15 +42,17 @@ def init_model(
     tile_size: int,
     precision: PrecisionName | None,
     options: EngineOptions | None = None,
+    scan_layers: bool = False,
     key: PRNGKeyArray,
     dtype,
 ) -> None:
-    """Set the fields of `model` (inside its `__init__`): random parameters for `config`."""
+    """Set the fields of `model` (inside its `__init__`): random parameters for `config`
+    (the same with and without `scan_layers`, which stacks them)."""
     options = engine_options(options, chunk_size, block_size, memory, precision)
     precision = options.precision
     kemb, khead, *keys = jr.split(key, config.num_hidden_layers + 2)
     model.embed = eqx.nn.Embedding(config.vocab_size, config.hidden_size, key=kemb, dtype=dtype)
-    model.layers = tuple(
+    layers = tuple(
         Qwen3_5DecoderLayer(
             config,
             kind,
@@ -61,6 +64,7 @@ def init_model(
         )
         for i, (kind, k) in enumerate(zip(config.layer_types, keys))
     )
+    model.layers = stack_layers(layers, scan_layers)
     model.norm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
     model.lm_head = (
         None
@@ -82,7 +86,7 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
     head. Each concrete model holds these fields and its `__init__` / `from_pretrained`."""
 
     embed: eqx.AbstractVar[eqx.nn.Embedding]
-    layers: eqx.AbstractVar[tuple[Qwen3_5DecoderLayer, ...]]
+    layers: eqx.AbstractVar[tuple[Qwen3_5DecoderLayer, ...] | Qwen3_5LayerStack]
     norm: eqx.AbstractVar[ZeroCenteredRMSNorm]
     lm_head: eqx.AbstractVar[eqx.nn.Linear | None]
     config: eqx.AbstractVar[_Config]
@@ -168,6 +172,7 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         kv_schedule: KVSchedule = "allgather",
         expert_axis: ExpertAxis = None,
         cu_seqlens: CuSeqlens | None = None,
+        remat: Remat = "none",
     ) -> Float[Array, "seq vocab"]:
         """**Arguments:**
 
@@ -191,6 +196,13 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
             alone. A repeated offset is an empty document: a batch of rows is a `jax.vmap`
             over the rows and their `cu_seqlens`, padded to one width by repeating `S`.
             `None`: one document. Decoding (`prefill`, `decode_step`) takes no documents.
+        - `remat`: what each layer keeps for the backward pass (rematerialisation):
+            `"none"` (everything its backward needs), `"layer"` (only the layer's input:
+            the whole layer is recomputed in the backward, `jax.checkpoint`) or
+            `"feed_forward"` (the token mixer's intermediates and output: the MLP or
+            mixture-of-experts block is recomputed). The values and gradients are the same
+            under every policy; memory and time are not (`benchmarks/model_scan.py`
+            measures them).
 
         **Returns:**
 
@@ -204,9 +216,10 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         `jax.jit`) are checked through `equinox.error_if`: the computation fails when it
         runs. `ValueError` for an `expert_axis` on a model without experts, or one that
         does not split them evenly (naming the axis), and for `cu_seqlens` that do not
-        start at 0, end at the sequence length (`S`, over all ranks) or increase.
+        start at 0, end at the sequence length (`S`, over all ranks) or increase; for a
+        `remat` that is not one of the policies.
         """
-        return self._forward(tokens, cp, kv_schedule, expert_axis, cu_seqlens)[0]
+        return self._forward(tokens, cp, kv_schedule, expert_axis, cu_seqlens, remat)[0]
 
     def logits_and_router_stats(
         self,
@@ -216,6 +229,7 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         kv_schedule: KVSchedule = "allgather",
         expert_axis: ExpertAxis = None,
         cu_seqlens: CuSeqlens | None = None,
+        remat: Remat = "none",
     ) -> tuple[Float[Array, "seq vocab"], RouterStats]:
         """The forward of a mixture-of-experts model, with what its load-balancing loss
         needs.
@@ -240,7 +254,7 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
                 f"This {type(self).__name__} has no mixture-of-experts layers: there is no "
                 "routing to report. Call the model itself for the logits."
             )
-        logits, stats = self._forward(tokens, cp, kv_schedule, expert_axis, cu_seqlens)
+        logits, stats = self._forward(tokens, cp, kv_schedule, expert_axis, cu_seqlens, remat)
         assert stats is not None
         return logits, stats
 
@@ -252,10 +266,20 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
             )
 
     def _forward(
-        self, tokens, cp, kv_schedule, expert_axis: ExpertAxis = None, cu_seqlens=None
+        self,
+        tokens,
+        cp,
+        kv_schedule,
+        expert_axis: ExpertAxis = None,
+        cu_seqlens=None,
+        remat: Remat = "none",
     ) -> tuple[Array, RouterStats | None]:
         cp = layer_cp(cp, type(self).__name__)
         self._check_expert_axis(expert_axis)
+        if not isinstance(remat, str) or remat not in REMAT_POLICIES:
+            raise ValueError(
+                f"`remat` must be one of {', '.join(map(repr, REMAT_POLICIES))}; got {remat!r}."
+            )
         tokens = check_tokens(tokens, self.config.vocab_size)
         experts = getattr(self.config, "num_experts", None)
         if tokens.shape[0] == 0:
@@ -268,11 +292,9 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
             # Checked once, here, for every layer.
             cu_seqlens = documents(cp, tokens.shape[0], cu_seqlens).cu_seqlens
         x = jax.vmap(self.embed)(tokens)
-        stats = None
-        for layer in self.layers:
-            x, s = layer(x, cp, kv_schedule, expert_axis, cu_seqlens)
-            if s is not None:
-                stats = s if stats is None else jax.tree.map(jnp.add, stats, s)
+        x, stats = run_layers(
+            self.layers, x, cp, kv_schedule, expert_axis, cu_seqlens, remat, experts
+        )
         return self._logits(x), stats
 
     def init_cache(self, capacity: int, dtype=None) -> Qwen3_5Cache:
