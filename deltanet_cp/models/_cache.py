@@ -16,6 +16,7 @@ from ..nn._delta_layer import RecurrentLayerState
 from ._config import AbstractQwenTextConfig
 
 
+@runtime_checkable
 class _Layers(Protocol):
     """A model's layers as the cache reads them: a tuple, or a stack that reads as one."""
 
