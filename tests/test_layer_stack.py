@@ -134,7 +134,9 @@ def test_scanned_forward_and_gradients_equal_the_loop(which):
     assert max(errors) <= 2e-6, errors
 
 
-@pytest.mark.parametrize("remat", ["feed_forward", pytest.param("layer", marks=pytest.mark.slow)])
+# About 5 s each; the default run has `remat="layer"` in the training step over dp and cp.
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", ["feed_forward", "layer"])
 def test_remat_policies_give_the_same_gradients(remat):
     # (`remat="layer"` also in the training step over dp and cp below.)
     (value, out), grads = _value_and_grad("dense", True, remat)

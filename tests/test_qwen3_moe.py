@@ -147,6 +147,22 @@ def test_logits_and_aux_loss_match_transformers(which):
     assert float(stats.tokens) == sparse * 12 and float(stats.counts.sum()) == sparse * 12 * 2
 
 
+# About 13 s (the scanned forward compiled); the default run has the scanned dense model
+# against transformers (tests/test_qwen3_5.py).
+@pytest.mark.slow
+def test_scanned_layers_match_transformers():
+    # Qwen3-Next's layers stacked and scanned (one group of four: mlp_only_layers makes
+    # layer 1 dense): transformers' logits and load-balancing loss, the loop's bit for bit.
+    model = Qwen3NextForCausalLM.from_pretrained(
+        DATA / "qwen3_next_moe", chunk_size=CHUNK, scan_layers=True
+    )
+    logits, stats = _forward(model, _tokens("next"))
+    ref = IO["next_logits"]
+    assert _max_abs(logits, ref) <= 1e-4 * np.abs(ref).max()
+    assert abs(float(load_balancing_loss(stats)) - float(IO["next_aux_loss"])) <= 1e-5
+    assert eqx.tree_equal((logits, stats), _outputs("next"))
+
+
 @pytest.mark.parametrize("which", list(MODELS))
 def test_greedy_generation_matches_transformers(which):
     out = _model(which).generate(_tokens(which)[:8], 5)
