@@ -165,6 +165,15 @@ def test_scanned_prefill_then_decode():
 
 
 @pytest.mark.slow
+def test_scanned_packed_documents():
+    # Packed documents (`cu_seqlens`, closed over by the scan's body): the loop's logits,
+    # bit for bit at XLA's defaults (measured); this module's quick compilation rounds the
+    # two programs otherwise.
+    f = eqx.filter_jit(lambda m, t: m(t, cu_seqlens=[0, 9, 9, 24]))
+    assert rel_err(f(_dense(True), _tokens()), f(_dense(False), _tokens())) <= 1e-5
+
+
+@pytest.mark.slow
 def test_scanned_prefill_and_generation_equal_the_loop():
     # The layers sliced out of the stack are the loop's: prefill, decoding and generation
     # bit for bit.
