@@ -110,6 +110,10 @@ def test_stack_reads_as_its_layers():
     # A pattern that does not fill the last period keeps the rest unstacked.
     five = Qwen3_5LayerStack.stack(list(loop.layers) + [loop.layers[0]])
     assert (five.num_groups, len(five.rest), len(five)) == (2, 1, 5)
+    # An abstract model (`equinox.filter_eval_shape`) reads the same way.
+    abstract = _moe(True, abstract=True)
+    experts = abstract.layers[3].mlp.experts.gate_proj  # type: ignore[union-attr]
+    assert len(abstract.layers) == 4 and experts.shape == (8, 8, 24)
 
 
 def test_bad_knobs_are_refused(without_runtime_typecheck):

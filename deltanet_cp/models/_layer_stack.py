@@ -34,6 +34,23 @@ def layer_period(layers: Sequence[Qwen3_5DecoderLayer]) -> int:
     return max(n, 1)
 
 
+def _is_array(x) -> bool:
+    """An array or an abstract one (`jax.eval_shape`'s `ShapeDtypeStruct`)."""
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _stack(*xs):
+    if isinstance(xs[0], jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
+    return jnp.stack(xs) if eqx.is_array(xs[0]) else xs[0]
+
+
+def _index(x, g: int):
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+    return x[g] if eqx.is_array(x) else x
+
+
 class Qwen3_5LayerStack(eqx.Module):
     """A model's decoder layers stacked by their repeating pattern: the `p` layers of one
     period (e.g. three Gated DeltaNet layers and one attention layer, Qwen3.5's and
@@ -66,19 +83,13 @@ class Qwen3_5LayerStack(eqx.Module):
             raise ValueError("`layers` is empty: there is nothing to stack.")
         p = layer_period(layers)
         groups = len(layers) // p
-        period = tuple(
-            jax.tree.map(
-                lambda *xs: jnp.stack(xs) if eqx.is_array(xs[0]) else xs[0],
-                *layers[j : groups * p : p],
-            )
-            for j in range(p)
-        )
+        period = tuple(jax.tree.map(_stack, *layers[j : groups * p : p]) for j in range(p))
         return cls(period, layers[groups * p :])
 
     @property
     def num_groups(self) -> int:
         """`G`, the number of stacked groups (whole periods)."""
-        return jax.tree.leaves(eqx.filter(self.period[0], eqx.is_array))[0].shape[0]
+        return next(x.shape[0] for x in jax.tree.leaves(self.period[0]) if _is_array(x))
 
     def __len__(self) -> int:
         return len(self.period) * self.num_groups + len(self.rest)
@@ -92,7 +103,7 @@ class Qwen3_5LayerStack(eqx.Module):
         if i >= stacked:
             return self.rest[i - stacked]
         g = i // p
-        return jax.tree.map(lambda a: a[g] if eqx.is_array(a) else a, self.period[i % p])
+        return jax.tree.map(lambda a: _index(a, g), self.period[i % p])
 
     def __iter__(self) -> Iterator[Qwen3_5DecoderLayer]:
         return (self[i] for i in range(len(self)))
@@ -124,7 +135,9 @@ def run_group(
 ) -> tuple[jax.Array, RouterStats | None]:
     """Run `group`'s layers in order on `x`, adding their router statistics to `stats`:
     the one place a group's parameters meet the activations, in the loop over layers (a
-    group of one) and in the scan's body (one period)."""
+    group of one) and in the scan's body (one period's layers, sliced out of the stack by
+    the scan). Whatever a group's parameters need before they are used (a gather of
+    sharded ones) belongs here."""
     for layer in group:
         x, s = layer(x, cp, kv_schedule, expert_axis, cu_seqlens, remat=remat)
         if s is not None:
