@@ -81,9 +81,10 @@ class Qwen3_5ForCausalLM(AbstractQwenForCausalLM[Qwen3_5Config]):
             [`deltanet_cp.models.Qwen3_5LayerStack`][], and run them with
             `jax.lax.scan`: the compile time of the forward and its gradient stays flat
             in depth (48 layers compile in about the time of 4). The parameters (for a
-            given `key`), logits and gradients are those of the loop over layers (`False`,
-            the default): float32 logits and gradients equal bit for bit on this
-            library's tests. `model.layers` then reads as the tuple of layers.
+            given `key`) are those of the loop over layers (`False`, the default), the
+            float32 logits equal the loop's bit for bit and the gradients to rounding
+            (XLA compiles the backward of a loop body otherwise than the unrolled
+            layers'). `model.layers` then reads as the tuple of layers.
         - `key`: a PRNG key for the (random) initial parameters.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
         """
