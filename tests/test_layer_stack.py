@@ -138,7 +138,8 @@ def test_scanned_forward_and_gradients_equal_the_loop(which):
     assert max(errors) <= 2e-6, errors
 
 
-# About 5 s each; the default run has `remat="layer"` in the training step over dp and cp.
+# About 5 s each; the default run has `remat="layer"` in the scanned training step of
+# tests/test_qwen3_moe.py.
 @pytest.mark.slow
 @pytest.mark.parametrize("remat", ["feed_forward", "layer"])
 def test_remat_policies_give_the_same_gradients(remat):
@@ -195,6 +196,9 @@ def test_scanned_prefill_and_generation_equal_the_loop():
     assert eqx.tree_equal(out[True], out[False])
 
 
+# About 12 s; the default run trains the scanned Qwen3-Next over dp, cp and experts
+# (tests/test_qwen3_moe.py).
+@pytest.mark.slow
 def test_scanned_training_step_over_dp_and_cp():
     # The sequence on both "dp" ranks, each split over cp = 2 ranks (zigzag), the layers
     # scanned and recomputed in the backward (`remat="layer"`): the loss, the logits and

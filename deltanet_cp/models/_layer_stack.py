@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from .._parallel import ContextParallel
+from .._sharding import varying
 from ..nn._moe import ExpertAxis, RouterStats, SparseMoE
 from ..nn._schedule import KVSchedule
 from ._decoder_layer import Qwen3_5DecoderLayer, Remat
@@ -168,8 +169,9 @@ def run_layers(
     if any(isinstance(layer.mlp, SparseMoE) for layer in layers.period):
         assert num_experts is not None
         zero = jnp.zeros((num_experts,), jnp.float32)
-        # 0 + s is s exactly: the sum over layers is the loop's, in the same order.
-        stats = RouterStats(zero, zero, jnp.zeros((), jnp.float32))
+        # 0 + s is s exactly: the sum over layers is the loop's, in the same order. Inside
+        # `jax.shard_map` the sums vary over the axes the tokens do, so the carry does too.
+        stats = varying(RouterStats(zero, zero, jnp.zeros((), jnp.float32)), x)
     params, static = eqx.partition(layers.period, eqx.is_array)
 
     def body(carry, group_params):
