@@ -368,3 +368,13 @@ def test_gather_params_of_a_stack_of_layers():
     for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(stack)):
         for rank in range(DP):
             np.testing.assert_array_equal(got[rank], want)
+
+
+def test_fsdp_refuses_stacked_layers():
+    # FSDP gathers the layers of a tuple one by one; a model built with scan_layers=True
+    # is refused with the fix named, before any gather.
+    dense = _model("dense")
+    stacked = type(dense)(dense.config, chunk_size=4, scan_layers=True, key=jr.key(0))
+    specs = partition_specs(eqx.filter(dense, eqx.is_array), _mesh(), data_axis="dp")
+    with pytest.raises(ValueError, match=r"stacked .*`scan_layers=False`"):
+        stacked(jnp.zeros((8,), jnp.int32), fsdp=FSDP("dp", specs))

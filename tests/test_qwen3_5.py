@@ -82,6 +82,18 @@ def test_logits_match_transformers(name):
     assert _max_abs(logits, IO["logits" + MODELS[name]]) <= 1e-4
 
 
+def test_scanned_layers_match_transformers():
+    # The layers stacked (tied fixture: [linear, full] twice, two groups) and scanned:
+    # transformers' logits, and the loop's bit for bit.
+    model = Qwen3_5ForCausalLM.from_pretrained(
+        DATA / "qwen3_5_lm_tied", chunk_size=CHUNK, scan_layers=True
+    )
+    assert model.layers.num_groups == 2  # type: ignore[union-attr]
+    logits = _forward(model, _tokens("tied_sharded"))
+    assert _max_abs(logits, IO["logits_tied"]) <= 1e-4
+    np.testing.assert_array_equal(logits, _forward(_model("tied_sharded"), _tokens("tied_sharded")))
+
+
 def test_block_and_tile_sizes_reach_the_layers(monkeypatch):
     """`block_size` (the Gated DeltaNet layers' engine block, handed to `deltanet_cp.run`)
     and `tile_size` (the attention tile) are the loader's to choose: blocks of two chunks

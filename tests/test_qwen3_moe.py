@@ -147,6 +147,22 @@ def test_logits_and_aux_loss_match_transformers(which):
     assert float(stats.tokens) == sparse * 12 and float(stats.counts.sum()) == sparse * 12 * 2
 
 
+# About 13 s (the scanned forward compiled); the default run has the scanned dense model
+# against transformers (tests/test_qwen3_5.py).
+@pytest.mark.slow
+def test_scanned_layers_match_transformers():
+    # Qwen3-Next's layers stacked and scanned (one group of four: mlp_only_layers makes
+    # layer 1 dense): transformers' logits and load-balancing loss, the loop's bit for bit.
+    model = Qwen3NextForCausalLM.from_pretrained(
+        DATA / "qwen3_next_moe", chunk_size=CHUNK, scan_layers=True
+    )
+    logits, stats = _forward(model, _tokens("next"))
+    ref = IO["next_logits"]
+    assert _max_abs(logits, ref) <= 1e-4 * np.abs(ref).max()
+    assert abs(float(load_balancing_loss(stats)) - float(IO["next_aux_loss"])) <= 1e-5
+    assert eqx.tree_equal((logits, stats), _outputs("next"))
+
+
 @pytest.mark.parametrize("which", list(MODELS))
 def test_greedy_generation_matches_transformers(which):
     out = _model(which).generate(_tokens(which)[:8], 5)
@@ -630,6 +646,55 @@ def test_training_step_with_experts_split(cp, split, layout):
     assert max(jax.tree.leaves(errors)) <= 1e-4, errors
     expected = jax.tree.map(lambda p, g: p - EP_RATE * g, params, grads1)
     assert max(jax.tree.leaves(jax.tree.map(rel_err, new, expected))) <= 1e-5
+
+
+# About 20 s (a training step of the scanned model compiled under shard_map); the default
+# run's one check of the scanned layers under shard_map (the dense model's, with two groups,
+# is slow: tests/test_layer_stack.py).
+@pytest.mark.usefixtures("fast_compile_one_test")
+def test_scanned_training_step_with_experts_split():
+    # The layers stacked and scanned (`scan_layers=True`), recomputed in the backward
+    # (`remat="layer"`), the batch over "dp", time over cp = 2 (zigzag), the experts split
+    # over both axes (their specs on the stack's second axis): the loss, the logits and
+    # every gradient equal one device's loop.
+    model = Qwen3NextForCausalLM.from_pretrained(
+        DATA / "qwen3_next_moe", chunk_size=CHUNK, scan_layers=True
+    )
+    params, static = eqx.partition(model, eqx.is_array)
+    cp, layout, axis = 2, Zigzag(), ("dp", "cp")
+    mesh = jax.make_mesh(
+        (DP, cp), axis, devices=jax.devices()[: DP * cp], axis_types=(AxisType.Auto,) * 2
+    )
+    specs = expert_partition_specs(params, axis)
+    seq = P("dp", "cp")
+    context = ContextParallel("cp", layout=layout)
+
+    def local(params, inputs, targets):
+        m = eqx.combine(params, static)
+        logits, stats = jax.vmap(
+            lambda t: m.logits_and_router_stats(t, cp=context, expert_axis=axis, remat="layer")
+        )(inputs)
+        nll = -jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
+        stats = jax.tree.map(lambda a: jnp.sum(a, 0), stats)
+        nll, count, stats = jax.lax.psum((nll, jnp.float32(targets.size), stats), axis)
+        aux = m.config.router_aux_loss_coef * load_balancing_loss(stats)
+        return nll / count + aux, logits
+
+    def loss(params, inputs, targets):
+        inputs, targets = layout.to_layout(inputs, cp), layout.to_layout(targets, cp)
+        value, logits = jax.shard_map(
+            local, mesh=mesh, in_specs=(specs, seq, seq), out_specs=(P(), seq)
+        )(params, inputs, targets)
+        return value, layout.from_layout(logits, cp)
+
+    params = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    (value, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, *_ep_batch())
+    (value1, logits1), grads1 = _ep_reference()
+    assert abs(float(value) - float(value1)) <= 1e-5 * abs(float(value1))
+    assert rel_err(logits, logits1) <= 1e-5
+    grads = eqx.tree_at(lambda g: g.layers, grads, tuple(grads.layers))
+    errors = jax.tree.map(rel_err, grads, grads1)
+    assert max(jax.tree.leaves(errors)) <= 1e-4, errors
 
 
 # About 12 s (a context-parallel prefill of the 4-layer model, one device's prefill and two

@@ -104,6 +104,23 @@ def test_save_pretrained_writes_what_transformers_wrote(name, max_shard_size, tm
     assert again.config == model.config
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=() if n in ("qwen3_5_lm_tied", MOE[0]) else pytest.mark.slow)
+        for n in FIXTURES
+    ],
+)
+def test_save_pretrained_from_scanned_layers(name, tmp_path):
+    # A model loaded into stacked layers (`scan_layers=True`) writes transformers' tensors
+    # bit for bit, and reads back into the same stack.
+    model = FIXTURES[name].from_pretrained(DATA / name, scan_layers=True)
+    model.save_pretrained(tmp_path / "ckpt")
+    _assert_same_tensors(_tensors(tmp_path / "ckpt"), _tensors(DATA / name))
+    again = FIXTURES[name].from_pretrained(tmp_path / "ckpt", scan_layers=True)
+    assert eqx.tree_equal(again, model)
+
+
 def _other_layout(tensors: dict[str, np.ndarray], config: dict) -> dict[str, np.ndarray]:
     """The fixture's experts in the other layout: per-expert tensors fused (gate rows
     first), fused ones split per expert."""

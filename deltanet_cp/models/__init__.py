@@ -16,6 +16,7 @@ from ._config import (
     Qwen3NextConfig as Qwen3NextConfig,
 )
 from ._decoder_layer import Qwen3_5DecoderLayer as Qwen3_5DecoderLayer
+from ._layer_stack import Qwen3_5LayerStack as Qwen3_5LayerStack
 from ._qwen3_5 import Qwen3_5ForCausalLM as Qwen3_5ForCausalLM
 from ._qwen3_moe import (
     Qwen3_5MoeForCausalLM as Qwen3_5MoeForCausalLM,

@@ -1,7 +1,7 @@
 """The decode cache of the Qwen3.5 model and its state checkpoints: their types, the check
 that a cache fits a model, and the cache of a checkpointed prefix."""
 
-from collections.abc import Sequence
+from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import equinox as eqx
@@ -17,6 +17,17 @@ from ._config import AbstractQwenTextConfig
 
 
 @runtime_checkable
+class _Layers(Protocol):
+    """A model's layers as the cache reads them: a tuple, or a stack that reads as one."""
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+    def __getitem__(self, i: int, /) -> Any: ...
+
+
+@runtime_checkable
 class _CachedModel(Protocol):
     """What the cache checks read of a model (a `Qwen3_5ForCausalLM`, `Qwen3NextForCausalLM`
     or `Qwen3_5MoeForCausalLM`)."""
@@ -25,7 +36,7 @@ class _CachedModel(Protocol):
     def config(self) -> AbstractQwenTextConfig: ...
 
     @property
-    def layers(self) -> Sequence[Any]: ...
+    def layers(self) -> _Layers: ...
 
     def init_cache(self, capacity: int, dtype: Any = None) -> "Qwen3_5Cache": ...
 

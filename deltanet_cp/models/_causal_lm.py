@@ -24,7 +24,8 @@ from ..nn._schedule import KVSchedule
 from ..nn._tokens import check_tokens
 from ._cache import check_cache, concrete, Qwen3_5Cache, Qwen3_5Checkpoints, restore
 from ._config import AbstractQwenTextConfig
-from ._decoder_layer import Qwen3_5DecoderLayer
+from ._decoder_layer import Qwen3_5DecoderLayer, Remat, REMAT_POLICIES
+from ._layer_stack import Qwen3_5LayerStack, run_layers, stack_layers
 from ._weights import ExpertLayout, save
 
 
@@ -42,15 +43,17 @@ def init_model(
     tile_size: int,
     precision: PrecisionName | None,
     options: EngineOptions | None = None,
+    scan_layers: bool = False,
     key: PRNGKeyArray,
     dtype,
 ) -> None:
-    """Set the fields of `model` (inside its `__init__`): random parameters for `config`."""
+    """Set the fields of `model` (inside its `__init__`): random parameters for `config`
+    (the same with and without `scan_layers`, which stacks them)."""
     options = engine_options(options, chunk_size, block_size, memory, precision)
     precision = options.precision
     kemb, khead, *keys = jr.split(key, config.num_hidden_layers + 2)
     model.embed = eqx.nn.Embedding(config.vocab_size, config.hidden_size, key=kemb, dtype=dtype)
-    model.layers = tuple(
+    layers = tuple(
         Qwen3_5DecoderLayer(
             config,
             kind,
@@ -62,6 +65,7 @@ def init_model(
         )
         for i, (kind, k) in enumerate(zip(config.layer_types, keys))
     )
+    model.layers = stack_layers(layers, scan_layers)
     model.norm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
     model.lm_head = (
         None
@@ -83,7 +87,7 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
     head. Each concrete model holds these fields and its `__init__` / `from_pretrained`."""
 
     embed: eqx.AbstractVar[eqx.nn.Embedding]
-    layers: eqx.AbstractVar[tuple[Qwen3_5DecoderLayer, ...]]
+    layers: eqx.AbstractVar[tuple[Qwen3_5DecoderLayer, ...] | Qwen3_5LayerStack]
     norm: eqx.AbstractVar[ZeroCenteredRMSNorm]
     lm_head: eqx.AbstractVar[eqx.nn.Linear | None]
     config: eqx.AbstractVar[_Config]
@@ -173,6 +177,7 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         expert_axis: ExpertAxis = None,
         cu_seqlens: CuSeqlens | None = None,
         fsdp: FSDP | None = None,
+        remat: Remat = "none",
     ) -> Float[Array, "seq vocab"]:
         """**Arguments:**
 
@@ -199,11 +204,19 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         - `fsdp`: inside `jax.shard_map`, for parameters split over a data axis (fully
             sharded data parallelism): a [`deltanet_cp.nn.FSDP`][] naming the axis and the
             parameters' specs (from [`deltanet_cp.nn.partition_specs`][], the
-            `shard_map`'s `in_specs` of them). Each layer's parameters are gathered over
+            `shard_map`'s `in_specs` of them; layers not stacked: `scan_layers=False`).
+            Each layer's parameters are gathered over
             the axis just before it runs and again in its backward (`FSDP.apply`), the
             embedding and the LM head where they are used; the gradients come out split as
             the parameters. `None`: the parameters are whole on every rank (but the experts
             split over `expert_axis`).
+        - `remat`: what each layer keeps for the backward pass (rematerialisation):
+            `"none"` (everything its backward needs), `"layer"` (only the layer's input:
+            the whole layer is recomputed in the backward, `jax.checkpoint`) or
+            `"feed_forward"` (the token mixer's intermediates and output: the MLP or
+            mixture-of-experts block is recomputed). The values and gradients are the same
+            under every policy; memory and time are not (`benchmarks/model_scan.py`
+            measures them).
 
         **Returns:**
 
@@ -217,9 +230,12 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         `jax.jit`) are checked through `equinox.error_if`: the computation fails when it
         runs. `ValueError` for an `expert_axis` on a model without experts, or one that
         does not split them evenly (naming the axis), and for `cu_seqlens` that do not
-        start at 0, end at the sequence length (`S`, over all ranks) or increase.
+        start at 0, end at the sequence length (`S`, over all ranks) or increase; for a
+        `remat` that is not one of the policies.
         """
-        return self._forward(tokens, cp, kv_schedule, expert_axis, cu_seqlens, fsdp=fsdp)[0]
+        return self._forward(
+            tokens, cp, kv_schedule, expert_axis, cu_seqlens, remat=remat, fsdp=fsdp
+        )[0]
 
     def logits_and_router_stats(
         self,
@@ -231,6 +247,7 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         cu_seqlens: CuSeqlens | None = None,
         token_mask: Bool[Array, " seq"] | None = None,
         fsdp: FSDP | None = None,
+        remat: Remat = "none",
     ) -> tuple[Float[Array, "seq vocab"], RouterStats]:
         """The forward of a mixture-of-experts model, with what its load-balancing loss
         needs.
@@ -265,7 +282,14 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
                 "routing to report. Call the model itself for the logits."
             )
         logits, stats = self._forward(
-            tokens, cp, kv_schedule, expert_axis, cu_seqlens, token_mask=token_mask, fsdp=fsdp
+            tokens,
+            cp,
+            kv_schedule,
+            expert_axis,
+            cu_seqlens,
+            token_mask=token_mask,
+            remat=remat,
+            fsdp=fsdp,
         )
         assert stats is not None
         return logits, stats
@@ -286,9 +310,14 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         cu_seqlens=None,
         token_mask=None,
         fsdp: FSDP | None = None,
+        remat: Remat = "none",
     ) -> tuple[Array, RouterStats | None]:
         cp = layer_cp(cp, type(self).__name__)
         self._check_expert_axis(expert_axis)
+        if not isinstance(remat, str) or remat not in REMAT_POLICIES:
+            raise ValueError(
+                f"`remat` must be one of {', '.join(map(repr, REMAT_POLICIES))}; got {remat!r}."
+            )
         tokens = check_tokens(tokens, self.config.vocab_size)
         if token_mask is not None:
             check_token_mask(token_mask, tokens.shape[0])
@@ -302,14 +331,26 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         if cu_seqlens is not None:
             # Checked once, here, for every layer.
             cu_seqlens = documents(cp, tokens.shape[0], cu_seqlens).cu_seqlens
+        if fsdp is not None and isinstance(self.layers, Qwen3_5LayerStack):
+            raise ValueError(
+                "`fsdp` is for a model whose layers are a tuple; this model's layers are "
+                "stacked (`scan_layers=True`). Build or load it with `scan_layers=False` to "
+                "split its parameters with FSDP."
+            )
         embed = self.embed if fsdp is None else fsdp.gather(self.embed, lambda s: s.embed)
         x = jax.vmap(embed)(tokens)
-        stats = None
-        for i, layer in enumerate(self.layers):
-            args = (x, cp, kv_schedule, expert_axis, cu_seqlens, token_mask)
-            x, s = layer(*args) if fsdp is None else fsdp.apply(layer, lambda s: s.layers[i], *args)
-            if s is not None:
-                stats = s if stats is None else jax.tree.map(jnp.add, stats, s)
+        x, stats = run_layers(
+            self.layers,
+            x,
+            cp,
+            kv_schedule,
+            expert_axis,
+            cu_seqlens,
+            token_mask,
+            remat,
+            experts,
+            fsdp=fsdp,
+        )
         return self._logits(x, fsdp), stats
 
     def init_cache(self, capacity: int, dtype=None) -> Qwen3_5Cache:

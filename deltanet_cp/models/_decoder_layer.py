@@ -2,6 +2,8 @@
 attention token mixer and a SwiGLU MLP or sparse mixture-of-experts block, each in a pre-norm
 residual."""
 
+from typing import Literal
+
 import equinox as eqx
 import jax
 import jax.random as jr
@@ -16,6 +18,11 @@ from ..nn._moe import ExpertAxis, RouterStats, SparseMoE
 from ..nn._norm import ZeroCenteredRMSNorm
 from ..nn._schedule import KVSchedule
 from ._config import AbstractQwenTextConfig, Qwen3_5Config, Qwen3_5MoeConfig, Qwen3NextConfig
+
+
+# What a decoder layer keeps for the backward pass (see `Qwen3_5DecoderLayer.__call__`).
+Remat = Literal["none", "layer", "feed_forward"]
+REMAT_POLICIES: tuple[str, ...] = ("none", "layer", "feed_forward")
 
 
 class Qwen3_5DecoderLayer(eqx.Module):
@@ -112,11 +119,18 @@ class Qwen3_5DecoderLayer(eqx.Module):
         expert_axis: ExpertAxis = None,
         cu_seqlens=None,
         token_mask=None,
+        *,
+        remat: Remat = "none",
     ) -> tuple[jax.Array, RouterStats | None]:
-        h = self.mixer(
-            self.input_layernorm(x), cp=cp, kv_schedule=kv_schedule, cu_seqlens=cu_seqlens
-        )
-        return self._mlp(x + h, expert_axis, token_mask)
+        """The layer on `x`, `(seq, hidden)`; with `remat`, what its backward recomputes:
+        `"none"` keeps every intermediate the backward needs, `"layer"` keeps only the
+        layer's input and recomputes the whole layer (`jax.checkpoint`), `"feed_forward"`
+        keeps the token mixer's intermediates and its output and recomputes the MLP or
+        mixture-of-experts block. The values are the same under every policy."""
+        args = (x, cp, kv_schedule, expert_axis, cu_seqlens, token_mask)
+        if remat == "layer":
+            return eqx.filter_checkpoint(_layer_forward)(self, *args, "none")
+        return _layer_forward(self, *args, remat)
 
     def prefill(
         self,
@@ -143,3 +157,19 @@ class Qwen3_5DecoderLayer(eqx.Module):
     def step(self, x, cache, position):
         h, cache = self.mixer.step(self.input_layernorm(x), cache, position)
         return self._mlp((x + h)[None])[0][0], cache
+
+
+def _layer_forward(
+    layer: Qwen3_5DecoderLayer,
+    x,
+    cp,
+    kv_schedule,
+    expert_axis,
+    cu_seqlens,
+    token_mask,
+    remat: Remat,
+) -> tuple[jax.Array, RouterStats | None]:
+    h = layer.mixer(layer.input_layernorm(x), cp=cp, kv_schedule=kv_schedule, cu_seqlens=cu_seqlens)
+    if remat == "feed_forward":
+        return eqx.filter_checkpoint(type(layer)._mlp)(layer, x + h, expert_axis, token_mask)
+    return layer._mlp(x + h, expert_axis, token_mask)

@@ -13,6 +13,7 @@ from ..nn._norm import ZeroCenteredRMSNorm
 from ._causal_lm import AbstractQwenForCausalLM, init_model
 from ._config import Qwen3_5MoeConfig, Qwen3NextConfig
 from ._decoder_layer import Qwen3_5DecoderLayer
+from ._layer_stack import Qwen3_5LayerStack
 from ._weights import load
 
 
@@ -31,7 +32,7 @@ class Qwen3NextForCausalLM(AbstractQwenForCausalLM[Qwen3NextConfig]):
     """
 
     embed: eqx.nn.Embedding
-    layers: tuple[Qwen3_5DecoderLayer, ...]
+    layers: tuple[Qwen3_5DecoderLayer, ...] | Qwen3_5LayerStack
     norm: ZeroCenteredRMSNorm
     lm_head: eqx.nn.Linear | None
     config: Qwen3NextConfig = eqx.field(static=True)
@@ -47,14 +48,15 @@ class Qwen3NextForCausalLM(AbstractQwenForCausalLM[Qwen3NextConfig]):
         tile_size: int = 128,
         precision: PrecisionName | None = None,
         options: EngineOptions | None = None,
+        scan_layers: bool = False,
         key: PRNGKeyArray,
         dtype=None,
     ):
         """**Arguments:**
 
         - `config`: the sizes, a [`deltanet_cp.models.Qwen3NextConfig`][].
-        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`, `options`, `key`,
-            `dtype`: as for
+        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`, `options`,
+            `scan_layers`, `key`, `dtype`: as for
             [`deltanet_cp.models.Qwen3_5ForCausalLM`][]'s `__init__` (the routers, the
             experts and the MLPs multiply in the parameters' dtype at JAX's default
             precision; the router's softmax runs in float32).
@@ -68,6 +70,7 @@ class Qwen3NextForCausalLM(AbstractQwenForCausalLM[Qwen3NextConfig]):
             tile_size=tile_size,
             precision=precision,
             options=options,
+            scan_layers=scan_layers,
             key=key,
             dtype=dtype,
         )
@@ -84,6 +87,7 @@ class Qwen3NextForCausalLM(AbstractQwenForCausalLM[Qwen3NextConfig]):
         tile_size: int = 128,
         precision: PrecisionName | None = None,
         options: EngineOptions | None = None,
+        scan_layers: bool = False,
     ) -> "Qwen3NextForCausalLM":
         """Load a Hugging Face checkpoint: a directory with `config.json` and
         `model.safetensors`, or `model.safetensors.index.json` and its shards.
@@ -106,8 +110,8 @@ class Qwen3NextForCausalLM(AbstractQwenForCausalLM[Qwen3NextConfig]):
         - `path`: the checkpoint directory.
         - `dtype`: cast every parameter to this dtype (e.g. `jnp.bfloat16`; the recurrent
             states stay float32); keep each tensor's stored dtype if `None`.
-        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`, `options`: as
-            for `__init__`.
+        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`, `options`,
+            `scan_layers`: as for `__init__`.
 
         **Raises:**
 
@@ -126,6 +130,7 @@ class Qwen3NextForCausalLM(AbstractQwenForCausalLM[Qwen3NextConfig]):
             memory=options.memory,
             tile_size=tile_size,
             precision=options.precision,
+            scan_layers=scan_layers,
         )
 
 
@@ -142,7 +147,7 @@ class Qwen3_5MoeForCausalLM(AbstractQwenForCausalLM[Qwen3_5MoeConfig]):
     """
 
     embed: eqx.nn.Embedding
-    layers: tuple[Qwen3_5DecoderLayer, ...]
+    layers: tuple[Qwen3_5DecoderLayer, ...] | Qwen3_5LayerStack
     norm: ZeroCenteredRMSNorm
     lm_head: eqx.nn.Linear | None
     config: Qwen3_5MoeConfig = eqx.field(static=True)
@@ -158,14 +163,15 @@ class Qwen3_5MoeForCausalLM(AbstractQwenForCausalLM[Qwen3_5MoeConfig]):
         tile_size: int = 128,
         precision: PrecisionName | None = None,
         options: EngineOptions | None = None,
+        scan_layers: bool = False,
         key: PRNGKeyArray,
         dtype=None,
     ):
         """**Arguments:**
 
         - `config`: the sizes, a [`deltanet_cp.models.Qwen3_5MoeConfig`][].
-        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`, `options`, `key`,
-            `dtype`: as for
+        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`, `options`,
+            `scan_layers`, `key`, `dtype`: as for
             [`deltanet_cp.models.Qwen3_5ForCausalLM`][]'s `__init__` (the routers, the
             experts and the MLPs multiply in the parameters' dtype at JAX's default
             precision; the router's softmax runs in float32).
@@ -179,6 +185,7 @@ class Qwen3_5MoeForCausalLM(AbstractQwenForCausalLM[Qwen3_5MoeConfig]):
             tile_size=tile_size,
             precision=precision,
             options=options,
+            scan_layers=scan_layers,
             key=key,
             dtype=dtype,
         )
@@ -195,6 +202,7 @@ class Qwen3_5MoeForCausalLM(AbstractQwenForCausalLM[Qwen3_5MoeConfig]):
         tile_size: int = 128,
         precision: PrecisionName | None = None,
         options: EngineOptions | None = None,
+        scan_layers: bool = False,
     ) -> "Qwen3_5MoeForCausalLM":
         """Load a Hugging Face checkpoint: a directory with `config.json` and
         `model.safetensors`, or `model.safetensors.index.json` and its shards.
@@ -220,8 +228,8 @@ class Qwen3_5MoeForCausalLM(AbstractQwenForCausalLM[Qwen3_5MoeConfig]):
         - `path`: the checkpoint directory.
         - `dtype`: cast every parameter to this dtype (e.g. `jnp.bfloat16`; the recurrent
             states stay float32); keep each tensor's stored dtype if `None`.
-        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`, `options`: as
-            for `__init__`.
+        - `chunk_size`, `block_size`, `memory`, `tile_size`, `precision`, `options`,
+            `scan_layers`: as for `__init__`.
 
         **Raises:**
 
@@ -240,4 +248,5 @@ class Qwen3_5MoeForCausalLM(AbstractQwenForCausalLM[Qwen3_5MoeConfig]):
             memory=options.memory,
             tile_size=tile_size,
             precision=options.precision,
+            scan_layers=scan_layers,
         )

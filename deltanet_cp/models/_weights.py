@@ -20,6 +20,7 @@ from ..interop._hf import fuse_qwen3_next_projections, split_qwen3_next_projecti
 from ..nn._gated_delta_net import GatedDeltaNet
 from ..nn._moe import SparseMoE
 from ._config import Qwen3NextConfig
+from ._layer_stack import stack_layers
 
 
 # Tensors transformers itself skips when loading the text model: multi-token prediction
@@ -226,6 +227,7 @@ def load(
     memory: Memory | None = None,
     tile_size: int,
     precision,
+    scan_layers: bool = False,
 ):
     path = Path(path)
     if not path.is_dir():
@@ -293,7 +295,8 @@ def load(
     model = eqx.tree_at(lambda m: [get(m) for get in getters], skeleton, values)
     left = [x for x in jax.tree.leaves(model) if isinstance(x, jax.ShapeDtypeStruct)]
     assert not left, f"{len(left)} parameters were not loaded"
-    return model
+    # Loaded layer by layer, then stacked (a copy of the layers' parameters, exact).
+    return eqx.tree_at(lambda m: m.layers, model, stack_layers(model.layers, scan_layers))
 
 
 ExpertLayout = Literal["fused", "per_expert"]

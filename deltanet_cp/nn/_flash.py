@@ -332,6 +332,9 @@ def _flash_grad_steps(q, k, v, pos_q, pos_k, starts, tiles, row, count, prep, gr
 
 def _flash_bwd(precision, gather, res, cts):
     q, k, v, pos_q, pos_k, starts, tiles, row, count, out, lse = res
+    # Residuals known when the backward is traced (the backward of a `jax.lax.scan` body)
+    # come back as NumPy constants.
+    tiles, row, count = jnp.asarray(tiles), jnp.asarray(row), jnp.asarray(count)
     prep = _flash_grad_prep(out, lse, *cts)
     acc = accumulation_dtype(q)
     init = (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))

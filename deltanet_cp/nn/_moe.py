@@ -698,8 +698,9 @@ def _check_placement(experts: SwiGLUExperts, expert_axis: ExpertAxis, total: int
 def expert_partition_specs(tree: PyTree, expert_axis: str | tuple[str, ...]) -> PyTree:
     """The `jax.sharding.PartitionSpec` of every leaf of `tree` for experts split over
     `expert_axis`: `P(expert_axis)` (the first dimension, the experts, sharded) for the
-    arrays of every [`deltanet_cp.nn.SwiGLUExperts`][] in `tree`, `P()` (replicated) for
-    every other leaf.
+    arrays of every [`deltanet_cp.nn.SwiGLUExperts`][] in `tree` (`P(None, expert_axis)`
+    for the experts of stacked layers, a [`deltanet_cp.models.Qwen3_5LayerStack`][], whose
+    first dimension is the group), `P()` (replicated) for every other leaf.
 
     For `jax.shard_map`'s `in_specs` of a model's parameters (and `out_specs` of their
     gradients), and to place them on a mesh so that no device holds every expert
@@ -717,7 +718,13 @@ def expert_partition_specs(tree: PyTree, expert_axis: str | tuple[str, ...]) -> 
     """
 
     def spec(sub):
-        axis = expert_axis if isinstance(sub, SwiGLUExperts) else None
-        return jax.tree.map(lambda _: P() if axis is None else P(axis), sub)
+        if not isinstance(sub, SwiGLUExperts):
+            return jax.tree.map(lambda _: P(), sub)
+
+        # Stacked layers (a model's `Qwen3_5LayerStack`) put their group axis first.
+        def stacked(x):
+            return P(*(None,) * (len(getattr(x, "shape", ())) - 3), expert_axis)
+
+        return jax.tree.map(stacked, sub)
 
     return jax.tree.map(spec, tree, is_leaf=lambda x: isinstance(x, SwiGLUExperts))
