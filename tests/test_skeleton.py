@@ -111,3 +111,39 @@ def test_skeleton_checks_sizes():
     assert s.options == dcp.EngineOptions()
     proj, conv = s.qkv(jr.key(0), jr.key(1))
     assert (proj.in_features, proj.out_features, conv.channels) == (32, 48, 48)
+
+
+def test_one_prefill_call(getkey):
+    # Every mixer continues a prompt one way, `extend(x, state, position)` (the decoder
+    # layers call nothing else): a prompt run as 4 then 4 tokens gives the whole prompt's
+    # output, for a recurrent layer (its state continues by itself) and for attention (its
+    # cache needs the position).
+    x = jr.normal(getkey(), (8, 32))
+
+    @eqx.filter_jit
+    def two_parts(m):
+        state = m.init_state(capacity=8)
+        a, state, _ = m.extend(x[:4], state, 0)
+        b, _, saved = m.extend(x[4:], state, 4)
+        return jnp.concatenate([a, b]), m(x), saved
+
+    for m in (
+        nn.GatedDeltaNet(32, 2, 4, 8, 8, key=getkey()),
+        nn.CausalSelfAttention(32, 2, 8, key=getkey()),
+    ):
+        got, want, saved = two_parts(m)
+        assert jnp.max(jnp.abs(got - want)) <= 1e-5, type(m).__name__
+        assert saved is None
+
+    class NoPrefill(nn.AbstractTokenMixer):
+        def __call__(self, x, state=None, **kwargs):
+            return x
+
+        def init_state(self, dtype=None, *, capacity=None):
+            return None
+
+        def step(self, x, state, position=None, /, *, v_first=None):
+            return x, state
+
+    with pytest.raises(TypeError, match="NoPrefill has no prefill"):
+        NoPrefill().extend(x, None, 0)

@@ -10,8 +10,7 @@ import jax.random as jr
 
 from .._options import engine_options, EngineOptions
 from .._parallel import ContextParallel
-from ..nn._attention import CausalSelfAttention, KVCache
-from ..nn._delta_layer import RecurrentLayerState
+from ..nn._attention import CausalSelfAttention
 from ..nn._gated_delta_net import GatedDeltaNet
 from ..nn._mlp import SwiGLU
 from ..nn._moe import ExpertAxis, RouterStats, SparseMoE
@@ -142,16 +141,14 @@ class Qwen3_5DecoderLayer(eqx.Module):
         kv_schedule: KVSchedule,
         expert_axis: ExpertAxis = None,
     ):
-        h = self.input_layernorm(x)
-        saved = None
-        # The one call that differs: a recurrent state continues by itself (and has
-        # checkpoints), a key/value cache needs the number of tokens it holds.
-        if isinstance(self.mixer, GatedDeltaNet):
-            assert isinstance(cache, RecurrentLayerState)
-            h, cache, saved = self.mixer.prefill(h, cache, checkpoint_every=checkpoint_every, cp=cp)
-        else:
-            assert isinstance(cache, KVCache)
-            h, cache = self.mixer.prefill(h, cache, length, cp=cp, kv_schedule=kv_schedule)
+        h, cache, saved = self.mixer.extend(
+            self.input_layernorm(x),
+            cache,
+            length,
+            cp=cp,
+            kv_schedule=kv_schedule,
+            checkpoint_every=checkpoint_every,
+        )
         return self._mlp(x + h, expert_axis)[0], cache, saved
 
     def step(self, x, cache, position):

@@ -399,6 +399,24 @@ class CausalSelfAttention(AbstractTokenMixer):
         )
         return self._finish(out, gate)
 
+    def extend(
+        self,
+        x: Float[Array, "seq hidden"],
+        state: KVCache,
+        position: Int[Array, ""] | int,
+        /,
+        *,
+        cp: ContextParallel | None = None,
+        kv_schedule: KVSchedule = "allgather",
+        v_first: Float[Array, "seq heads v"] | None = None,
+        checkpoint_every: int | None = None,
+    ) -> tuple[Float[Array, "seq hidden"], KVCache, None]:
+        """`prefill(x, state, position, cp=cp, kv_schedule=kv_schedule)` and no checkpoints
+        (see [`deltanet_cp.nn.AbstractTokenMixer.extend`][])."""
+        del v_first, checkpoint_every
+        y, cache = self.prefill(x, state, position, cp=cp, kv_schedule=kv_schedule)
+        return y, cache, None
+
     def prefill(
         self,
         x: Float[Array, "seq hidden"],

@@ -464,6 +464,23 @@ class AbstractRecurrentLayer(AbstractEngineMixer, Generic[_State]):
         check_documents_without_state(type(self).__name__, state, cu_seqlens)
         return self._forward(x, state, None, cp, cu_seqlens)[0]
 
+    def extend(
+        self,
+        x: Float[Array, "seq hidden"],
+        state: _State | None,
+        position: Int[Array, ""] | int,
+        /,
+        *,
+        cp: ContextParallel | None = None,
+        kv_schedule: KVSchedule = "allgather",
+        v_first: Float[Array, "seq heads v"] | None = None,
+        checkpoint_every: int | None = None,
+    ) -> tuple[Float[Array, "seq hidden"], _State, _State | None]:
+        """`prefill(x, state, checkpoint_every=checkpoint_every, cp=cp)`: the state continues
+        by itself (see [`deltanet_cp.nn.AbstractTokenMixer.extend`][])."""
+        del position, kv_schedule, v_first
+        return self.prefill(x, state, checkpoint_every=checkpoint_every, cp=cp)
+
     def prefill(
         self,
         x: Float[Array, "seq hidden"],

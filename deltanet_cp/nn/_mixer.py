@@ -64,6 +64,35 @@ class AbstractTokenMixer(eqx.Module):
     ) -> tuple[Float[Array, " hidden"], Any]:
         """One token of generation: `(y, new_state)`."""
 
+    def extend(
+        self,
+        x: Float[Array, "seq hidden"],
+        state: Any,
+        position: Int[Array, ""] | int,
+        /,
+        *,
+        cp: ContextParallel | None = None,
+        kv_schedule: KVSchedule = "allgather",
+        v_first: Float[Array, "seq heads v"] | None = None,
+        checkpoint_every: int | None = None,
+    ) -> tuple[Float[Array, "seq hidden"], Any, Any]:
+        """A prompt's next tokens `x`, continuing from `state`, which holds the sequence's
+        first `position` tokens: `(y, new_state, checkpoints)`, the one prefill call of every
+        mixer (a decoder layer calls it one way whatever its mixer).
+
+        A recurrent mixer's state continues by itself (`position` is ignored) and, with
+        `checkpoint_every`, `checkpoints` holds its states at those boundaries, as its
+        `prefill` returns them; attention writes `x`'s keys and values after the cache's
+        first `position` entries and returns `checkpoints = None` (the keys and values of
+        any prefix are already the cache's first entries).
+
+        **Raises:**
+
+        `TypeError` for a mixer that has no prefill.
+        """
+        del x, state, position, cp, kv_schedule, v_first, checkpoint_every
+        raise TypeError(f"{type(self).__name__} has no prefill: it cannot continue a prompt.")
+
     def first_values(
         self,
         x: Float[Array, "seq hidden"],

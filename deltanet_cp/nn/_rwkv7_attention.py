@@ -580,6 +580,23 @@ class RWKV7Attention(AbstractEngineMixer):
         (`is_first`): the `v_first` of the later ones; `None` on the others."""
         return self.values(x, cp=cp, cu_seqlens=cu_seqlens) if self.is_first else None
 
+    def extend(
+        self,
+        x: Float[Array, "seq hidden"],
+        state: RWKV7AttentionState | None,
+        position: Int[Array, ""] | int,
+        /,
+        *,
+        cp: ContextParallel | None = None,
+        kv_schedule: KVSchedule = "allgather",
+        v_first: Float[Array, "seq heads v"] | None = None,
+        checkpoint_every: int | None = None,
+    ) -> tuple[Float[Array, "seq hidden"], RWKV7AttentionState, RWKV7AttentionState | None]:
+        """`prefill(x, state, v_first=v_first, checkpoint_every=checkpoint_every, cp=cp)`
+        (see [`deltanet_cp.nn.AbstractTokenMixer.extend`][])."""
+        del position, kv_schedule
+        return self.prefill(x, state, v_first=v_first, checkpoint_every=checkpoint_every, cp=cp)
+
     def prefill(
         self,
         x: Float[Array, "seq hidden"],
