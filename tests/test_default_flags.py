@@ -14,7 +14,14 @@ import os
 import sys
 import textwrap
 
+import pytest
+
 from . import _stall
+
+
+# Each case compiles in a fresh process at XLA's default flags (25 to 30 s on 2 cores): the
+# slow suite runs them (CI runs it).
+pytestmark = pytest.mark.slow
 
 
 # The reference: per value head, S <- diag(exp(g_t)) S; e = w_t * v_t - S^T (b_t * k_t);

@@ -47,6 +47,7 @@ def test_finetune_qwen3_5():
     np.testing.assert_array_equal(result["checkpoints"].lengths, np.arange(8, 65, 8))
 
 
+@pytest.mark.slow  # `make demo`'s programs at the default flags: 35 s cold on 2 cores
 def test_demo_payloads():
     # docs/examples/demo.md, `make demo`: per layer, the Gated DeltaNet layer's busiest rank
     # receives the same bytes at two sequence lengths under both layouts and both exchanges,

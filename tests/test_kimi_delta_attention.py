@@ -265,7 +265,7 @@ def test_cp_problem_depends_on_the_carried_state():
 @pytest.mark.parametrize(
     "cp, layout",
     [
-        pytest.param(2, dcp.Contiguous(), id="contiguous-2"),
+        pytest.param(2, dcp.Contiguous(), id="contiguous-2", marks=pytest.mark.slow),
         pytest.param(4, dcp.Zigzag(), id="zigzag-4"),
         pytest.param(4, dcp.Contiguous(), id="contiguous-4", marks=pytest.mark.slow),
         pytest.param(2, dcp.Zigzag(), id="zigzag-2", marks=pytest.mark.slow),

@@ -106,7 +106,9 @@ def _user_layout_params():
             layout,
             exchange,
             id=f"{f.name}-{type(layout).__name__}-{exchange}",
-            marks=() if i % len(layouts) == j else (pytest.mark.slow,),
+            # Default run: the first four families, each user layout at least once; the slow
+            # run gives every family every layout.
+            marks=() if i % len(layouts) == j and i < 4 else (pytest.mark.slow,),
         )
         for i, f in enumerate(FAMILIES)
         for j, (layout, exchange) in enumerate(layouts)
