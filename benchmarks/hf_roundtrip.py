@@ -17,6 +17,8 @@ Needs the `hf` extra (`safetensors`) in this environment for nothing: the librar
 and reads safetensors itself.
 """
 
+# pyright: reportMissingImports=false
+
 import argparse
 import json
 import os
