@@ -382,7 +382,7 @@ def test_gather_params_of_a_stack_of_layers():
             np.testing.assert_array_equal(got[rank], want)
 
 
-# About N s (one device's reference is the two-layer MoE test's above): the two layers
+# About 28 s (one device's reference is the two-layer MoE test's above): the two layers
 # stacked, one group, scanned.
 @pytest.mark.usefixtures("fast_compile_one_test")
 def test_scanned_moe_training_step_with_fsdp():
@@ -396,7 +396,7 @@ def test_scanned_moe_training_step_with_fsdp():
     assert _shard_shape(period[1].mlp.gate.weight) == (1, 8, 24 // DP)
 
 
-# About 70 s each: five layers built with scan_layers=True, two stacked groups of
+# 25 to 70 s each (215 s in all): five layers built with scan_layers=True, two stacked groups of
 # [linear, full] and a linear layer after them, against one device's five-layer loop.
 @pytest.mark.slow
 @pytest.mark.usefixtures("fast_compile_one_test")
