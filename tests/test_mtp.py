@@ -19,7 +19,7 @@ import jax.random as jr
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 import deltanet_cp as dcp
 from deltanet_cp.data import add_mtp_loss, causal_lm_loss, IGNORE_INDEX, mtp_labels
@@ -403,3 +403,18 @@ def test_speculative_generate_is_generate(hybrid):
         np.testing.assert_array_equal(got, want)
         assert 9 <= int(steps) + int(accepted) <= 10
     assert (int(accepted), int(steps)) == (5, 5)
+
+
+def test_loader_names_missing_and_unexpected_mtp_tensors(tmp_path):
+    # With a head in the config and `mtp.*` in the checkpoint, every head tensor is expected
+    # and a stray `mtp.*` one is reported (no longer skipped).
+    _model().save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["mtp.fc.weight"]
+    tensors["mtp.layers.0.bogus.weight"] = np.ones(2, np.float32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError) as info:
+        Qwen3_5ForCausalLM.from_pretrained(tmp_path, chunk_size=4)
+    message = str(info.value)
+    assert "1 missing: mtp.fc.weight" in message
+    assert "1 unexpected: mtp.layers.0.bogus.weight" in message
