@@ -43,7 +43,7 @@ from ._run import (
     Memory as Memory,
     run as run,
 )
-from ._shift import previous_tokens as previous_tokens
+from ._shift import next_tokens as next_tokens, previous_tokens as previous_tokens
 from .recurrences._delta import (
     chunk_delta_rule as chunk_delta_rule,
     DeltaRule as DeltaRule,

@@ -1,4 +1,5 @@
-"""The token before each token, across ranks and documents: `previous_tokens`."""
+"""The token before each token and the token after it, across ranks and documents:
+`previous_tokens`, `next_tokens`."""
 
 import jax
 import jax.numpy as jnp
@@ -125,4 +126,86 @@ def previous_tokens(
         later = jnp.any(positions[:, None] == starts[None, :], axis=1)  # a document's first
         shape = (1, t) + (1,) * (x.ndim - 2)
         y = jnp.where(later.reshape(shape), jnp.zeros((), x.dtype), y)
+    return y
+
+
+def next_tokens(
+    x: Shaped[Array, "batch seq *rest"],
+    *,
+    cp: ContextParallel | None = None,
+    cu_seqlens: CuSeqlens | None = None,
+    fill: int | float = 0,
+) -> Shaped[Array, "batch seq *rest"]:
+    """Every token's successor: `y[:, t] = x[:, t + 1]`, the mirror of `previous_tokens`
+    (the next token's id for a multi-token-prediction head, a label one step further:
+    [`deltanet_cp.models.Qwen3_5MTP`][]).
+
+    The last token of the sequence, and with `cu_seqlens` the last token of every packed
+    document, gets `fill`: a document never reads its neighbour's first token. Under context
+    parallelism the last token of each piece of a rank's shard gets the first token of the
+    piece after it in the sequence, from the rank that holds it (one token per piece crosses
+    ranks, a `jax.lax.ppermute`), in either layout. Values are moved, never multiplied.
+
+    **Arguments:**
+
+    - `x`: `(batch, seq, ...)`; with `cp`, this rank's shard of time in `cp.layout`'s order
+        (inside `jax.shard_map`).
+    - `cp`: a [`deltanet_cp.ContextParallel`][] without `mesh`, or `None` on one device.
+    - `cu_seqlens`: packed documents (`batch` 1): the documents' boundaries in the whole
+        sequence, `[0, ..., total]`, as [`deltanet_cp.previous_tokens`][] takes them.
+    - `fill`: what a last token gets (e.g. `-100`, the ignore index, for labels).
+
+    **Returns:**
+
+    `x`'s shape and dtype, in the same layout.
+
+    **Raises:**
+
+    `ValueError` for `x` without a time axis, a `cp` with a `mesh`, or a `cu_seqlens` with
+    more than one batch row.
+    """
+    x = jnp.asarray(x)
+    if x.ndim < 2:
+        raise ValueError(f"`x` must be (batch, seq, ...) with time on axis 1; got shape {x.shape}.")
+    cp = local_cp(cp, "next_tokens")
+    if cu_seqlens is not None and x.shape[0] != 1:
+        raise ValueError(
+            f"With `cu_seqlens` the documents are packed in one batch row; `x` has {x.shape[0]}."
+        )
+    t = x.shape[1]
+    if t == 0:
+        return x
+    last = jnp.full((x.shape[0], 1, *x.shape[2:]), fill, x.dtype)
+    if cp is None:
+        y = jnp.concatenate([x[:, 1:], last], axis=1)
+        positions = jnp.arange(t)
+    else:
+        n = jax.lax.axis_size(cp.axis_name)
+        rank = jax.lax.axis_index(cp.axis_name)
+        walks = cp.layout.walks(t, n)
+        pieces = [jax.lax.slice_in_dim(x, w.local.start, w.local.stop, axis=1) for w in walks]
+        out = []
+        for i, (walk, piece) in enumerate(zip(walks, pieces)):
+            order = walk.ranks(n)
+            # Within a walk each rank gets the first token of the next rank's piece.
+            within = jax.lax.ppermute(piece[:, :1], cp.axis_name, list(zip(order[1:], order)))
+            if i + 1 < len(walks):
+                # The walk's last rank continues into the next walk's first piece.
+                src, dst = walks[i + 1].ranks(n)[0], order[-1]
+                after = pieces[i + 1][:, :1]
+                if src != dst:
+                    after = jax.lax.ppermute(after, cp.axis_name, [(src, dst)])
+            else:
+                after = last
+            halo = jnp.where(rank == order[-1], after, within)
+            out.append(jnp.concatenate([piece[:, 1:], halo], axis=1))
+        y = jnp.concatenate(out, axis=1)
+        positions = cp.layout.positions(t, cp.axis_name)
+    if cu_seqlens is not None:
+        total = t if cp is None else t * jax.lax.axis_size(cp.axis_name)
+        axis_name = None if cp is None else cp.axis_name
+        ends = as_cu_seqlens(cu_seqlens, 1, total, axis_name=axis_name)[1:-1]
+        final = jnp.any(positions[:, None] + 1 == ends[None, :], axis=1)  # a document's last
+        shape = (1, t) + (1,) * (x.ndim - 2)
+        y = jnp.where(final.reshape(shape), jnp.full((), fill, x.dtype), y)
     return y

@@ -51,6 +51,9 @@ targets as much as one holding many). [`add_router_loss`][deltanet_cp.data.add_r
 adds a mixture-of-experts model's load-balancing loss as transformers does, its routing
 counted over the real tokens ([`real_tokens`][deltanet_cp.data.real_tokens], the model's
 `token_mask=`), as transformers counts them under its `attention_mask`.
+[`add_mtp_loss`][deltanet_cp.data.add_mtp_loss] adds a multi-token-prediction head's loss
+(a model's `logits_and_mtp`) with its weight, on the targets
+[`mtp_labels`][deltanet_cp.data.mtp_labels] shifts out of the labels.
 """
 
 from collections.abc import Sequence
@@ -64,14 +67,17 @@ from jaxtyping import Array, Bool, Float, Int, Shaped
 
 from ._layout import AbstractLayout
 from ._parallel import ContextParallel
+from ._shift import next_tokens
 from .nn import load_balancing_loss, RouterStats
 
 
 __all__ = [
+    "add_mtp_loss",
     "add_router_loss",
     "causal_lm_loss",
     "IGNORE_INDEX",
     "make_global_batch",
+    "mtp_labels",
     "pack_documents",
     "PackedRows",
     "process_local_data",
@@ -734,3 +740,116 @@ def add_router_loss(
     if _axes(axis_name):
         stats = _psum(stats, axis_name)
     return loss + coefficient * load_balancing_loss(stats)
+
+
+def mtp_labels(
+    labels: Shaped[Array, "..."],
+    depth: int = 1,
+    *,
+    cp: ContextParallel | None = None,
+    cu_seqlens: Any = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> Int[Array, "depth seq"]:
+    """The targets of a multi-token-prediction head's logits (a model's `logits_and_mtp`),
+    from one row's labels: at depth `k` and position `t`, the target of token `t + 2 + k`,
+    `labels[t + 1 + k]` if positions `t .. t + 1 + k` lie in one document, else
+    `ignore_index` (no target across a document's end; a prompt or padding label stays
+    ignored).
+
+    The labels are moved one token per depth with the next-token shift the model's head
+    applies to the tokens: under `cp` the first label of the next piece crosses from the
+    rank that holds it (inside `jax.shard_map`, either layout). One row, as the model
+    takes one sequence: `jax.vmap` it over the rows and their `cu_seqlens`.
+
+    **Arguments:**
+
+    - `labels`: `(seq,)` integer targets, already shifted (as
+        [`deltanet_cp.data.pack_documents`][] makes them); with `cp`, this rank's shard.
+    - `depth`: the head's depths, its config's `mtp_num_hidden_layers`.
+    - `cp`: a [`deltanet_cp.ContextParallel`][] without `mesh`, or `None` on one device.
+    - `cu_seqlens`: the row's packed documents (global offsets), as the model takes them.
+    - `ignore_index`: the label that is no target.
+
+    **Returns:**
+
+    `(depth, seq)`, the labels of `mtp_logits` (`(depth, seq, vocab)`).
+
+    **Raises:**
+
+    `ValueError` naming `labels` unless it is a 1-D integer array, or `depth` unless it is
+    an int at least 1.
+    """
+    if not hasattr(labels, "dtype") or not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise ValueError(
+            f"`labels` must be an integer array of target ids; got "
+            f"{getattr(labels, 'dtype', type(labels).__name__)}."
+        )
+    if jnp.ndim(labels) != 1:
+        raise ValueError(
+            f"`labels` must be one row, `(seq,)`; got shape {jnp.shape(labels)}. `jax.vmap` "
+            "over the rows (and their `cu_seqlens`)."
+        )
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"`depth` must be an int at least 1; got {depth!r}.")
+    out, current = [], jnp.asarray(labels)
+    for _ in range(depth):
+        current = next_tokens(current[None], cp=cp, cu_seqlens=cu_seqlens, fill=ignore_index)[0]
+        out.append(current)
+    return jnp.stack(out)
+
+
+def add_mtp_loss(
+    loss: Float[Array, ""],
+    mtp_logits: Float[Array, "*batch depth seq vocab"],
+    labels: Shaped[Array, "..."],
+    weight: float,
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    axis_name: AxisNames = None,
+) -> Float[Array, ""]:
+    r"""`loss` plus a multi-token-prediction head's loss with its weight.
+
+    $$\mathcal L + \frac{\lambda}{D} \sum_{k=0}^{D-1} \mathcal L_k,$$
+
+    with $\mathcal L_k$ depth $k$'s mean token cross entropy over its real targets
+    ([`deltanet_cp.data.causal_lm_loss`][]: float32, summed over `axis_name` inside
+    `jax.shard_map` before the division) and $\lambda$ the `weight` (DeepSeek-V3's
+    multi-token-prediction loss; its $\lambda$ was 0.3, then 0.1).
+
+    **Arguments:**
+
+    - `loss`: the language-model loss, e.g. [`deltanet_cp.data.causal_lm_loss`][]'s.
+    - `mtp_logits`: a model's `logits_and_mtp` head logits, `(*batch, depth, seq, vocab)`.
+    - `labels`: their targets, `(*batch, depth, seq)`, from
+        [`deltanet_cp.data.mtp_labels`][].
+    - `weight`: $\lambda$, at least 0.
+    - `ignore_index`, `axis_name`: as for [`deltanet_cp.data.causal_lm_loss`][].
+
+    **Returns:**
+
+    A float32 scalar.
+
+    **Raises:**
+
+    `ValueError` naming `weight` if negative, or `labels` if its shape is not
+    `mtp_logits`' without the vocabulary axis (or they have no depth axis).
+    """
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
+        raise ValueError(f"`weight` must be a number at least 0; got {weight!r}.")
+    if jnp.ndim(mtp_logits) < 3 or jnp.shape(labels) != jnp.shape(mtp_logits)[:-1]:
+        raise ValueError(
+            "`labels` must have the shape of `mtp_logits` `(*batch, depth, seq, vocab)` "
+            f"without its vocabulary axis, {jnp.shape(mtp_logits)[:-1]}; got "
+            f"{jnp.shape(labels)}."
+        )
+    depth = mtp_logits.shape[-3]
+    total = jnp.zeros((), jnp.float32)
+    for k in range(depth):
+        part, _ = causal_lm_loss(
+            mtp_logits[..., k, :, :],
+            labels[..., k, :],
+            ignore_index=ignore_index,
+            axis_name=axis_name,
+        )
+        total = total + part
+    return loss + weight * total / depth

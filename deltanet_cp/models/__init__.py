@@ -7,6 +7,8 @@
     [`deltanet_cp.models.Qwen3_5MoeForCausalLM`][]: the mixture-of-experts models of the
     family, the same layers with sparse mixture-of-experts feed-forwards, the same cache
     and generation.
+- [`deltanet_cp.models.Qwen3_5MTP`][]: the multi-token-prediction head the released
+    checkpoints of all three ship (`mtp.*`), trained through a model's `logits_and_mtp`.
 """
 
 from ._cache import Qwen3_5Cache as Qwen3_5Cache, Qwen3_5Checkpoints as Qwen3_5Checkpoints
@@ -17,6 +19,7 @@ from ._config import (
 )
 from ._decoder_layer import Qwen3_5DecoderLayer as Qwen3_5DecoderLayer
 from ._layer_stack import Qwen3_5LayerStack as Qwen3_5LayerStack
+from ._mtp import Qwen3_5MTP as Qwen3_5MTP
 from ._qwen3_5 import Qwen3_5ForCausalLM as Qwen3_5ForCausalLM
 from ._qwen3_moe import (
     Qwen3_5MoeForCausalLM as Qwen3_5MoeForCausalLM,

@@ -15,6 +15,7 @@ from .._options import engine_options, EngineOptions
 from .._parallel import axis_size, ContextParallel
 from .._precision import PrecisionName
 from .._run import Memory
+from .._shift import next_tokens
 from .._validate import as_index, as_positive_index
 from ..nn import FSDP
 from ..nn._context import documents, layer_cp, local_positions
@@ -26,8 +27,12 @@ from ._cache import check_cache, concrete, Qwen3_5Cache, Qwen3_5Checkpoints, res
 from ._config import AbstractQwenTextConfig
 from ._decoder_layer import Qwen3_5DecoderLayer, Remat, REMAT_POLICIES
 from ._layer_stack import check_fsdp_layers, Qwen3_5LayerStack, run_layers, stack_layers
+from ._mtp import Qwen3_5MTP
 from ._weights import ExpertLayout, save
 
+
+# The PRNG stream (`jax.random.fold_in` of the model's key) of the MTP head's parameters.
+_MTP_STREAM = 0x4D5450
 
 # The default room `prefill` leaves after the prompt for the tokens to decode.
 DECODE_ROOM = 256
@@ -74,6 +79,18 @@ def init_model(
             config.hidden_size, config.vocab_size, use_bias=False, key=khead, dtype=dtype
         )
     )
+    model.mtp = (
+        Qwen3_5MTP(
+            config,
+            tile_size=tile_size,
+            options=options,
+            # Its own stream, so the main parameters are those of a model without a head.
+            key=jr.fold_in(key, _MTP_STREAM),
+            dtype=dtype,
+        )
+        if config.mtp_num_hidden_layers
+        else None
+    )
     model.config = config
     model.precision = precision
 
@@ -90,6 +107,7 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
     layers: eqx.AbstractVar[tuple[Qwen3_5DecoderLayer, ...] | Qwen3_5LayerStack]
     norm: eqx.AbstractVar[ZeroCenteredRMSNorm]
     lm_head: eqx.AbstractVar[eqx.nn.Linear | None]
+    mtp: eqx.AbstractVar[Qwen3_5MTP | None]
     config: eqx.AbstractVar[_Config]
     precision: eqx.AbstractVar[PrecisionName | None]
 
@@ -282,7 +300,7 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
                 f"This {type(self).__name__} has no mixture-of-experts layers: there is no "
                 "routing to report. Call the model itself for the logits."
             )
-        logits, stats = self._forward(
+        logits, stats, _ = self._forward(
             tokens,
             cp,
             kv_schedule,
@@ -294,6 +312,73 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         )
         assert stats is not None
         return logits, stats
+
+    def logits_and_mtp(
+        self,
+        tokens: Int[Array, " seq"],
+        *,
+        cp: ContextParallel | None = None,
+        kv_schedule: KVSchedule = "allgather",
+        expert_axis: ExpertAxis = None,
+        cu_seqlens: CuSeqlens | None = None,
+        token_mask: Bool[Array, " seq"] | None = None,
+        remat: Remat = "none",
+    ) -> tuple[Float[Array, "seq vocab"], Float[Array, "depth seq vocab"], RouterStats | None]:
+        """The forward with the multi-token-prediction head (`mtp`, see
+        [`deltanet_cp.models.Qwen3_5MTP`][]), for training it: the next-token logits and,
+        per depth `k` (`0 .. mtp_num_hidden_layers - 1`), the logits of token `t + 2 + k`
+        at every position `t`.
+
+        Depth `k` at position `t` reads the previous depth's hidden state at `t` (the main
+        model's last hidden state after its final norm, for depth 0) and the embedding of
+        token `t + 1 + k`, the tokens shifted by `k + 1` (`next_tokens`): under `cp` the
+        first token of the next piece crosses from the rank that holds it (one token per
+        piece, either layout); with `cu_seqlens` no token crosses a document's end: the
+        last `k + 1` tokens of a document read token 0 and have no target
+        ([`deltanet_cp.data.mtp_labels`][] gives them none). The head's logits are the
+        main model's LM head on its output. Train with
+        [`deltanet_cp.data.add_mtp_loss`][].
+
+        **Arguments:** as for `logits_and_router_stats` (the `token_mask` only for a
+        model with experts), without `fsdp` (the parameters whole on every rank but the
+        experts).
+
+        **Returns:**
+
+        `(logits, mtp_logits, router_stats)`: `(seq, vocab)`, `(depth, seq, vocab)` and,
+        for a model with experts, the routing statistics summed over the decoder layers
+        and the head's layers (`None` without experts).
+
+        **Raises:**
+
+        As `__call__`; and `ValueError` for a model without a head (`mtp` is `None`: build
+        it from a config with `mtp_num_hidden_layers > 0`, or load a checkpoint with `mtp.*`
+        tensors).
+        """
+        if self.mtp is None:
+            raise ValueError(
+                f"This {type(self).__name__} has no multi-token-prediction head (`mtp` is None). "
+                "Build it from a config with `mtp_num_hidden_layers >= 1`, or load a checkpoint "
+                "that holds `mtp.*` tensors with a config that says so."
+            )
+        sparse = any(self.config.is_sparse(i) for i in range(len(self.layers)))
+        if token_mask is not None and not sparse:
+            raise ValueError(
+                "`token_mask` marks the tokens a mixture-of-experts router counts; this "
+                f"{type(self).__name__} has no experts. Pass `token_mask=None`."
+            )
+        logits, stats, mtp_logits = self._forward(
+            tokens,
+            cp,
+            kv_schedule,
+            expert_axis,
+            cu_seqlens,
+            token_mask=token_mask,
+            remat=remat,
+            mtp=True,
+        )
+        assert mtp_logits is not None
+        return logits, mtp_logits, stats
 
     def _check_expert_axis(self, expert_axis: ExpertAxis) -> None:
         if expert_axis is not None and getattr(self.config, "num_experts", None) is None:
@@ -312,7 +397,10 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         token_mask=None,
         fsdp: FSDP | None = None,
         remat: Remat = "none",
-    ) -> tuple[Array, RouterStats | None]:
+        mtp: bool = False,
+    ) -> tuple[Array, RouterStats | None, Array | None]:
+        """`(logits, router stats, MTP logits)`: the stats `None` without experts, the MTP
+        logits `None` unless `mtp`."""
         cp = layer_cp(cp, type(self).__name__)
         self._check_expert_axis(expert_axis)
         if not isinstance(remat, str) or remat not in REMAT_POLICIES:
@@ -325,10 +413,12 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         experts = getattr(self.config, "num_experts", None)
         if tokens.shape[0] == 0:
             logits = jnp.zeros((0, self.config.vocab_size), self.embed.weight.dtype)
+            depth = len(self.mtp.layers) if mtp and self.mtp is not None else 0
+            heads = jnp.zeros((depth, 0, self.config.vocab_size), logits.dtype) if mtp else None
             if experts is None:
-                return logits, None
+                return logits, None, heads
             zero = jnp.zeros((experts,), jnp.float32)
-            return logits, RouterStats(zero, zero, jnp.zeros((), jnp.float32))
+            return logits, RouterStats(zero, zero, jnp.zeros((), jnp.float32)), heads
         if cu_seqlens is not None:
             # Checked once, here, for every layer.
             cu_seqlens = documents(cp, tokens.shape[0], cu_seqlens).cu_seqlens
@@ -348,7 +438,35 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
             experts,
             fsdp=fsdp,
         )
-        return self._logits(x, fsdp), stats
+        if not mtp:
+            return self._logits(x, fsdp), stats, None
+        assert self.mtp is not None and fsdp is None
+        hidden = self.norm(x)
+        logits = self._project(hidden)
+        heads, shifted = [], tokens
+        for k in range(len(self.mtp.layers)):
+            shifted = next_tokens(shifted[None], cp=cp, cu_seqlens=cu_seqlens)[0]
+            hidden, s = self.mtp(
+                hidden,
+                jax.vmap(self.embed)(shifted),
+                k,
+                cp=cp,
+                kv_schedule=kv_schedule,
+                expert_axis=expert_axis,
+                cu_seqlens=cu_seqlens,
+                token_mask=token_mask,
+                remat=remat,
+            )
+            if s is not None:
+                stats = s if stats is None else jax.tree.map(jnp.add, stats, s)
+            heads.append(self._project(hidden))
+        return logits, stats, jnp.stack(heads)
+
+    def _project(self, hidden):
+        """The LM head (the embedding's transpose if tied) on normed hidden states."""
+        if self.lm_head is None:
+            return hidden @ self.embed.weight.T
+        return jax.vmap(self.lm_head)(hidden)
 
     def init_cache(self, capacity: int, dtype=None) -> Qwen3_5Cache:
         """The cache before the first token, with room for `capacity` tokens.
@@ -492,6 +610,26 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
                 f"`cache` has no room for `tokens` ({total} tokens): {room}. Make a larger "
                 "cache (`init_cache(capacity)` or `prefill(..., capacity=...)`).",
             )
+        x, new_cache, saved = self._run_prefill(
+            tokens, cache, length, checkpoint_every, cp, kv_schedule, expert_axis
+        )
+        if saved is None:
+            return self._logits(x), new_cache
+        return self._logits(x), new_cache, saved
+
+    def _run_prefill(
+        self,
+        tokens,
+        cache,
+        length,
+        checkpoint_every,
+        cp: ContextParallel | None = None,
+        kv_schedule: KVSchedule = "allgather",
+        expert_axis: ExpertAxis = None,
+    ) -> tuple[Array, Qwen3_5Cache, Qwen3_5Checkpoints | None]:
+        """`prefill` past its checks: the last hidden states (before the final norm), the
+        cache after `tokens` and, with `checkpoint_every`, the checkpoints."""
+        t = tokens.shape[0]
         x = jax.vmap(self.embed)(tokens)
         states, saved = [], []
         for layer, state in zip(self.layers, cache.layers):
@@ -500,12 +638,12 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
             )
             states.append(state)
             saved.append(ckpt)
-        new_cache = Qwen3_5Cache(tuple(states), length + total)
+        new_cache = Qwen3_5Cache(tuple(states), length + t * axis_size(cp))
         if checkpoint_every is None:
-            return self._logits(x), new_cache
+            return x, new_cache, None
         n = t // checkpoint_every
         ends = local_positions(cp, t)[checkpoint_every - 1 :: checkpoint_every][:n]
-        return self._logits(x), new_cache, Qwen3_5Checkpoints(tuple(saved), length + ends + 1)
+        return x, new_cache, Qwen3_5Checkpoints(tuple(saved), length + ends + 1)
 
     def restore(
         self, cache: Qwen3_5Cache, checkpoints: Qwen3_5Checkpoints, index: Int[Array, ""] | int
@@ -596,6 +734,54 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
             raise ValueError("`tokens` is empty: `generate` needs a prompt of at least one token.")
         return _generate(self, tokens, max_new_tokens)
 
+    def speculative_generate(
+        self, tokens: Int[Array, " seq"], max_new_tokens: int
+    ) -> tuple[Int[Array, " max_new_tokens"], Int[Array, ""], Int[Array, ""]]:
+        """Greedy decoding with the multi-token-prediction head as the draft model
+        (self-speculative decoding): the tokens `generate` gives, in fewer passes of the
+        model when the head guesses well.
+
+        Each step runs the model on two tokens from its cache (a prefill of two): the next
+        token and the head's guess of the one after it. If the model's own choice after
+        the next token is the guess, both are kept (and the model's choice after the guess
+        comes free); else the guess is dropped and the cache after the next token alone is
+        made from the cache before the step (one more pass of one token: the Gated
+        DeltaNet states cannot be taken back a token). The head (depth 0,
+        with its own key/value cache) then reads the model's new hidden states and guesses
+        again. Every kept token is the model's greedy choice, so the output is `generate`'s
+        (up to ties of the argmax under rounding: the model's logits of two tokens in one
+        pass and of one at a time agree to rounding, not bit for bit).
+
+        **Arguments:**
+
+        - `tokens`: the prompt's token ids, `(seq,)`.
+        - `max_new_tokens`: how many tokens to generate.
+
+        **Returns:**
+
+        `(generated, accepted, steps)`: the token ids `(max_new_tokens,)`, how many of the
+        head's guesses were kept and how many two-token steps ran (the acceptance rate is
+        `accepted / steps`; `generate` takes `max_new_tokens` one-token steps).
+
+        **Raises:**
+
+        As `generate`; and `ValueError` for a model without a head (`mtp` is `None`).
+        """
+        if self.mtp is None:
+            raise ValueError(
+                f"This {type(self).__name__} has no multi-token-prediction head (`mtp` is None) "
+                "to draft with. Use `generate`, or build or load the model with its head."
+            )
+        max_new_tokens = as_index(max_new_tokens, "max_new_tokens")
+        if max_new_tokens < 0:
+            raise ValueError(f"`max_new_tokens` must be at least 0; got {max_new_tokens}.")
+        tokens = check_tokens(tokens, self.config.vocab_size)
+        if tokens.shape[0] == 0:
+            raise ValueError(
+                "`tokens` is empty: `speculative_generate` needs a prompt of at least one token."
+            )
+        return _speculative(self, tokens, max_new_tokens)
+
 
 def _head(parts, x):
     """The logits of the last hidden states `x`: the final norm, then the LM head (the
@@ -619,3 +805,60 @@ def _generate(model: AbstractQwenForCausalLM[Any], tokens, max_new_tokens: int):
 
     _, out = jax.lax.scan(body, (first, cache), length=max_new_tokens)
     return out
+
+
+@eqx.filter_jit
+def _speculative(model: AbstractQwenForCausalLM[Any], tokens, max_new_tokens: int):
+    mtp = model.mtp
+    assert mtp is not None
+    head, argmax = mtp.layers[0], lambda x: jnp.argmax(x, axis=-1).astype(tokens.dtype)
+    n = tokens.shape[0]
+    capacity = n + max_new_tokens + 2  # a step may look one token past the end
+    start = jnp.zeros((), jnp.int32)
+    x, cache, _ = model._run_prefill(tokens, model.init_cache(capacity), start, None)
+    hidden = model.norm(x)
+    first = argmax(model._project(hidden[-1:]))[0]
+    # The head over the prompt: position t reads the hidden state at t and token t + 1.
+    u = mtp.fuse(hidden, jax.vmap(model.embed)(jnp.concatenate([tokens[1:], first[None]])))
+    out, head_cache, _ = head.prefill(
+        u, head.mixer.init_state(capacity=capacity), start, None, None, "allgather"
+    )
+    draft = argmax(model._project(mtp.norm(out[-1:])))[0]
+    generated = jnp.zeros((max_new_tokens + 1,), tokens.dtype)
+    zero = jnp.zeros((), jnp.int32)
+
+    def body(carry):
+        cache, head_cache, head_length, token, draft, generated, count, accepted, steps = carry
+        pair = jnp.stack([token, draft])
+        x, longer, _ = model._run_prefill(pair, cache, cache.length, None)
+        hidden = model.norm(x)
+        choice = argmax(model._project(hidden))  # after `token`, after `draft`
+        ok = choice[0] == draft
+
+        # A wrong guess: the cache after `token` alone, from the cache before the step.
+        def alone(before):
+            return model._run_prefill(token[None], before, before.length, None)[1]
+
+        cache = jax.lax.cond(ok, lambda before: longer, alone, cache)
+        generated = jax.lax.dynamic_update_slice(generated, pair, (count,))
+        step = 1 + ok.astype(jnp.int32)
+        # The head at the two new positions (the second is overwritten if `draft` failed).
+        u = mtp.fuse(hidden, jax.vmap(model.embed)(choice))
+        out, head_cache, _ = head.prefill(u, head_cache, head_length, None, None, "allgather")
+        draft = argmax(model._project(mtp.norm(out[step - 1][None])))[0]
+        token = jnp.where(ok, choice[1], choice[0])
+        return (
+            cache,
+            head_cache,
+            head_length + step,
+            token,
+            draft,
+            generated,
+            count + step,
+            accepted + ok.astype(jnp.int32),
+            steps + 1,
+        )
+
+    carry = (cache, head_cache, start + n, first, draft, generated, zero, zero, zero)
+    carry = jax.lax.while_loop(lambda c: c[6] < max_new_tokens, body, carry)
+    return carry[5][:max_new_tokens], carry[7], carry[8]

@@ -47,6 +47,9 @@ class AbstractQwenTextConfig:
         of each head's features it turns.
     - `tie_word_embeddings`: the LM head is the embedding's transpose.
     - `layer_types`: `"linear_attention"` or `"full_attention"` per layer.
+    - `mtp_num_hidden_layers`: the multi-token-prediction head's decoder layers (0: no
+        head; the released checkpoints' configs say 1). Read from `mtp_num_hidden_layers`
+        (Qwen3.5's name) or `num_nextn_predict_layers` (what vLLM reads for Qwen3-Next).
 
     Every field is typed: the sizes are positive ints (not bools, floats or strings), the
     floats numbers, `tie_word_embeddings` a bool (not the string `"false"`, which would
@@ -74,11 +77,14 @@ class AbstractQwenTextConfig:
     tie_word_embeddings: bool = False
     layer_types: tuple[LayerType, ...] = ()
     full_attention_interval: int = 4
+    mtp_num_hidden_layers: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.type is int:
+            if f.name == "mtp_num_hidden_layers":
+                value = _count(f.name, value)
+            elif f.type is int:
                 value = as_config_int(f.name, value)
             elif f.type is float:
                 value = as_config_float(f.name, value)
@@ -157,6 +163,8 @@ class AbstractQwenTextConfig:
         cls._check_model_type(top, text)
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in text.items() if k in fields}
+        if "mtp_num_hidden_layers" not in kwargs and "num_nextn_predict_layers" in text:
+            kwargs["mtp_num_hidden_layers"] = text["num_nextn_predict_layers"]
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
         if not isinstance(rope, Mapping):
             raise ValueError(f"The config's `rope_parameters` must be a mapping; got {rope!r}.")
@@ -206,6 +214,8 @@ class AbstractQwenTextConfig:
         for f in dataclasses.fields(self):
             if f.name in ("rope_theta", "partial_rotary_factor", "full_attention_interval"):
                 continue
+            if f.name == "mtp_num_hidden_layers" and not self.mtp_num_hidden_layers:
+                continue
             value = getattr(self, f.name)
             out[f.name] = list(value) if isinstance(value, tuple) else value
         out["rope_parameters"] = {
@@ -244,6 +254,13 @@ class AbstractQwenTextConfig:
             return cls.from_hf(config)
         except ValueError as e:
             raise ValueError(f"In {str(path)!r}: {e}") from None
+
+
+def _count(name: str, value: Any) -> int:
+    """An int at least 0 (a count that may be zero), never a bool, float or string."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"The config's `{name}` must be an int at least 0; got {value!r}.")
+    return int(value)
 
 
 def _layer_indices(name: str, value: Any) -> tuple[int, ...]:
@@ -294,6 +311,8 @@ class Qwen3_5Config(AbstractQwenTextConfig):
         of each head's features it turns.
     - `tie_word_embeddings`: the LM head is the embedding's transpose.
     - `layer_types`: `"linear_attention"` or `"full_attention"` per layer.
+    - `mtp_num_hidden_layers`: the layers of the multi-token-prediction head
+        ([`deltanet_cp.models.Qwen3_5MTP`][]); 0 (the default) for none.
 
     Every field is typed: the sizes are positive ints (not bools, floats or strings), the
     floats numbers, `tie_word_embeddings` a bool (not the string `"false"`, which would

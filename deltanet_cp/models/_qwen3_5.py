@@ -13,6 +13,7 @@ from ._causal_lm import AbstractQwenForCausalLM, init_model
 from ._config import Qwen3_5Config
 from ._decoder_layer import Qwen3_5DecoderLayer
 from ._layer_stack import Qwen3_5LayerStack
+from ._mtp import Qwen3_5MTP
 from ._weights import load
 
 
@@ -33,12 +34,17 @@ class Qwen3_5ForCausalLM(AbstractQwenForCausalLM[Qwen3_5Config]):
 
     For generation: `prefill` (optionally context parallel, from a cache, with state
     checkpoints), `decode_step` and greedy `generate`.
+
+    With a multi-token-prediction head (`mtp`, a [`deltanet_cp.models.Qwen3_5MTP`][]: a
+    config's `mtp_num_hidden_layers`, the released checkpoints' `mtp.*`; `None` without):
+    `logits_and_mtp` to train it and `speculative_generate` to draft with it.
     """
 
     embed: eqx.nn.Embedding
     layers: tuple[Qwen3_5DecoderLayer, ...] | Qwen3_5LayerStack
     norm: ZeroCenteredRMSNorm
     lm_head: eqx.nn.Linear | None
+    mtp: Qwen3_5MTP | None
     config: Qwen3_5Config = eqx.field(static=True)
     precision: PrecisionName | None = eqx.field(static=True)
 
@@ -123,8 +129,10 @@ class Qwen3_5ForCausalLM(AbstractQwenForCausalLM[Qwen3_5Config]):
         Only safetensors are read (never pickle). Every tensor is mapped by name to its
         parameter; the names of transformers' `Qwen3_5ForCausalLM` (`model.layers.N...`)
         and of the multimodal `Qwen3_5ForConditionalGeneration` (`model.language_model.
-        layers.N...`, whose vision tower `model.visual.*` is skipped) are both read, and
-        multi-token-prediction weights (`mtp.*`) are skipped, as transformers does.
+        layers.N...`, whose vision tower `model.visual.*` is skipped) are both read. The
+        multi-token-prediction weights (`mtp.*`) are read into `mtp` (a
+        [`deltanet_cp.models.Qwen3_5MTP`][]) if the config has `mtp_num_hidden_layers`
+        and the checkpoint holds them; else skipped, as transformers skips them.
 
         **Arguments:**
 

@@ -14,6 +14,7 @@ from ._causal_lm import AbstractQwenForCausalLM, init_model
 from ._config import Qwen3_5MoeConfig, Qwen3NextConfig
 from ._decoder_layer import Qwen3_5DecoderLayer
 from ._layer_stack import Qwen3_5LayerStack
+from ._mtp import Qwen3_5MTP
 from ._weights import load
 
 
@@ -28,13 +29,15 @@ class Qwen3NextForCausalLM(AbstractQwenForCausalLM[Qwen3NextConfig]):
 
     Called, context parallel, prefilled, decoded and generated as
     [`deltanet_cp.models.Qwen3_5ForCausalLM`][] (the same cache); for training,
-    `logits_and_router_stats` also returns what the load-balancing loss needs.
+    `logits_and_router_stats` also returns what the load-balancing loss needs; with a
+    multi-token-prediction head (`mtp`), `logits_and_mtp` and `speculative_generate` as there.
     """
 
     embed: eqx.nn.Embedding
     layers: tuple[Qwen3_5DecoderLayer, ...] | Qwen3_5LayerStack
     norm: ZeroCenteredRMSNorm
     lm_head: eqx.nn.Linear | None
+    mtp: Qwen3_5MTP | None
     config: Qwen3NextConfig = eqx.field(static=True)
     precision: PrecisionName | None = eqx.field(static=True)
 
@@ -102,8 +105,10 @@ class Qwen3NextForCausalLM(AbstractQwenForCausalLM[Qwen3NextConfig]):
         projections are read fused (Qwen3-Next's head-interleaved `in_proj_qkvz`,
         `in_proj_ba`) or separate (Qwen3.5's `in_proj_qkv`, `in_proj_z`, `in_proj_b`,
         `in_proj_a`). The names are transformers' `Qwen3NextForCausalLM`'s
-        (`model.layers.N...`). Multi-token-prediction weights (`mtp.*`) are skipped, as
-        transformers skips them.
+        (`model.layers.N...`). The multi-token-prediction weights (`mtp.*`) are read into
+        `mtp` (a [`deltanet_cp.models.Qwen3_5MTP`][]) if the config has
+        `mtp_num_hidden_layers` (or `num_nextn_predict_layers`) and the checkpoint holds
+        them; else skipped, as transformers skips them.
 
         **Arguments:**
 
@@ -143,13 +148,15 @@ class Qwen3_5MoeForCausalLM(AbstractQwenForCausalLM[Qwen3_5MoeConfig]):
 
     Called, context parallel, prefilled, decoded and generated as
     [`deltanet_cp.models.Qwen3_5ForCausalLM`][] (the same cache); for training,
-    `logits_and_router_stats` also returns what the load-balancing loss needs.
+    `logits_and_router_stats` also returns what the load-balancing loss needs; with a
+    multi-token-prediction head (`mtp`), `logits_and_mtp` and `speculative_generate` as there.
     """
 
     embed: eqx.nn.Embedding
     layers: tuple[Qwen3_5DecoderLayer, ...] | Qwen3_5LayerStack
     norm: ZeroCenteredRMSNorm
     lm_head: eqx.nn.Linear | None
+    mtp: Qwen3_5MTP | None
     config: Qwen3_5MoeConfig = eqx.field(static=True)
     precision: PrecisionName | None = eqx.field(static=True)
 
@@ -220,8 +227,9 @@ class Qwen3_5MoeForCausalLM(AbstractQwenForCausalLM[Qwen3_5MoeConfig]):
         (`model.layers.N...`) and of the multimodal `Qwen3_5MoeForConditionalGeneration`
         (`model.language_model.layers.N...`, whose vision tower `model.visual.*` is
         skipped; its `config.json` with the text model's fields under `text_config`) are
-        both read. Multi-token-prediction weights (`mtp.*`) are skipped, as transformers
-        skips them.
+        both read. The multi-token-prediction weights (`mtp.*`) are read into `mtp` (a
+        [`deltanet_cp.models.Qwen3_5MTP`][]) if the config has `mtp_num_hidden_layers` and
+        the checkpoint holds them; else skipped, as transformers skips them.
 
         **Arguments:**
 

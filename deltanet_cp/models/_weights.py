@@ -24,8 +24,9 @@ from ._layer_stack import stack_layers
 
 
 # Tensors transformers itself skips when loading the text model: multi-token prediction
-# heads (`mtp.*`, in the released Qwen3-Next and Qwen3.5 checkpoints) and the multimodal
-# checkpoint's vision tower.
+# heads (`mtp.*`, in the released Qwen3-Next and Qwen3.5 checkpoints; read into the model's
+# `mtp` when its config has `mtp_num_hidden_layers`) and the multimodal checkpoint's vision
+# tower.
 _SKIPPED = ("mtp.", "model.visual.")
 
 # (suffix after the layer prefix, the parameter in the decoder layer, HF shape from ours)
@@ -132,13 +133,14 @@ def _qwen3_next_projections(prefix: str, i: int, gdn: GatedDeltaNet) -> list[_Gr
     ]
 
 
-def _experts(prefix: str, i: int, moe: SparseMoE, fused: bool) -> list[_Group]:
-    """The routed experts: fused (`mlp.experts.gate_up_proj` `(E, 2I, H)`, gate first, and
-    `mlp.experts.down_proj` `(E, H, I)`) or one tensor per expert and projection."""
+def _experts(prefix: str, at: Callable, moe: SparseMoE, fused: bool) -> list[_Group]:
+    """The routed experts of the layer `at(model)`: fused (`mlp.experts.gate_up_proj`
+    `(E, 2I, H)`, gate first, and `mlp.experts.down_proj` `(E, H, I)`) or one tensor per
+    expert and projection."""
     e, inter, hidden = moe.experts.gate_proj.shape
 
     def get(field):
-        return lambda m: getattr(m.layers[i].mlp.experts, field)
+        return lambda m: getattr(at(m).mlp.experts, field)
 
     if fused:
         return [
@@ -192,28 +194,61 @@ def _groups(
             _one("lm_head.weight", lambda m: m.lm_head.weight, model.lm_head.weight.shape, None)
         )
     for i, block in enumerate(model.layers):
-        prefix = f"{base}layers.{i}."
-        entries = list(_COMMON)
-        if isinstance(block.mixer, GatedDeltaNet):
-            entries += _LINEAR
-            if qwen3_next(prefix):
-                out += _qwen3_next_projections(prefix, i, block.mixer)
-            else:
-                entries += _QWEN3_5_PROJECTIONS
-        else:
-            entries += _ATTENTION
-        if isinstance(block.mlp, SparseMoE):
-            entries += _SPARSE_MLP
-            out += _experts(prefix, i, block.mlp, fused(prefix))
-        else:
-            entries += _DENSE_MLP
-        for suffix, get, to_hf in entries:
-            out.append(_one(prefix + suffix, _at(i, get), get(block).shape, to_hf))
+        out += _layer(f"{base}layers.{i}.", i, _main_layer(i), block, qwen3_next, fused)
+    if model.mtp is not None:
+        # The multi-token-prediction head: top-level `mtp.*` in every checkpoint layout.
+        for name, get in (
+            ("mtp.pre_fc_norm_embedding.weight", lambda m: m.mtp.pre_fc_norm_embedding.weight),
+            ("mtp.pre_fc_norm_hidden.weight", lambda m: m.mtp.pre_fc_norm_hidden.weight),
+            ("mtp.fc.weight", lambda m: m.mtp.fc.weight),
+            ("mtp.norm.weight", lambda m: m.mtp.norm.weight),
+        ):
+            out.append(_one(name, get, get(model).shape, None))
+        for k, block in enumerate(model.mtp.layers):
+            out += _layer(f"mtp.layers.{k}.", k, _mtp_layer(k), block, qwen3_next, fused)
     return out
 
 
-def _at(i: int, get: Callable) -> Callable:
-    return lambda m: get(m.layers[i])
+def _main_layer(i: int) -> Callable:
+    return lambda m: m.layers[i]
+
+
+def _mtp_layer(k: int) -> Callable:
+    return lambda m: m.mtp.layers[k]
+
+
+def _layer(
+    prefix: str,
+    i: int,
+    at: Callable,
+    block,
+    qwen3_next: Callable[[str], bool],
+    fused: Callable[[str], bool],
+) -> list[_Group]:
+    """The groups of the decoder layer `at(model)` (`block`, layer `i` of its stack), its
+    tensors named `prefix...`."""
+    out = []
+    entries = list(_COMMON)
+    if isinstance(block.mixer, GatedDeltaNet):
+        entries += _LINEAR
+        if qwen3_next(prefix):
+            out += _qwen3_next_projections(prefix, i, block.mixer)
+        else:
+            entries += _QWEN3_5_PROJECTIONS
+    else:
+        entries += _ATTENTION
+    if isinstance(block.mlp, SparseMoE):
+        entries += _SPARSE_MLP
+        out += _experts(prefix, at, block.mlp, fused(prefix))
+    else:
+        entries += _DENSE_MLP
+    for suffix, get, to_hf in entries:
+        out.append(_one(prefix + suffix, _at(at, get), get(block).shape, to_hf))
+    return out
+
+
+def _at(at: Callable, get: Callable) -> Callable:
+    return lambda m: get(at(m))
 
 
 def load(
@@ -248,6 +283,10 @@ def load(
         dtype=dtype,
     )
     tensors = open_folder(path)
+    if skeleton.mtp is not None and not any(n.startswith("mtp.") for n in tensors):
+        # The config asks for a head the checkpoint does not hold (transformers writes its
+        # config's `mtp_num_hidden_layers` but no `mtp.*` tensors): the model has none.
+        skeleton = eqx.tree_at(lambda m: m.mtp, skeleton, None)
     nested = any(n.startswith("model.language_model.") for n in tensors)
     base = "model.language_model." if nested else "model."
     groups = _groups(
@@ -262,7 +301,8 @@ def load(
         ),
     )
     expected = {name for g in groups for name in g.names}
-    skipped = _SKIPPED + (("lm_head.weight",) if skeleton.lm_head is None else ())
+    skipped = tuple(p for p in _SKIPPED if p != "mtp." or skeleton.mtp is None)
+    skipped += ("lm_head.weight",) if skeleton.lm_head is None else ()
     missing = [name for g in groups for name in g.names if name not in tensors]
     unexpected = sorted(n for n in tensors if n not in expected and not n.startswith(skipped))
     misshapen = []
