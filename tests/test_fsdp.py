@@ -1,11 +1,13 @@
 """Fully sharded data parallelism (`deltanet_cp.nn.partition_specs`, `gather_params`,
 `FSDP`): an optax AdamW training step of Qwen3.5 dense and Qwen3.5 MoE on a `("dp", "cp")`
 mesh with every parameter split over the data axis (and the experts over their axis) gives
-one device's loss, gradients and new parameters; the specs split what they say; bad input
-is refused with what to change.
+one device's loss, gradients and new parameters, with the layers in a loop and scanned
+(`scan_layers=True`); the specs split what they say; bad input is refused with what to
+change.
 
-The models are random two-layer ones ([linear, full]) of the fixtures' sizes: one training
-step compiled under `shard_map` per case.
+The models are random two-layer ones ([linear, full]) of the fixtures' sizes (five layers,
+[linear, full] twice and a linear one, for the scanned ones: two stacked groups and one
+layer after them): one training step compiled under `shard_map` per case.
 """
 
 import functools as ft
@@ -26,6 +28,7 @@ from deltanet_cp import ContextParallel
 from deltanet_cp.models import (
     Qwen3_5Config,
     Qwen3_5ForCausalLM,
+    Qwen3_5LayerStack,
     Qwen3_5MoeConfig,
     Qwen3_5MoeForCausalLM,
 )
@@ -41,18 +44,20 @@ RATE = 1e-2
 
 
 @ft.cache
-def _model(which: str):
-    """A random two-layer model ([linear, full]) of the fixture's sizes (`"tied"`: the
-    dense one with the LM head the embedding's transpose)."""
+def _model(which: str, depth: int = 2, scan: bool = False):
+    """A random model of the fixture's sizes, its `depth` layers alternating [linear, full]
+    (`"tied"`: the dense one with the LM head the embedding's transpose); with `scan`, its
+    layers stacked (the same parameters)."""
     cls, config, folder = {
         "dense": (Qwen3_5ForCausalLM, Qwen3_5Config, "qwen3_5_lm"),
         "tied": (Qwen3_5ForCausalLM, Qwen3_5Config, "qwen3_5_lm"),
         "moe": (Qwen3_5MoeForCausalLM, Qwen3_5MoeConfig, "qwen3_5_moe"),
     }[which]
     fields = json.loads((DATA / folder / "config.json").read_text())
-    fields.update(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    types = ["linear_attention", "full_attention"] * depth
+    fields.update(num_hidden_layers=depth, layer_types=types[:depth])
     fields["tie_word_embeddings"] = which == "tied"
-    return cls(config.from_hf(fields), chunk_size=4, key=jr.key(0))
+    return cls(config.from_hf(fields), chunk_size=4, scan_layers=scan, key=jr.key(0))
 
 
 def _mesh():
@@ -100,9 +105,9 @@ def _opt_specs(optimizer, state, specs):
 
 
 @ft.cache
-def _reference(which: str):
-    """One device: the loss and the gradients."""
-    params, static = eqx.partition(_model(which), eqx.is_array)
+def _reference(which: str, depth: int = 2):
+    """One device, the layers in a loop: the loss and the gradients."""
+    params, static = eqx.partition(_model(which, depth), eqx.is_array)
 
     def loss(params, inputs, targets):
         return _loss(eqx.combine(params, static), inputs, targets)
@@ -110,9 +115,8 @@ def _reference(which: str):
     return jax.jit(jax.value_and_grad(loss))(params, *_batch())
 
 
-def _one_device_update(which: str, grads):
-    """The parameters after one device's AdamW step from `grads`."""
-    params = eqx.filter(_model(which), eqx.is_array)
+def _one_device_update(params, grads):
+    """`params` after one device's AdamW step from `grads`."""
     optimizer = _optimizer()
 
     @jax.jit
@@ -124,12 +128,12 @@ def _one_device_update(which: str, grads):
         return update(params, grads)
 
 
-def _sharded_step(which: str, data_axis, expert_axis):
+def _sharded_step(which: str, data_axis, expert_axis, depth: int = 2, scan: bool = False):
     """The loss, gradients and new parameters of one AdamW step with the parameters split
     by `partition_specs`, the batch over "dp", the sequence over "cp"; and the placed
     parameters."""
     mesh = _mesh()
-    params, static = eqx.partition(_model(which), eqx.is_array)
+    params, static = eqx.partition(_model(which, depth, scan), eqx.is_array)
     specs = partition_specs(params, mesh, data_axis=data_axis, expert_axis=expert_axis)
     fsdp = FSDP(data_axis, specs)
     seq = P("dp", "cp")
@@ -167,21 +171,29 @@ def _shard_shape(x) -> tuple[int, ...]:
     return next(iter(shapes))
 
 
-def _check(which, data_axis, expert_axis):
+def _unstacked(tree):
+    """A model's tree (parameters, gradients) with its layers as a tuple."""
+    if not isinstance(tree.layers, Qwen3_5LayerStack):
+        return tree
+    return eqx.tree_at(lambda m: m.layers, tree, tree.layers.unstack())
+
+
+def _check(which, data_axis, expert_axis, depth=2, scan=False):
     (value, grads, new), placed, specs, new_state, state_specs = _sharded_step(
-        which, data_axis, expert_axis
+        which, data_axis, expert_axis, depth, scan
     )
-    value1, grads1 = _reference(which)
+    value1, grads1 = _reference(which, depth)
     assert abs(float(value) - float(value1)) <= 1e-5 * abs(float(value1))
     # The gradients to 1e-4, as tests/test_qwen3_moe.py's training step: two float32 runs
-    # summing in different orders.
-    errors = jax.tree.map(rel_err, grads, grads1)
+    # summing in different orders (and the scanned layers' against the loop's).
+    errors = jax.tree.map(rel_err, _unstacked(jax.device_get(grads)), grads1)
     assert max(jax.tree.leaves(errors)) <= 1e-4, errors
     # The new parameters: one device's AdamW step from these gradients, to 1e-5. (Against
     # one device's own step they agree to 1e-5 too but for the odd element whose gradient
     # is within a few times Adam's `eps` of zero: its first step, g / (|g| + eps), turns
     # the gradients' 1e-5 into up to 3e-5 of the parameter.)
-    errors = jax.tree.map(rel_err, new, _one_device_update(which, jax.device_get(grads)))
+    params = eqx.filter(_model(which, depth, scan), eqx.is_array)
+    errors = jax.tree.map(rel_err, new, _one_device_update(params, jax.device_get(grads)))
     assert max(jax.tree.leaves(errors)) <= 1e-5, errors
     # What the specs split is split, on the devices and in the gradients and moments.
     sizes = _mesh().shape
@@ -370,11 +382,77 @@ def test_gather_params_of_a_stack_of_layers():
             np.testing.assert_array_equal(got[rank], want)
 
 
-def test_fsdp_refuses_stacked_layers():
-    # FSDP gathers the layers of a tuple one by one; a model built with scan_layers=True
-    # is refused with the fix named, before any gather.
+# About N s: the scanned model's step under shard_map and one device's five-layer loop.
+@pytest.mark.usefixtures("fast_compile_one_test")
+def test_scanned_moe_training_step_with_fsdp():
+    # Five layers built with scan_layers=True: two stacked groups of [linear, full] and a
+    # linear layer after them. The stacked parameters split on a dimension other than the
+    # group axis, gathered one group at a time inside the scan: one device's loop.
+    placed = _check("moe", "dp", ("dp", "cp"), depth=5, scan=True)
+    period, rest = placed.layers.period, placed.layers.rest
+    assert placed.layers.num_groups == 2 and len(period) == 2 and len(rest) == 1
+    assert _shard_shape(period[0].mlp.experts.gate_proj) == (2, 8 // (DP * CP), 8, 24)
+    assert _shard_shape(period[1].mlp.gate.weight) == (2, 8, 24 // DP)
+    assert _shard_shape(period[0].mixer.out_proj.weight) == (2, 24, 32 // DP)
+    assert _shard_shape(rest[0].mixer.out_proj.weight) == (24, 32 // DP)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fast_compile_one_test")
+@pytest.mark.parametrize(
+    "which, data_axis, expert_axis",
+    [
+        ("dense", "dp", None),
+        ("dense", ("dp", "cp"), None),
+        ("moe", "dp", "cp"),  # the experts over "cp", FSDP over "dp" on another dimension
+        ("tied", "dp", None),
+    ],
+)
+def test_scanned_training_step_with_fsdp_grid(which, data_axis, expert_axis):
+    placed = _check(which, data_axis, expert_axis, depth=5, scan=True)
+    if which == "moe":
+        shape = _shard_shape(placed.layers.period[0].mlp.experts.gate_proj)
+        assert shape == (2, 8 // CP, 8, 24 // DP)
+
+
+def _spec_leaves(tree) -> list:
+    return jax.tree.leaves(tree, is_leaf=lambda s: isinstance(s, P))
+
+
+def test_specs_of_stacked_layers():
+    # The stack's specs are the loop's with the group axis in front, never split (two
+    # groups over a data axis of two would divide); the experts' as
+    # `expert_partition_specs` puts them, FSDP on another dimension; the layer after the
+    # stack, the embedding and the head as the loop's.
+    mesh = AbstractMesh((2, 2), ("dp", "cp"))
+    loop = eqx.filter(_model("moe", 5), eqx.is_array)
+    stack = eqx.filter(_model("moe", 5, scan=True), eqx.is_array)
+    for expert_axis in ("cp", None):
+        kw = dict(data_axis="dp", expert_axis=expert_axis)
+        want = partition_specs(loop, mesh, **kw)
+        specs = partition_specs(stack, mesh, **kw)
+        assert isinstance(specs.layers, Qwen3_5LayerStack)
+        for i in range(5):
+            stacked = i < 4
+            got = _spec_leaves(specs.layers.period[i % 2] if stacked else specs.layers.rest[0])
+            expected = _spec_leaves(want.layers[i])
+            assert len(got) == len(expected)
+            for g, w in zip(got, expected):
+                assert g == (P(None, *w) if stacked and len(w) else w), (i, g, w)
+        for part in (lambda m: m.embed, lambda m: m.lm_head, lambda m: m.norm):
+            assert _spec_leaves(part(specs)) == _spec_leaves(part(want))
+    period = partition_specs(stack, mesh, data_axis="dp", expert_axis="cp").layers.period
+    assert period[0].mlp.experts.gate_proj == P(None, "cp", None, "dp")  # (2, 8, 8, 24)
+    assert period[1].mixer.o_proj.weight == P(None, None, "dp")
+
+
+def test_fsdp_specs_must_be_of_the_model():
+    # The specs of the loop's parameters given to a model with its layers stacked, and the
+    # other way round, are refused with the fix named, before any gather.
     dense = _model("dense")
-    stacked = type(dense)(dense.config, chunk_size=4, scan_layers=True, key=jr.key(0))
-    specs = partition_specs(eqx.filter(dense, eqx.is_array), _mesh(), data_axis="dp")
-    with pytest.raises(ValueError, match=r"stacked .*`scan_layers=False`"):
-        stacked(jnp.zeros((8,), jnp.int32), fsdp=FSDP("dp", specs))
+    stacked = _model("dense", scan=True)
+    mesh = _mesh()
+    for model, other in ((stacked, dense), (dense, stacked)):
+        specs = partition_specs(eqx.filter(other, eqx.is_array), mesh, data_axis="dp")
+        with pytest.raises(ValueError, match=r"not of this model's structure.*partition_specs"):
+            model(jnp.zeros((8,), jnp.int32), fsdp=FSDP("dp", specs))

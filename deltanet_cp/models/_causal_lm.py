@@ -25,7 +25,7 @@ from ..nn._tokens import check_tokens
 from ._cache import check_cache, concrete, Qwen3_5Cache, Qwen3_5Checkpoints, restore
 from ._config import AbstractQwenTextConfig
 from ._decoder_layer import Qwen3_5DecoderLayer, Remat, REMAT_POLICIES
-from ._layer_stack import Qwen3_5LayerStack, run_layers, stack_layers
+from ._layer_stack import check_fsdp_layers, Qwen3_5LayerStack, run_layers, stack_layers
 from ._weights import ExpertLayout, save
 
 
@@ -203,13 +203,13 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
             `None`: one document. Decoding (`prefill`, `decode_step`) takes no documents.
         - `fsdp`: inside `jax.shard_map`, for parameters split over a data axis (fully
             sharded data parallelism): a [`deltanet_cp.nn.FSDP`][] naming the axis and the
-            parameters' specs (from [`deltanet_cp.nn.partition_specs`][], the
-            `shard_map`'s `in_specs` of them; layers not stacked: `scan_layers=False`).
-            Each layer's parameters are gathered over
-            the axis just before it runs and again in its backward (`FSDP.apply`), the
-            embedding and the LM head where they are used; the gradients come out split as
-            the parameters. `None`: the parameters are whole on every rank (but the experts
-            split over `expert_axis`).
+            parameters' specs (from [`deltanet_cp.nn.partition_specs`][] of this model's
+            parameters, the `shard_map`'s `in_specs` of them). Each layer's parameters are
+            gathered over the axis just before it runs and again in its backward
+            (`FSDP.apply`), the embedding and the LM head where they are used; with
+            `scan_layers=True`, in the scan's body from the group's slices. The
+            gradients come out split as the parameters. `None`: the parameters are whole
+            on every rank (but the experts split over `expert_axis`).
         - `remat`: what each layer keeps for the backward pass (rematerialisation):
             `"none"` (everything its backward needs), `"layer"` (only the layer's input:
             the whole layer is recomputed in the backward, `jax.checkpoint`) or
@@ -231,7 +231,8 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         runs. `ValueError` for an `expert_axis` on a model without experts, or one that
         does not split them evenly (naming the axis), and for `cu_seqlens` that do not
         start at 0, end at the sequence length (`S`, over all ranks) or increase; for a
-        `remat` that is not one of the policies.
+        `remat` that is not one of the policies; for `fsdp` specs whose layers are not
+        stacked as this model's are.
         """
         return self._forward(
             tokens, cp, kv_schedule, expert_axis, cu_seqlens, remat=remat, fsdp=fsdp
@@ -331,12 +332,8 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         if cu_seqlens is not None:
             # Checked once, here, for every layer.
             cu_seqlens = documents(cp, tokens.shape[0], cu_seqlens).cu_seqlens
-        if fsdp is not None and isinstance(self.layers, Qwen3_5LayerStack):
-            raise ValueError(
-                "`fsdp` is for a model whose layers are a tuple; this model's layers are "
-                "stacked (`scan_layers=True`). Build or load it with `scan_layers=False` to "
-                "split its parameters with FSDP."
-            )
+        if fsdp is not None:
+            check_fsdp_layers(self.layers, fsdp)
         embed = self.embed if fsdp is None else fsdp.gather(self.embed, lambda s: s.embed)
         x = jax.vmap(embed)(tokens)
         x, stats = run_layers(

@@ -2,12 +2,14 @@
 `jax.lax.scan` (Equinox's stacked-module pattern), so a deep model compiles its repeated group
 of layers once; and the loop over layers both forms share."""
 
-from collections.abc import Iterator, Sequence
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from .._parallel import ContextParallel
 from .._sharding import varying
@@ -136,25 +138,63 @@ def run_group(
     token_mask,
     remat: Remat,
     fsdp: FSDP | None = None,
-    first: int = 0,
 ) -> tuple[jax.Array, RouterStats | None]:
     """Run `group`'s layers in order on `x`, adding their router statistics to `stats`:
     the one place a group's parameters meet the activations, in the loop over layers (a
     group of one) and in the scan's body (one period's layers, sliced out of the stack by
-    the scan). With `fsdp`, each layer's parameters (layer `first + j` of the model's
-    `layers`) are gathered here just before it runs (`FSDP.apply`)."""
+    the scan). With `fsdp`, whose specs are those of `group`'s layers (a tuple, in order),
+    each layer's parameters are gathered here just before it runs (`FSDP.apply`)."""
     for j, layer in enumerate(group):
         args = (x, cp, kv_schedule, expert_axis, cu_seqlens, token_mask)
         if fsdp is None:
             x, s = layer(*args, remat=remat)
         else:
-            i = first + j
             x, s = fsdp.apply(
-                layer, lambda spec: spec.layers[i], *args, fn=lambda m, *a: m(*a, remat=remat)
+                layer, lambda specs: specs[j], *args, fn=lambda m, *a: m(*a, remat=remat)
             )
         if s is not None:
             stats = s if stats is None else jax.tree.map(jnp.add, stats, s)
     return x, stats
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+def _group_specs(specs: Qwen3_5DecoderLayer) -> Qwen3_5DecoderLayer:
+    """The specs of one group's layer from those of its stack (the leading `None` of the
+    group axis dropped)."""
+
+    def drop(spec: P) -> P:
+        if len(spec) and spec[0] is not None:
+            raise ValueError(
+                f"A stacked layer's parameter has the spec {spec}, which splits the group "
+                "axis: take the specs from `deltanet_cp.nn.partition_specs` of the stacked "
+                "model's parameters."
+            )
+        return P(*spec[1:])
+
+    return jax.tree.map(drop, specs, is_leaf=_is_spec)
+
+
+def check_fsdp_layers(
+    layers: "tuple[Qwen3_5DecoderLayer, ...] | Qwen3_5LayerStack", fsdp: FSDP
+) -> None:
+    """A `ValueError` if `fsdp`'s specs hold the layers otherwise than `layers` (stacked or a
+    tuple): specs taken from the other form of the model."""
+    stacked = isinstance(layers, Qwen3_5LayerStack)
+    if isinstance(getattr(fsdp.specs, "layers", None), Qwen3_5LayerStack) != stacked:
+        raise ValueError(
+            "`fsdp.specs` are not of this model's structure: the model's layers are "
+            f"{'' if stacked else 'not '}stacked (`scan_layers={stacked}`), the specs' "
+            f"layers are {'not ' if stacked else ''}stacked. Take the specs from "
+            "`deltanet_cp.nn.partition_specs` of this model's parameters."
+        )
+
+
+def _layer_fsdp(fsdp: FSDP | None, where: Callable[[Any], tuple[Any, ...]]) -> FSDP | None:
+    """`fsdp` for the layers `where(specs.layers)` of the model's specs."""
+    return None if fsdp is None else dataclasses.replace(fsdp, specs=where(fsdp.specs.layers))
 
 
 def run_layers(
@@ -171,14 +211,16 @@ def run_layers(
 ) -> tuple[jax.Array, RouterStats | None]:
     """Every layer on `x`: a Python loop over a tuple, a `jax.lax.scan` over the groups of a
     [`deltanet_cp.models.Qwen3_5LayerStack`][] (then its remainder). The router statistics
-    are summed over the layers in order, as the loop sums them."""
+    are summed over the layers in order, as the loop sums them. With `fsdp` (the whole
+    model's specs), each layer is gathered where it runs: in the scan's body, from the
+    group's slices of the stacked parameters (their specs without the group axis)."""
     args = (cp, kv_schedule, expert_axis, cu_seqlens, token_mask, remat)
     if not isinstance(layers, Qwen3_5LayerStack):
         stats = None
         for i, layer in enumerate(layers):
-            x, stats = run_group((layer,), x, stats, *args, fsdp=fsdp, first=i)
+            one = _layer_fsdp(fsdp, lambda specs: (specs[i],))
+            x, stats = run_group((layer,), x, stats, *args, fsdp=one)
         return x, stats
-    assert fsdp is None, "checked by the model's call"
     stats = None
     if any(isinstance(layer.mlp, SparseMoE) for layer in layers.period):
         assert num_experts is not None
@@ -187,10 +229,12 @@ def run_layers(
         # `jax.shard_map` the sums vary over the axes the tokens do, so the carry does too.
         stats = varying(RouterStats(zero, zero, jnp.zeros((), jnp.float32)), x)
     params, static = eqx.partition(layers.period, eqx.is_array)
+    group = _layer_fsdp(fsdp, lambda specs: tuple(map(_group_specs, specs.period)))
+    rest = _layer_fsdp(fsdp, lambda specs: specs.rest)
 
     def body(carry, group_params):
         x, stats = carry
-        return run_group(eqx.combine(group_params, static), x, stats, *args), None
+        return run_group(eqx.combine(group_params, static), x, stats, *args, fsdp=group), None
 
     (x, stats), _ = jax.lax.scan(body, (x, stats), params)
-    return run_group(layers.rest, x, stats, *args)
+    return run_group(layers.rest, x, stats, *args, fsdp=rest)

@@ -84,7 +84,8 @@ class Qwen3_5ForCausalLM(AbstractQwenForCausalLM[Qwen3_5Config]):
             given `key`) are those of the loop over layers (`False`, the default), the
             float32 logits equal the loop's bit for bit and the gradients to rounding
             (XLA compiles the backward of a loop body otherwise than the unrolled
-            layers'). `model.layers` then reads as the tuple of layers.
+            layers'). `model.layers` then reads as the tuple of layers. FSDP (`fsdp=`)
+            works on the stacked layers too, each gathered where it runs in the scan.
         - `key`: a PRNG key for the (random) initial parameters.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
         """

@@ -95,6 +95,13 @@ def partition_specs(
     whole on every rank: a `UserWarning` names each such array and their total size.
     Scalars and leaves that are not arrays are replicated (`P()`).
 
+    A model built with `scan_layers=True` holds its layers stacked (a
+    [`deltanet_cp.models.Qwen3_5LayerStack`][]): the arrays of its `period` lead with the
+    group axis, which is never split (`P(None, ...)`, the rule applied to the other
+    dimensions: `P(None, expert_axis, ...)` for the experts), and the layers of its `rest`
+    are split as any other. The scan gathers each layer from its group's slices where it
+    runs.
+
     Use the specs for `jax.shard_map`'s `in_specs` of the parameters (and its `out_specs`
     of their gradients), to place them on the mesh (`jax.device_put(params,
     jax.tree.map(lambda s: NamedSharding(mesh, s), specs))`), and for the optimizer's state
@@ -134,7 +141,11 @@ def partition_specs(
     experts = None if expert_axis is None else _names(expert_axis, "expert_axis")
     n = 1 if data is None else _size(sizes, data, "data_axis")
     e = 1 if experts is None else _size(sizes, experts, "expert_axis")
+    # The models build on these layers: their layer stack is imported when called.
+    from ..models import Qwen3_5LayerStack
+
     is_experts = lambda x: isinstance(x, SwiGLUExperts)  # noqa: E731
+    is_stack = lambda x: isinstance(x, Qwen3_5LayerStack)  # noqa: E731
     if experts is not None and not any(is_experts(x) for x in jax.tree.leaves(tree, is_experts)):
         raise ValueError(
             f"`expert_axis={expert_axis!r}`, but there are no routed experts "
@@ -144,10 +155,12 @@ def partition_specs(
     fsdp_experts = data is not None and (experts is None or not set(data) & set(experts))
     whole: list[tuple[str, int]] = []
 
-    def one(path, x, in_experts: bool) -> Any:
-        shape = getattr(x, "shape", None)
-        if shape is None or len(shape) == 0:
+    def one(path, x, in_experts: bool, lead: int) -> Any:
+        # `lead`: the leading (group) axes of stacked layers, never split.
+        full = getattr(x, "shape", None)
+        if full is None or len(full) <= lead:
             return P()
+        shape = tuple(full[lead:])
         split: dict[int, MeshAxis] = {}
         if in_experts and experts is not None:
             if shape[0] % e:
@@ -158,19 +171,31 @@ def partition_specs(
                 )
             split[0] = _entry(experts)
         if data is not None and (fsdp_experts or not in_experts):
-            d = _fsdp_dim(tuple(shape), n, 0 if in_experts else None)
+            d = _fsdp_dim(shape, n, 0 if in_experts else None)
             if d is None:
-                whole.append((jax.tree_util.keystr(path), math.prod(shape)))
+                whole.append((jax.tree_util.keystr(path), math.prod(full)))
             else:
                 split[d] = _entry(data)
-        return _spec(split)
+        return P(*(None,) * lead, *_spec(split)) if split else P()
 
-    def node(path, x):
+    def node(path, x, lead: int = 0):
         if is_experts(x):
-            return jax.tree_util.tree_map_with_path(lambda p, y: one(path + p, y, True), x)
-        return one(path, x, False)
+            return jax.tree_util.tree_map_with_path(lambda p, y: one(path + p, y, True, lead), x)
+        return one(path, x, False, lead)
 
-    specs = jax.tree_util.tree_map_with_path(node, tree, is_leaf=is_experts)
+    def stack(path, x):
+        # A model's stacked layers: `period`'s arrays lead with the group axis, `rest`'s not.
+        def member(p, y):
+            return node(path + p, y, int(getattr(p[0], "name", None) == "period"))
+
+        return jax.tree_util.tree_map_with_path(member, x, is_leaf=is_experts)
+
+    def top(path, x):
+        return stack(path, x) if is_stack(x) else node(path, x)
+
+    specs = jax.tree_util.tree_map_with_path(
+        top, tree, is_leaf=lambda x: is_experts(x) or is_stack(x)
+    )
     if whole:
         names = ", ".join(f"`{p}`" for p, _ in whole)
         warnings.warn(
@@ -295,6 +320,8 @@ class FSDP:
     specs)` runs each layer through `apply`: the layer's parameters are gathered just
     before it runs and gathered again in the backward, so that only one layer's whole
     parameters live at once (the embedding and the LM head likewise, where they are used).
+    Layers scanned (`scan_layers=True`) are gathered in the scan's body, each from its
+    group's slices of the stacked parameters.
 
     **Fields:**
 
