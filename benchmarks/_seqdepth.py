@@ -238,7 +238,9 @@ def hlo_loop_flops(hlo: str) -> LoopFlops:
             if op == "dot":
                 total += _dot(line, shapes)
             elif op == "while":
-                body = re.search(r"body=%?([\w.\-]+)", line).group(1)
+                found = re.search(r"body=%?([\w.\-]+)", line)
+                assert found is not None, line
+                body = found.group(1)
                 if '"known_trip_count"' in line:
                     n = _trips(line, trips)
                     total += n * count(body, times * n)

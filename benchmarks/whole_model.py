@@ -385,7 +385,7 @@ def measure(
     peak = args + out - alias + temp
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    accessed = float(cost.get("bytes accessed", float("nan")))
+    accessed = float((cost or {}).get("bytes accessed", float("nan")))
     cp = mesh.shape["cp"]
     counts = parameter_counts(params, cfg)
     flops, moe, attention = step_flops(hlo, cfg, lay, mesh, tokens)
