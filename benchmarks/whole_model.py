@@ -271,7 +271,7 @@ def step_flops(hlo: str, cfg, lay: Layout, mesh, tokens: int) -> tuple[float, in
     local = tokens // cp
     held = cfg.num_experts // expert_ranks
     k = cfg.num_experts_per_tok
-    tile = tile_rows(local * expert_ranks * k, held)
+    tile = tile_rows(local * k, held)  # the rank's own pairs, before the gather
     product = 2.0 * tile * cfg.hidden_size * cfg.moe_intermediate_size
     n = tokens // ATTENTION_TILE
     attention_trips = n * (n + 1) / 2 / cp
