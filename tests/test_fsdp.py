@@ -382,37 +382,44 @@ def test_gather_params_of_a_stack_of_layers():
             np.testing.assert_array_equal(got[rank], want)
 
 
-# About N s: the scanned model's step under shard_map and one device's five-layer loop.
+# About 28 s (one device's reference is the two-layer MoE test's above): the two layers
+# stacked, one group, scanned.
 @pytest.mark.usefixtures("fast_compile_one_test")
 def test_scanned_moe_training_step_with_fsdp():
-    # Five layers built with scan_layers=True: two stacked groups of [linear, full] and a
-    # linear layer after them. The stacked parameters split on a dimension other than the
-    # group axis, gathered one group at a time inside the scan: one device's loop.
-    placed = _check("moe", "dp", ("dp", "cp"), depth=5, scan=True)
-    period, rest = placed.layers.period, placed.layers.rest
-    assert placed.layers.num_groups == 2 and len(period) == 2 and len(rest) == 1
-    assert _shard_shape(period[0].mlp.experts.gate_proj) == (2, 8 // (DP * CP), 8, 24)
-    assert _shard_shape(period[1].mlp.gate.weight) == (2, 8, 24 // DP)
-    assert _shard_shape(period[0].mixer.out_proj.weight) == (2, 24, 32 // DP)
-    assert _shard_shape(rest[0].mixer.out_proj.weight) == (24, 32 // DP)
+    # The two layers built with scan_layers=True: one stacked group of [linear, full]. The
+    # stacked parameters split on a dimension other than the group axis, each layer
+    # gathered from its group's slices inside the scan: one device's loop.
+    placed = _check("moe", "dp", ("dp", "cp"), scan=True)
+    period = placed.layers.period
+    assert placed.layers.num_groups == 1 and len(period) == 2 and not placed.layers.rest
+    assert _shard_shape(period[0].mlp.experts.gate_proj) == (1, 8 // (DP * CP), 8, 24)
+    assert _shard_shape(period[1].mlp.gate.weight) == (1, 8, 24 // DP)
 
 
+# 25 to 70 s each (215 s in all): five layers built with scan_layers=True, two stacked groups of
+# [linear, full] and a linear layer after them, against one device's five-layer loop.
 @pytest.mark.slow
 @pytest.mark.usefixtures("fast_compile_one_test")
 @pytest.mark.parametrize(
     "which, data_axis, expert_axis",
     [
+        ("moe", "dp", ("dp", "cp")),
+        ("moe", "dp", "cp"),  # the experts over "cp", FSDP over "dp" on another dimension
         ("dense", "dp", None),
         ("dense", ("dp", "cp"), None),
-        ("moe", "dp", "cp"),  # the experts over "cp", FSDP over "dp" on another dimension
         ("tied", "dp", None),
     ],
 )
 def test_scanned_training_step_with_fsdp_grid(which, data_axis, expert_axis):
     placed = _check(which, data_axis, expert_axis, depth=5, scan=True)
+    period, rest = placed.layers.period, placed.layers.rest
+    assert placed.layers.num_groups == 2 and len(period) == 2 and len(rest) == 1
+    n = DP * (CP if data_axis == ("dp", "cp") else 1)
+    assert _shard_shape(period[0].mixer.out_proj.weight) == (2, 24, 32 // n)
+    assert _shard_shape(rest[0].mixer.out_proj.weight) == (24, 32 // n)
     if which == "moe":
-        shape = _shard_shape(placed.layers.period[0].mlp.experts.gate_proj)
-        assert shape == (2, 8 // CP, 8, 24 // DP)
+        shape = _shard_shape(period[0].mlp.experts.gate_proj)
+        assert shape == ((2, 2, 8, 24) if expert_axis == ("dp", "cp") else (2, 4, 8, 12))
 
 
 def _spec_leaves(tree) -> list:
