@@ -201,3 +201,60 @@ def hlo_matmul_flops(hlo: str, unknown_trips: int | None = None) -> float:
 def matmul_flops(compiled, unknown_trips: int | None = None) -> float:
     """`hlo_matmul_flops` of a compiled JAX function."""
     return hlo_matmul_flops(compiled.as_text(), unknown_trips)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopFlops:
+    """Matmul FLOPs of a compiled module, with the loops whose trips XLA does not know apart.
+
+    - `known`: every `dot` outside loops and in loops of known trips (times the trips).
+    - `unknown`: per loop of unknown trips (a bound computed at run time: the tiles of a
+        mixture of experts' routed pairs, of attention under context parallelism), `(body,
+        times)`: one trip's FLOPs and how many times the loop itself runs (the trips of the
+        known loops around it).
+    """
+
+    known: float
+    unknown: tuple[tuple[float, int], ...]
+
+
+def hlo_loop_flops(hlo: str) -> LoopFlops:
+    """The `LoopFlops` of a compiled module's HLO text: `hlo_matmul_flops`' count, with each
+    loop of unknown trips left to the caller (who knows what it loops over)."""
+    computations, entry = _computations(hlo)
+    trips = dcp.internal.loop_trips(hlo)
+    unknown: list[tuple[float, int]] = []
+
+    def count(name: str, times: int) -> float:
+        shapes = {}
+        for line in computations.get(name, []):
+            m = _DEF.match(line)
+            if m:
+                shapes[m.group(1)] = _shape(m.group(2))
+        total = 0.0
+        for line in computations.get(name, []):
+            m = _OPCODE.match(line)
+            op = m.group(1) if m else None
+            if op == "dot":
+                total += _dot(line, shapes)
+            elif op == "while":
+                found = re.search(r"body=%?([\w.\-]+)", line)
+                assert found is not None, line
+                body = found.group(1)
+                if '"known_trip_count"' in line:
+                    n = _trips(line, trips)
+                    total += n * count(body, times * n)
+                else:
+                    per_trip = count(body, 0)  # nested loops of unknown trips: not expected
+                    if per_trip:
+                        unknown.append((per_trip, times))
+            else:
+                for callee in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", line):
+                    total += count(callee, times)
+                branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+                if branches:
+                    names = re.findall(r"%?([\w.\-]+)", branches.group(1))
+                    total += max((count(b, times) for b in names), default=0.0)
+        return total
+
+    return LoopFlops(count(entry, 1), tuple(unknown))

@@ -148,6 +148,11 @@ def run_group(
         args = (x, cp, kv_schedule, expert_axis, cu_seqlens, token_mask)
         if fsdp is None:
             x, s = layer(*args, remat=remat)
+        elif remat == "layer":
+            # The whole layer recomputed in the backward, its parameters' gather included:
+            # only its input is kept, and one layer's gathered weights live at a time.
+            # (`FSDP.apply`'s policy keeps every activation, which would undo the remat.)
+            x, s = eqx.filter_checkpoint(_gathered_call)(layer, fsdp, j, *args)
         else:
             x, s = fsdp.apply(
                 layer, lambda specs: specs[j], *args, fn=lambda m, *a: m(*a, remat=remat)
@@ -155,6 +160,11 @@ def run_group(
         if s is not None:
             stats = s if stats is None else jax.tree.map(jnp.add, stats, s)
     return x, stats
+
+
+def _gathered_call(layer: Qwen3_5DecoderLayer, fsdp: FSDP, j: int, *args):
+    """Layer `j` of a group (its specs `fsdp.specs[j]`) gathered, then run on `args`."""
+    return fsdp.gather(layer, lambda specs: specs[j])(*args, remat="none")
 
 
 def _is_spec(x) -> bool:
