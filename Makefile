@@ -18,9 +18,9 @@ $(VENV)/.installed-%: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.installed-demo
 	$(BIN)/python examples/demo.py
 
-# The default suite (817 s on 2 cores from a fresh clone, over its 10-minute budget; less once
-# .cache/jax is warm);
-# `make test-slow` runs the rest of the parameter grids (tests marked `slow`, 19 minutes after
+# The default suite (625 s on 2 cores from a fresh clone when last measured, before 66 s of
+# test time moved to the slow suite; less once .cache/jax is warm);
+# `make test-slow` runs the rest of the parameter grids and the runnable docs pages (tests marked `slow`, 19 minutes after
 # the default suite), `make test-all` both. CI runs both. JOBS test processes run side by
 # side (pytest-xdist); JOBS=0 runs them in this process. Every run shares the persistent
 # compilation cache in .cache/jax (tests/_compile_cache.py; `make clean` removes it): a program

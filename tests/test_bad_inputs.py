@@ -411,6 +411,8 @@ else:
 """
 
 
+@pytest.mark.slow  # 10 s in a fresh process under cp; out-of-vocabulary ids are checked
+# in the default run by test_models_inputs.py
 def test_hybrid_out_of_vocabulary_tokens_under_cp():
     # One rank's bad id must fail every rank (alone, it would leave the others waiting in
     # their next collective). In a fresh process, as in tests/test_recurrences.py: once an

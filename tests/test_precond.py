@@ -227,6 +227,7 @@ def test_cp_matches_loop(kind, cp, layout, exchange, docs):
     assert max(errors) <= 1e-4, errors
 
 
+@pytest.mark.slow  # 12 s: the eager path compiles each operation (136 programs)
 def test_global_arrays_eager_and_placed_on_an_explicit_mesh():
     # Global arrays over a `jax.make_mesh` mesh (`Explicit` axes): an eager `jax.grad` of
     # unplaced arrays, and a jitted one of arrays the caller placed on that mesh, equal the

@@ -658,9 +658,10 @@ def test_training_step_with_experts_split(cp, split, layout):
     assert max(jax.tree.leaves(jax.tree.map(rel_err, new, expected))) <= 1e-5
 
 
-# About 20 s (a training step of the scanned model compiled under shard_map); the default
-# run's one check of the scanned layers under shard_map (the dense model's, with two groups,
-# is slow: tests/test_layer_stack.py).
+# About 20 s (a training step of the scanned model compiled under shard_map): slow; the
+# default run's check of the scanned layers under shard_map is test_fsdp.py's scanned MoE
+# step (experts split, FSDP); the dense model's, with two groups, is tests/test_layer_stack.py's.
+@pytest.mark.slow
 @pytest.mark.usefixtures("fast_compile_one_test")
 def test_scanned_training_step_with_experts_split():
     # The layers stacked and scanned (`scan_layers=True`), recomputed in the backward
