@@ -20,8 +20,8 @@ demo: $(VENV)/.installed-demo
 
 # The default suite (625 s on 2 cores from a fresh clone when last measured, before 66 s of
 # test time moved to the slow suite; less once .cache/jax is warm);
-# `make test-slow` runs the rest of the parameter grids and the runnable docs pages (tests marked `slow`, 19 minutes after
-# the default suite), `make test-all` both. CI runs both. JOBS test processes run side by
+# `make test-slow` runs the rest of the parameter grids and the runnable docs pages (tests
+# marked `slow`), `make test-all` both. CI runs both. JOBS test processes run side by
 # side (pytest-xdist); JOBS=0 runs them in this process. Every run shares the persistent
 # compilation cache in .cache/jax (tests/_compile_cache.py; `make clean` removes it): a program
 # compiled once loads in every later run. The line "XLA: ..." at the end of a run gives its
