@@ -762,7 +762,7 @@ def latent_attention(
     Under context parallelism the latents, not the keys and values, cross the ranks: with
     `kv_schedule="allgather"` they are all-gathered and the whole sequence's are expanded
     on every rank (the backward reduce-scatters the latents' gradients, in their dtype);
-    with `"ring"` each step expands the piece it holds (see `_latent_ring`).
+    with `"ring"` the expanded keys and values go around the ring.
 
     Arguments and returns as for `blockwise_attention`; `expand` is a pytree (an
     `equinox.Module`) whose arrays are differentiated through.
