@@ -1,7 +1,8 @@
 """Multi-head latent attention (Kimi Linear's attention layer): against a float64 token-by-token
 reference written here from the architecture, against transformers' `KimiLinearAttention`
 (output, and prefill + decode through its cache), context parallel in both layouts and both
-key/value schedules (the latents exchanged; output and every gradient equal one device's),
+key/value schedules (output and every gradient equal one device's; the compiled program
+exchanges the latents, not keys and values),
 packed documents, prefill + step decoding, the checkpoint round trip and its errors.
 
 The transformers fixture in tests/data was written by tests/data/make_kimi_mla_fixtures.py
@@ -177,7 +178,7 @@ def test_decode_matches_transformers():
     ys = [np.asarray(y)]
     step = eqx.filter_jit(layer.step)
     for t in range(p, p + s):
-        y_t, cache = step(x[t], cache, t)
+        y_t, cache = step(x[t], cache, jnp.asarray(t))  # traced: one program
         ys.append(np.asarray(y_t)[None])
     assert rel_err(np.concatenate(ys), io["plain.decode_out"][0]) <= 1e-5
     assert rel_err(cache.latent[: p + s], io["plain.decode_latent"][0, 0]) <= 1e-6
@@ -214,13 +215,13 @@ def test_prefill_in_two_pieces_then_steps_equal_the_forward():
     full = np.asarray(_forward(layer, x))
     cache = layer.init_state(capacity=24)
     prefill = eqx.filter_jit(layer.extend)
-    y1, cache, none = prefill(x[:8], cache, 0)
-    y2, cache, _ = prefill(x[8:16], cache, 8)
+    y1, cache, none = prefill(x[:8], cache, jnp.asarray(0))  # traced: one program
+    y2, cache, _ = prefill(x[8:16], cache, jnp.asarray(8))
     assert none is None
     ys = [np.asarray(y1), np.asarray(y2)]
     step = eqx.filter_jit(layer.step)
     for t in range(16, 20):
-        y_t, cache = step(x[t], cache, t)
+        y_t, cache = step(x[t], cache, jnp.asarray(t))
         ys.append(np.asarray(y_t)[None])
     assert rel_err(np.concatenate(ys), full) <= 1e-5
     _, c = layer._project(x)
@@ -289,24 +290,52 @@ def _check_cp(q_lora_rank, layout, kv_schedule, docs=None, t=32):
     assert max(errors.values()) <= 1e-5, errors
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("kv_schedule", ["allgather", "ring"])
-def test_context_parallel(layout, kv_schedule):
+DOCS = (0, 5, 5, 19, 32)  # an empty document, and boundaries inside tiles and pieces
+
+
+@pytest.mark.parametrize(
+    "layout, kv_schedule, docs",
+    [("contiguous", "allgather", None), ("zigzag", "ring", DOCS)],
+    ids=["contiguous-allgather", "zigzag-ring-documents"],
+)
+def test_context_parallel(layout, kv_schedule, docs):
     # cp = 4, tiles of 4: every zigzag piece (32 / 8 tokens) is one tile, every contiguous
-    # shard two, so the schedules skip tiles and split diagonals on every rank.
-    _check_cp(None, layout, kv_schedule)
+    # shard two, so the schedules skip tiles and split diagonals on every rank. Each layout
+    # and each schedule once here; every pair, with and without documents, in the grid.
+    _check_cp(None, layout, kv_schedule, docs)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("kv_schedule", ["allgather", "ring"])
-@pytest.mark.parametrize("docs", [None, (0, 5, 5, 19, 32)])
+@pytest.mark.parametrize("docs", [None, DOCS])
 def test_context_parallel_grid(layout, kv_schedule, docs):
     _check_cp(12, layout, kv_schedule, docs)
 
 
-def test_context_parallel_packed_documents():
-    _check_cp(None, "zigzag", "ring", (0, 5, 5, 19, 32))
+def test_context_parallel_exchanges_latents():
+    # The compiled forward's collectives (the loss's scalar all-reduce aside) move the
+    # latents: (cp - 1) / cp * S * (kv_lora_rank + qk_rope_head_dim) float32 per rank,
+    # under either schedule, where full keys and values would be
+    # heads * (qk_head_dim + v_head_dim) = 2 * 15 per token against 12.
+    layer, t, cp = _layer(), 32, 4
+    mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
+    params, static = eqx.partition(layer, eqx.is_array)
+    latent = (cp - 1) * (t // cp) * (SIZES["kv_lora_rank"] + SIZES["qk_rope_head_dim"]) * 4
+    for kv_schedule in ("allgather", "ring"):
+        context = dcp.ContextParallel("cp", layout=dcp.Zigzag())
+
+        def local(params, x, kv_schedule=kv_schedule):
+            y = eqx.combine(params, static)(x, cp=context, kv_schedule=kv_schedule)
+            return jax.lax.psum(jnp.sum(y), "cp")
+
+        f = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("cp")), out_specs=P())
+        x = jax.device_put(_x(t), NamedSharding(mesh, P("cp")))
+        text = jax.jit(f).lower(params, x).compile().as_text()
+        assert text is not None
+        kinds = ("all-gather", "collective-permute", "reduce-scatter", "all-to-all")
+        received = dcp.internal.received_bytes_per_rank(text, kinds=kinds)
+        assert received == {r: latent for r in range(cp)}, (kv_schedule, received)
 
 
 # ---------------------------------------------------------------------------------------
