@@ -228,6 +228,34 @@ def test_prefill_in_two_pieces_then_steps_equal_the_forward():
     assert rel_err(cache.latent[:20], c[:, : SIZES["kv_lora_rank"]]) <= 1e-6
 
 
+@pytest.mark.parametrize(
+    "layout, kv_schedule",
+    [("zigzag", "ring"), pytest.param("contiguous", "allgather", marks=pytest.mark.slow)],
+)
+def test_prefill_context_parallel(layout, kv_schedule):
+    # A prefill under cp = 4 after 8 tokens cached on one device: the outputs and the new
+    # cache (gathered in sequence order on every rank) equal one device's.
+    layer, cp = _layer(12), 4
+    x = _x(40)
+    prefill = eqx.filter_jit(lambda m, x, c, n: m.prefill(x, c, n))
+    _, cache = prefill(layer, x[:8], layer.init_cache(48), 0)
+    want, want_cache = prefill(layer, x[8:], cache, 8)
+    mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
+    params, static = eqx.partition(layer, eqx.is_array)
+    context = dcp.ContextParallel("cp", layout=LAYOUTS[layout])
+
+    def local(params, x, cache):
+        m = eqx.combine(params, static)
+        return m.prefill(x, cache, 8, cp=context, kv_schedule=kv_schedule)
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("cp"), P()), out_specs=(P("cp"), P()))
+    new = LAYOUTS[layout].to_layout(x[8:], cp, axis=0)
+    out, got = jax.jit(f)(params, jax.device_put(new, NamedSharding(mesh, P("cp"))), cache)
+    assert rel_err(LAYOUTS[layout].from_layout(out, cp, axis=0), want) <= 1e-5
+    assert rel_err(got.latent, want_cache.latent) <= 1e-6
+    assert rel_err(got.k_rot, want_cache.k_rot) <= 1e-6
+
+
 # ---------------------------------------------------------------------------------------
 # Context parallelism: the latents exchanged
 # ---------------------------------------------------------------------------------------
@@ -364,6 +392,8 @@ def test_bad_arguments(without_runtime_typecheck):
     wrong = LatentKVCache(latent=jnp.zeros((8, 3)), k_rot=jnp.zeros((8, 4)))
     with pytest.raises(ValueError, match=r"`latent` \(capacity, 8\)"):
         layer.step(jnp.zeros(HIDDEN), wrong, 0)
+    with pytest.raises(ValueError, match="tile_size=4 must divide the sequence length"):
+        layer(jnp.zeros((6, HIDDEN)))
     with pytest.raises(ValueError, match="kv_schedule"):
         layer(jnp.zeros((8, HIDDEN)), kv_schedule="ringg")  # pyright: ignore[reportArgumentType]
 
