@@ -224,8 +224,10 @@ def test_prefill_in_two_pieces_then_steps_equal_the_forward():
         y_t, cache = step(x[t], cache, jnp.asarray(t))
         ys.append(np.asarray(y_t)[None])
     assert rel_err(np.concatenate(ys), full) <= 1e-5
-    _, c = layer._project(x)
-    assert rel_err(cache.latent[:20], c[:, : SIZES["kv_lora_rank"]]) <= 1e-6
+    r = SIZES["kv_lora_rank"]
+    c = jax.vmap(layer.kv_a_proj_with_mqa)(x)
+    assert rel_err(cache.latent[:20], layer.kv_a_layernorm(c[:, :r])) <= 1e-6
+    assert rel_err(cache.k_rot[:20], c[:, r:]) <= 1e-6
 
 
 @pytest.mark.parametrize(
