@@ -1,7 +1,8 @@
 """Multi-head latent attention (Kimi Linear's attention layer): against a float64 token-by-token
 reference written here from the architecture, against transformers' `KimiLinearAttention`
 (output, and prefill + decode through its cache), context parallel in both layouts and both
-key/value schedules (the latents exchanged; output and every gradient equal one device's),
+key/value schedules (output and every gradient equal one device's; the compiled program
+exchanges the latents, not keys and values),
 packed documents, prefill + step decoding, the checkpoint round trip and its errors.
 
 The transformers fixture in tests/data was written by tests/data/make_kimi_mla_fixtures.py
@@ -177,7 +178,7 @@ def test_decode_matches_transformers():
     ys = [np.asarray(y)]
     step = eqx.filter_jit(layer.step)
     for t in range(p, p + s):
-        y_t, cache = step(x[t], cache, t)
+        y_t, cache = step(x[t], cache, jnp.asarray(t))  # traced: one program
         ys.append(np.asarray(y_t)[None])
     assert rel_err(np.concatenate(ys), io["plain.decode_out"][0]) <= 1e-5
     assert rel_err(cache.latent[: p + s], io["plain.decode_latent"][0, 0]) <= 1e-6
@@ -214,17 +215,47 @@ def test_prefill_in_two_pieces_then_steps_equal_the_forward():
     full = np.asarray(_forward(layer, x))
     cache = layer.init_state(capacity=24)
     prefill = eqx.filter_jit(layer.extend)
-    y1, cache, none = prefill(x[:8], cache, 0)
-    y2, cache, _ = prefill(x[8:16], cache, 8)
+    y1, cache, none = prefill(x[:8], cache, jnp.asarray(0))  # traced: one program
+    y2, cache, _ = prefill(x[8:16], cache, jnp.asarray(8))
     assert none is None
     ys = [np.asarray(y1), np.asarray(y2)]
     step = eqx.filter_jit(layer.step)
     for t in range(16, 20):
-        y_t, cache = step(x[t], cache, t)
+        y_t, cache = step(x[t], cache, jnp.asarray(t))
         ys.append(np.asarray(y_t)[None])
     assert rel_err(np.concatenate(ys), full) <= 1e-5
-    _, c = layer._project(x)
-    assert rel_err(cache.latent[:20], c[:, : SIZES["kv_lora_rank"]]) <= 1e-6
+    r = SIZES["kv_lora_rank"]
+    c = jax.vmap(layer.kv_a_proj_with_mqa)(x)
+    assert rel_err(cache.latent[:20], layer.kv_a_layernorm(c[:, :r])) <= 1e-6
+    assert rel_err(cache.k_rot[:20], c[:, r:]) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "layout, kv_schedule",
+    [("zigzag", "ring"), pytest.param("contiguous", "allgather", marks=pytest.mark.slow)],
+)
+def test_prefill_context_parallel(layout, kv_schedule):
+    # A prefill under cp = 4 after 8 tokens cached on one device: the outputs and the new
+    # cache (gathered in sequence order on every rank) equal one device's.
+    layer, cp = _layer(12), 4
+    x = _x(40)
+    prefill = eqx.filter_jit(lambda m, x, c, n: m.prefill(x, c, n))
+    _, cache = prefill(layer, x[:8], layer.init_cache(48), 0)
+    want, want_cache = prefill(layer, x[8:], cache, 8)
+    mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
+    params, static = eqx.partition(layer, eqx.is_array)
+    context = dcp.ContextParallel("cp", layout=LAYOUTS[layout])
+
+    def local(params, x, cache):
+        m = eqx.combine(params, static)
+        return m.prefill(x, cache, 8, cp=context, kv_schedule=kv_schedule)
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("cp"), P()), out_specs=(P("cp"), P()))
+    new = LAYOUTS[layout].to_layout(x[8:], cp, axis=0)
+    out, got = jax.jit(f)(params, jax.device_put(new, NamedSharding(mesh, P("cp"))), cache)
+    assert rel_err(LAYOUTS[layout].from_layout(out, cp, axis=0), want) <= 1e-5
+    assert rel_err(got.latent, want_cache.latent) <= 1e-6
+    assert rel_err(got.k_rot, want_cache.k_rot) <= 1e-6
 
 
 # ---------------------------------------------------------------------------------------
@@ -289,24 +320,52 @@ def _check_cp(q_lora_rank, layout, kv_schedule, docs=None, t=32):
     assert max(errors.values()) <= 1e-5, errors
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("kv_schedule", ["allgather", "ring"])
-def test_context_parallel(layout, kv_schedule):
+DOCS = (0, 5, 5, 19, 32)  # an empty document, and boundaries inside tiles and pieces
+
+
+@pytest.mark.parametrize(
+    "layout, kv_schedule, docs",
+    [("contiguous", "allgather", None), ("zigzag", "ring", DOCS)],
+    ids=["contiguous-allgather", "zigzag-ring-documents"],
+)
+def test_context_parallel(layout, kv_schedule, docs):
     # cp = 4, tiles of 4: every zigzag piece (32 / 8 tokens) is one tile, every contiguous
-    # shard two, so the schedules skip tiles and split diagonals on every rank.
-    _check_cp(None, layout, kv_schedule)
+    # shard two, so the schedules skip tiles and split diagonals on every rank. Each layout
+    # and each schedule once here; every pair, with and without documents, in the grid.
+    _check_cp(None, layout, kv_schedule, docs)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("kv_schedule", ["allgather", "ring"])
-@pytest.mark.parametrize("docs", [None, (0, 5, 5, 19, 32)])
+@pytest.mark.parametrize("docs", [None, DOCS])
 def test_context_parallel_grid(layout, kv_schedule, docs):
     _check_cp(12, layout, kv_schedule, docs)
 
 
-def test_context_parallel_packed_documents():
-    _check_cp(None, "zigzag", "ring", (0, 5, 5, 19, 32))
+def test_context_parallel_exchanges_latents():
+    # The compiled forward's collectives (the loss's scalar all-reduce aside) move the
+    # latents: (cp - 1) / cp * S * (kv_lora_rank + qk_rope_head_dim) float32 per rank,
+    # under either schedule, where full keys and values would be
+    # heads * (qk_head_dim + v_head_dim) = 2 * 15 per token against 12.
+    layer, t, cp = _layer(), 32, 4
+    mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
+    params, static = eqx.partition(layer, eqx.is_array)
+    latent = (cp - 1) * (t // cp) * (SIZES["kv_lora_rank"] + SIZES["qk_rope_head_dim"]) * 4
+    for kv_schedule in ("allgather", "ring"):
+        context = dcp.ContextParallel("cp", layout=dcp.Zigzag())
+
+        def local(params, x, kv_schedule=kv_schedule):
+            y = eqx.combine(params, static)(x, cp=context, kv_schedule=kv_schedule)
+            return jax.lax.psum(jnp.sum(y), "cp")
+
+        f = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("cp")), out_specs=P())
+        x = jax.device_put(_x(t), NamedSharding(mesh, P("cp")))
+        text = jax.jit(f).lower(params, x).compile().as_text()
+        assert text is not None
+        kinds = ("all-gather", "collective-permute", "reduce-scatter", "all-to-all")
+        received = dcp.internal.received_bytes_per_rank(text, kinds=kinds)
+        assert received == {r: latent for r in range(cp)}, (kv_schedule, received)
 
 
 # ---------------------------------------------------------------------------------------
@@ -335,6 +394,8 @@ def test_bad_arguments(without_runtime_typecheck):
     wrong = LatentKVCache(latent=jnp.zeros((8, 3)), k_rot=jnp.zeros((8, 4)))
     with pytest.raises(ValueError, match=r"`latent` \(capacity, 8\)"):
         layer.step(jnp.zeros(HIDDEN), wrong, 0)
+    with pytest.raises(ValueError, match="tile_size=4 must divide the sequence length"):
+        layer(jnp.zeros((6, HIDDEN)))
     with pytest.raises(ValueError, match="kv_schedule"):
         layer(jnp.zeros((8, HIDDEN)), kv_schedule="ringg")  # pyright: ignore[reportArgumentType]
 

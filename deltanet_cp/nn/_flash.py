@@ -29,6 +29,7 @@ import functools as ft
 from collections.abc import Callable
 from typing import cast
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,7 +37,7 @@ from jaxtyping import Array, Float, Int
 
 from .._parallel import ContextParallel, Contiguous
 from .._precision import accumulation_dtype, as_precision, einsum, PrecisionName
-from .._sharding import varying
+from .._sharding import cotangent_like, varying
 from ._context import document_starts
 from ._schedule import check_kv_schedule, Schedule, tile_loops, tile_side, tiling
 
@@ -520,6 +521,129 @@ def _ring_bwd(ring: _Ring, precision, res, d_out):
 _ring_vjp.defvjp(_ring_fwd, _ring_bwd)
 
 
+def _expand_blocks(static, params, c: Array) -> tuple[Array, Array]:
+    """The keys and values of latents in blocks, `(n, block, latent)` -> `(n, block, heads,
+    dim)` and `(n, block, heads, v_dim)`, marked as `mark_non_finite` marks them: `expand`
+    (`eqx.combine(params, static)`) is applied per token."""
+    n, b = c.shape[:2]
+    k, v = eqx.combine(params, static)(c.reshape(n * b, *c.shape[2:]))
+    _, k, v = mark_non_finite(k[:, :, :1], k, v)
+    return to_blocks(k, b), to_blocks(v, b)
+
+
+def _latent_ring_forward(
+    ring: _Ring,
+    static,
+    q,
+    c,
+    params,
+    pos_q,
+    pos_k,
+    starts=None,
+    *,
+    precision: PrecisionName = "highest",
+):
+    """`_ring_forward` with the latents `c` (`(nk, block, latent)`) passed around the ring
+    instead of keys and values, each step expanding the piece it holds: `(out, lse)`."""
+    precision = check_precision(precision)
+    rank = jax.lax.axis_index(ring.axis_name)
+    q = jnp.where(_rows_finite(q), q, jnp.nan)
+    k, v = _expand_blocks(static, params, c)
+    state = _flash_init(q, v, (q, k, v, pos_q, pos_k, starts))
+    diagonal = document_tiles(ring.diagonal.at(rank), starts, pos_k)
+    state = _flash_steps(q, k, v, pos_q, pos_k, starts, *diagonal, state, precision)
+
+    def body(step, carry):
+        c, state = carry
+        c = ring.ppermute(c)
+        k, v = _expand_blocks(static, params, c)
+        pos_k, tiles, row, count = ring.step(rank, step, starts)
+        state = _flash_steps(q, k, v, pos_q, pos_k, starts, tiles, row, count, state, precision)
+        return c, state
+
+    _, state = ring.ring_loop(body, (c, state))
+    return _flash_finish(state)
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _latent_ring_vjp(ring: _Ring, precision, static, q, c, params, pos_q, pos_k, starts):
+    """The ring of `_latent_ring_forward`, with the backward of `_ring_bwd` over latents:
+    `out`."""
+    return _latent_ring_forward(
+        ring, static, q, c, params, pos_q, pos_k, starts, precision=precision
+    )[0]
+
+
+def _latent_ring_fwd(ring: _Ring, precision, static, q, c, params, pos_q, pos_k, starts):
+    out, lse = _latent_ring_forward(
+        ring, static, q, c, params, pos_q, pos_k, starts, precision=precision
+    )
+    return out, (q, c, params, pos_q, pos_k, starts, out, lse)
+
+
+def _latent_ring_bwd(ring: _Ring, precision, static, res, d_out):
+    """The ring again: the latents go around with accumulators of their gradients (in the
+    accumulation dtype); at each step the piece held is expanded again, its tiles' key and
+    value gradients formed (as `_ring_bwd` does), rounded to the keys' dtype and taken
+    through the expansion's transpose, into the piece's latent gradient and this rank's
+    sum of the expansion's parameter gradients (summed over the ranks at the end). One
+    last step brings the latents' accumulators home."""
+    q, c, params, pos_q, pos_k, starts, out, lse = res
+    rank = jax.lax.axis_index(ring.axis_name)
+    prep = _flash_grad_prep(out, lse, d_out, None)
+    q = _finite(jnp.where(_rows_finite(q), q, jnp.nan))
+    acc = accumulation_dtype(q)
+    like = (q, c, pos_q, pos_k, starts, prep)
+    # Per-rank copies: each step's parameter gradients stay on their rank, summed once at
+    # the end (not all-reduced at every step by the transpose of an implicit cast).
+    local_params = varying(params, like)
+
+    def piece(c, pos_k, tiles, row, count, dq):
+        """`(dq, d_params, d_c)` of the tiles against latent piece `c`."""
+        (k, v), vjp = jax.vjp(ft.partial(_expand_blocks, static), local_params, c)
+        zeros = varying((jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc)), like)
+        dq, dk, dv = _flash_grad_steps(
+            q,
+            _finite(k),
+            v,
+            pos_q,
+            pos_k,
+            starts,
+            tiles,
+            row,
+            count,
+            prep,
+            (dq, *zeros),
+            precision,
+        )
+        d_params, d_c = vjp((dk.astype(k.dtype), dv.astype(v.dtype)))
+        return dq, d_params, d_c
+
+    dq = varying(jnp.zeros(q.shape, acc), like)
+    tiles, row, count = document_tiles(ring.diagonal.at(rank), starts, pos_k)
+    dq, d_params, d_c = piece(c, pos_k, tiles, row, count, dq)
+    d_params = jax.tree.map(lambda g: g.astype(acc), d_params)
+    d_c = d_c.astype(acc)
+
+    def body(step, carry):
+        c, dq, d_params, d_c = carry
+        c, d_c = ring.ppermute((c, d_c))
+        pos_k, tiles, row, count = ring.step(rank, step, starts)
+        dq, dp, dc = piece(c, pos_k, tiles, row, count, dq)
+        d_params = jax.tree.map(lambda a, g: a + g.astype(acc), d_params, dp)
+        return c, dq, d_params, d_c + dc.astype(acc)
+
+    _, dq, d_params, d_c = ring.ring_loop(body, (c, dq, d_params, d_c))
+    if ring.cp > 1:
+        d_c = ring.ppermute(d_c)
+    d_params = jax.tree.map(lambda g, p: g.astype(p.dtype), d_params, params)
+    d_params = cotangent_like(d_params, params)
+    return dq.astype(q.dtype), d_c.astype(c.dtype), d_params, None, None, None
+
+
+_latent_ring_vjp.defvjp(_latent_ring_fwd, _latent_ring_bwd)
+
+
 def group_queries(x: Array, group: int) -> Array:
     """`(seq, kv_heads * group, ...)` -> `(seq * group, kv_heads, ...)`: the queries that
     share a key head become rows of the same head (query head `h` reads key head
@@ -589,16 +713,29 @@ def blockwise_attention(
         return_lse=return_lse,
         precision=precision,
         cu_seqlens=cu_seqlens,
-        gathered=False,
     )
 
 
 def _blockwise(
-    q, k, v, pos_q, *, cp, kv_schedule, tile_size, return_lse, precision, cu_seqlens, gathered
+    q,
+    k,
+    v,
+    pos_q,
+    *,
+    cp,
+    kv_schedule,
+    tile_size,
+    return_lse,
+    precision,
+    cu_seqlens,
+    gathered=False,
+    latent=None,
 ):
     """`blockwise_attention`; with `gathered` (context parallel, `"allgather"` only), `k`
     and `v` are already the whole sequence's, in the layout's order (rank `r`'s keys at
-    rows `r T / cp ..`), and are not gathered again."""
+    rows `r T / cp ..`), and are not gathered again; with `latent = (c, expand)` (context
+    parallel, `"ring"` only) the ring passes the latents `c` and expands each piece
+    (`_latent_ring`), `k` and `v` then only their shapes (`jax.eval_shape(expand, c)`)."""
     check_kv_schedule(kv_schedule)
     precision = check_precision(precision)
     t, h, d = q.shape
@@ -654,8 +791,19 @@ def _blockwise(
     (diagonal,), steps = loops
     ring = _Ring(cp.axis_name, n, diagonal, steps, table.reshape(n, -1, b))
     qb, pos_qb = to_blocks(q, b * group), to_blocks(pos_q_rows, b * group)
-    kb, vb, pos_kb = to_blocks(k, b), to_blocks(v, b), to_blocks(pos_q, b)
+    pos_kb = to_blocks(pos_q, b)
     sb = None if starts_rows is None else to_blocks(starts_rows, b * group)
+    if latent is not None:
+        c, expand = latent
+        cb, (params, static) = to_blocks(c, b), eqx.partition(expand, eqx.is_array)
+        if return_lse:
+            out, lse = _latent_ring_forward(
+                ring, static, qb, cb, params, pos_qb, pos_kb, sb, precision=precision
+            )
+            return finish(out, lse.transpose(0, 2, 1))
+        out = _latent_ring_vjp(ring, precision, static, qb, cb, params, pos_qb, pos_kb, sb)
+        return finish(out, None)
+    kb, vb = to_blocks(k, b), to_blocks(v, b)
     if return_lse:
         out, lse = _ring_forward(ring, qb, kb, vb, pos_qb, pos_kb, sb, precision=precision)
         return finish(out, lse.transpose(0, 2, 1))
@@ -762,12 +910,16 @@ def latent_attention(
     Under context parallelism the latents, not the keys and values, cross the ranks: with
     `kv_schedule="allgather"` they are all-gathered and the whole sequence's are expanded
     on every rank (the backward reduce-scatters the latents' gradients, in their dtype);
-    with `"ring"` the expanded keys and values go around the ring.
+    with `"ring"` the latents go around the ring and each step expands the piece it holds,
+    forward and backward (`_latent_ring_vjp`: the backward passes the latents around again
+    with accumulators of their gradients, formed through the expansion's transpose, and
+    sums the expansion's parameter gradients over the ranks).
 
     Arguments and returns as for `blockwise_attention`; `expand` is a pytree (an
     `equinox.Module`) whose arrays are differentiated through.
     """
-    kwargs = dict(
+    attend = ft.partial(
+        _blockwise,
         kv_schedule=kv_schedule,
         tile_size=tile_size,
         return_lse=return_lse,
@@ -775,9 +927,11 @@ def latent_attention(
         cu_seqlens=cu_seqlens,
     )
     if cp is None:
-        return _blockwise(q, *expand(c), pos_q, cp=None, gathered=False, **kwargs)
+        k, v = expand(c)
+        return attend(q, k, v, pos_q, cp=None)
     check_kv_schedule(kv_schedule)
     if kv_schedule == "allgather":
-        gathered = jax.lax.all_gather(c, cp.axis_name, axis=0, tiled=True)
-        return _blockwise(q, *expand(gathered), pos_q, cp=cp, gathered=True, **kwargs)
-    return _blockwise(q, *expand(c), pos_q, cp=cp, gathered=False, **kwargs)
+        k, v = expand(jax.lax.all_gather(c, cp.axis_name, axis=0, tiled=True))
+        return attend(q, k, v, pos_q, cp=cp, gathered=True)
+    k, v = jax.eval_shape(expand, c)
+    return attend(q, k, v, pos_q, cp=cp, latent=(c, expand))

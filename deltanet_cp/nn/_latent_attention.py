@@ -92,10 +92,17 @@ class MultiHeadLatentAttention(AbstractTokenMixer):
     `num_heads * (qk_nope + qk_rope + v_head_dim)` numbers per token: at Kimi-Linear-48B's
     sizes (512 + 64 against 32 * (192 + 128)) the latent is 17.8 times smaller. With
     `kv_schedule="allgather"` the latents are all-gathered (the backward reduce-scatters
-    their gradients): a rank receives `(cp - 1) / cp * S * (kv_lora_rank +
-    qk_rope_head_dim)` numbers per layer forward, and expands the whole sequence's,
-    `2 S kv_lora_rank H (d_n + d_v)` flops per rank and layer. With `"ring"` the expanded
-    keys and values go around the ring, as [`deltanet_cp.nn.CausalSelfAttention`][]'s do.
+    their gradients); with `"ring"` they go around the ring, each step expanding the piece
+    it holds, and the backward passes them around again with accumulators of their
+    gradients (formed through the expansion's transpose), one more step bringing those
+    home, and sums `kv_b_proj`'s gradient over the ranks once. Either way a rank receives
+    `(cp - 1) / cp * S * (kv_lora_rank + qk_rope_head_dim)` numbers per layer forward (the
+    ring's backward as many again, and `S / cp` more per step of gradients). Each rank
+    expands every rank's latents itself: `2 S kv_lora_rank H (d_n + d_v)` flops per rank
+    and layer forward (the ring's backward expands them again, and transposes the
+    expansion), against `2 (S / cp) ...` for expanding only its own; memory stays as
+    [`deltanet_cp.nn.CausalSelfAttention`][]'s (the ring holds one piece of expanded keys
+    and values at a time).
 
     **Decoding.** A [`deltanet_cp.nn.LatentKVCache`][] holds the compressed latents:
     `prefill` attends to the cached tokens as well and writes the new latents (context
@@ -314,10 +321,10 @@ class MultiHeadLatentAttention(AbstractTokenMixer):
             documents of the (whole, with `cp`) sequence, as for
             [`deltanet_cp.nn.CausalSelfAttention`][]: each token attends only to the
             tokens before it in its own document.
-        - `kv_schedule`: how the keys and values reach every rank: `"allgather"` (one
-            all-gather of the latents, then one expansion of the whole sequence's) or
-            `"ring"` (`cp - 1` steps of `jax.lax.ppermute` of the expanded keys and values,
-            `O(S / cp)` memory per rank). Ignored without `cp`.
+        - `kv_schedule`: how the latents reach every rank: `"allgather"` (one
+            all-gather, then one expansion of the whole sequence's) or `"ring"` (`cp - 1`
+            steps of `jax.lax.ppermute`, expanding one rank's piece per step, `O(S / cp)`
+            memory per rank). Ignored without `cp`.
         - `v_first`: ignored (RWKV-7's; every token mixer takes it).
 
         **Returns:**

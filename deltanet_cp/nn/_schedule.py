@@ -129,7 +129,7 @@ def tile_side(tile_size: int, piece: int, what: str) -> int:
     if piece % b:
         fit = max(c for c in range(1, b + 1) if piece % c == 0)
         raise ValueError(
-            f"CausalSelfAttention(tile_size={tile_size}) must divide {what} ({piece}), or be "
+            f"The attention layer's tile_size={tile_size} must divide {what} ({piece}), or be "
             f"at least as long: pass tile_size={fit} (the largest divisor below it), or pad "
             f"the sequence so that {what} is a multiple of {tile_size}."
         )
