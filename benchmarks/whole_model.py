@@ -107,6 +107,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 
 dcp = import_ours()
 from deltanet_cp import nn  # noqa: E402
+from deltanet_cp.data import chunked_causal_lm_loss  # noqa: E402
 from deltanet_cp.models import (  # noqa: E402
     Qwen3_5MoeConfig,
     Qwen3_5MoeForCausalLM,
@@ -292,9 +293,13 @@ def _names(axis) -> tuple[str, ...]:
     return (axis,) if isinstance(axis, str) else tuple(axis)
 
 
-def build(model: str, cfg, cls, lay: Layout, precision: str, mesh, tokens: int):
+def build(
+    model: str, cfg, cls, lay: Layout, precision: str, mesh, tokens: int, loss_chunk: int = 0
+):
     """`(step, arguments, params, specs, state, state_specs)`: the jitted training step,
-    its abstract placed arguments, and what each device holds."""
+    its abstract placed arguments, and what each device holds. `loss_chunk`: the chunked
+    loss's tokens per chunk (`deltanet_cp.data.chunked_causal_lm_loss`), 0 for the full
+    logits."""
     dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
     abstract = eqx.filter_eval_shape(
         lambda: cls(cfg, chunk_size=64, scan_layers=True, key=jr.key(0), dtype=dtype)
@@ -329,6 +334,16 @@ def build(model: str, cfg, cls, lay: Layout, precision: str, mesh, tokens: int):
         if precision == "mixed":
             params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
         m = eqx.combine(params, static)
+        if loss_chunk:  # the chunked loss: the (tokens, vocab) logits never held
+            hidden, stats = m.hidden_states(
+                inputs[0], cp=context, expert_axis=lay.expert_axis, fsdp=fsdp, remat="layer"
+            )
+            weight = m.head_weight(fsdp)
+            mean, _ = chunked_causal_lm_loss(
+                hidden, weight, targets[0], chunk_size=loss_chunk, axis_name=("dp", "cp")
+            )
+            assert stats is not None
+            return mean + coef * nn.load_balancing_loss(jax.lax.psum(stats, ("dp", "cp")))
         logits, stats = m.logits_and_router_stats(
             inputs[0], cp=context, expert_axis=lay.expert_axis, fsdp=fsdp, remat="layer"
         )
@@ -360,11 +375,19 @@ def build(model: str, cfg, cls, lay: Layout, precision: str, mesh, tokens: int):
 
 
 def measure(
-    model: str, cfg, cls, name: str, precision: str, mesh, tokens: int, hlo_dir: str | None
+    model: str,
+    cfg,
+    cls,
+    name: str,
+    precision: str,
+    mesh,
+    tokens: int,
+    hlo_dir: str | None,
+    loss_chunk: int = 0,
 ) -> list:
     lay = layout(name)
     jitted, arguments, params, specs, state, state_specs = build(
-        model, cfg, cls, lay, precision, mesh, tokens
+        model, cfg, cls, lay, precision, mesh, tokens, loss_chunk
     )
     start = time.perf_counter()
     with jax.numpy_dtype_promotion("standard"):  # optax's step count mixes ints and floats
@@ -395,7 +418,7 @@ def measure(
     full = len(cfg.layer_types) == MODELS[model][2]["num_hidden_layers"]
     return [
         TITLES[model] if full else f"{TITLES[model]} ({len(cfg.layer_types)} layers)",
-        name,
+        f"{name}, loss chunks {loss_chunk}" if loss_chunk else name,
         precision,
         tokens,
         f"{shard_bytes(params, specs, mesh) / GiB:.2f}",
@@ -446,6 +469,13 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (debugging)")
     parser.add_argument("--quick", action="store_true", help="tiny model, 512 tokens")
     parser.add_argument("--hlo", default=None, help="a folder to write each compiled HLO to")
+    parser.add_argument(
+        "--loss-chunk",
+        type=int,
+        default=0,
+        help="the chunked loss (chunked_causal_lm_loss) at this many tokens per chunk; "
+        "0 (default): the full logits",
+    )
     args = parser.parse_args(argv)
     if args.dp * args.cp > len(jax.devices()):
         parser.error(f"--dp x --cp is more than the {len(jax.devices())} devices")
@@ -485,7 +515,17 @@ def main(argv=None) -> int:
             for name in layouts:
                 for precision in precisions:
                     try:
-                        row = measure(model, cfg, cls, name, precision, mesh, tokens, args.hlo)
+                        row = measure(
+                            model,
+                            cfg,
+                            cls,
+                            name,
+                            precision,
+                            mesh,
+                            tokens,
+                            args.hlo,
+                            args.loss_chunk,
+                        )
                     except Exception as err:  # a failed compile is a finding: report it
                         message = f"{type(err).__name__}: {err}".splitlines()[0][:300]
                         print(f"  {model} {name} {precision} {tokens}: FAILED {message}")
