@@ -789,7 +789,8 @@ def chunked_causal_lm_loss(
     y = jnp.where(real, labels, 0).reshape(-1, chunk_size)
     r = real.reshape(-1, chunk_size)
     # The head's gradient is summed over the chunks in this dtype, then cast back once.
-    master = weight.astype(jnp.promote_types(weight.dtype, jnp.float32))
+    wide = jnp.finfo(weight.dtype).bits >= 32
+    master = weight.astype(weight.dtype if wide else jnp.float32)
 
     @jax.checkpoint
     def chunk(w, h, y, r):
