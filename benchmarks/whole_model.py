@@ -30,7 +30,10 @@ layouts (`--layout`):
 - `fsdp16+ep4`: the experts over `"cp"` (each rank gathers its context group's tokens
   only) and, like every other parameter, split over `"dp"` too;
 - `fsdp64+ep64`: every parameter split over both axes (as MaxText's default FSDP over
-  every chip), the experts over both.
+  every chip), the experts over both;
+- `fsdpcp+epdp`: `fsdp16+ep4` with the axes' roles swapped, for many context ranks: the
+  experts over `"dp"` (each rank gathers the tokens of its data group, `dp` x its own,
+  not the whole sequence) and every parameter split over `"cp"`.
 
 Precision (`--precision`): `mixed` (default: float32 parameters and Adam moments, the
 master weights; each rank's slices cast to bfloat16 inside the step, so the model computes
@@ -180,7 +183,7 @@ QUICK = dict(
     moe_intermediate_size=32,
     shared_expert_intermediate_size=32,
 )
-LAYOUTS = ("ep64", "fsdp16+ep64", "fsdp16+ep4", "fsdp64+ep64")
+LAYOUTS = ("ep64", "fsdp16+ep64", "fsdp16+ep4", "fsdp64+ep64", "fsdpcp+epdp")
 PRECISIONS = ("mixed", "bf16", "f32")
 
 
@@ -198,6 +201,7 @@ def layout(name: str) -> Layout:
         "fsdp16+ep64": Layout("dp", ("dp", "cp")),
         "fsdp16+ep4": Layout("dp", "cp"),
         "fsdp64+ep64": Layout(("dp", "cp"), ("dp", "cp")),
+        "fsdpcp+epdp": Layout("cp", "dp"),
     }[name]
 
 
