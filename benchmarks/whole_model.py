@@ -35,6 +35,15 @@ layouts (`--layout`):
   experts over `"dp"` (each rank gathers the tokens of its data group, `dp` x its own,
   not the whole sequence) and every parameter split over `"cp"`.
 
+The loss (`--loss-chunk`): 0 (default) takes the log-softmax of the full `(tokens,
+vocab)` logits; `--loss-chunk N` computes the LM head and the loss N tokens at a time
+(`deltanet_cp.data.chunked_causal_lm_loss` on the model's `hidden_states` and
+`head_weight`, each chunk's logits recomputed in the backward), the way to train long
+sequences: the full logits, their log-softmax and its gradient cost about 2.3 MiB per
+token a device holds (151,936 words). With it the 80B step fits 95 GiB at 128K on 16 x 4
+(74.0 GiB; 110.5 with the full logits), 256K on 8 x 8 (93.3), 512K on 4 x 16 (77.0,
+`fsdpcp+epdp`) and 1M on 2 x 32 (78.1, `fsdpcp+epdp`); 2M on 1 x 64 needs 98.9 GiB.
+
 Precision (`--precision`): `mixed` (default: float32 parameters and Adam moments, the
 master weights; each rank's slices cast to bfloat16 inside the step, so the model computes
 and FSDP gathers in bfloat16 and the gradients come back float32), `bf16` (bfloat16
@@ -68,6 +77,12 @@ compiles with that pass off (`--xla_disable_hlo_passes=cse_barrier_expander`), a
     python benchmarks/whole_model.py --model 80b --seq 4096 --layout ep64
     python benchmarks/whole_model.py --model 80b,35b --seq 4096,32768,131072 \\
         --layout ep64,fsdp16+ep64,fsdp16+ep4
+    python benchmarks/whole_model.py --model 80b --seq 131072 --layout fsdp16+ep4 \\
+        --loss-chunk 1024
+    python benchmarks/whole_model.py --model 80b --seq 1048576 --layout fsdpcp+epdp \\
+        --dp 2 --cp 32 --loss-chunk 1024
+    WHOLE_MODEL_DEVICES=256 python benchmarks/whole_model.py --model 80b --seq 2097152 \\
+        --layout fsdpcp+epdp --dp 4 --cp 64 --loss-chunk 1024
     python benchmarks/whole_model.py --quick        # tiny model, a smoke test
 """
 

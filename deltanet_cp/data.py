@@ -47,7 +47,10 @@ arrays are in the layout's order (`layout.to_layout`), as a sharded call expects
 in float32 over the real targets: inside `jax.shard_map` the sum and the count of every
 rank are added up (`psum`) before the division, so the loss is the mean over all the real
 targets of the batch, not a mean of per-rank means (which weights a rank holding few
-targets as much as one holding many). [`add_router_loss`][deltanet_cp.data.add_router_loss]
+targets as much as one holding many).
+[`chunked_causal_lm_loss`][deltanet_cp.data.chunked_causal_lm_loss] is the same loss from
+the last hidden states and the LM head's weight, computed over chunks of tokens so that the
+`(tokens, vocab)` logits are never held: the loss for long sequences. [`add_router_loss`][deltanet_cp.data.add_router_loss]
 adds a mixture-of-experts model's load-balancing loss as transformers does, its routing
 counted over the real tokens ([`real_tokens`][deltanet_cp.data.real_tokens], the model's
 `token_mask=`), as transformers counts them under its `attention_mask`.
