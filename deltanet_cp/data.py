@@ -50,10 +50,11 @@ targets of the batch, not a mean of per-rank means (which weights a rank holding
 targets as much as one holding many).
 [`chunked_causal_lm_loss`][deltanet_cp.data.chunked_causal_lm_loss] is the same loss from
 the last hidden states and the LM head's weight, computed over chunks of tokens so that the
-`(tokens, vocab)` logits are never held: the loss for long sequences. [`add_router_loss`][deltanet_cp.data.add_router_loss]
-adds a mixture-of-experts model's load-balancing loss as transformers does, its routing
-counted over the real tokens ([`real_tokens`][deltanet_cp.data.real_tokens], the model's
-`token_mask=`), as transformers counts them under its `attention_mask`.
+`(tokens, vocab)` logits are never held: the loss for long sequences.
+[`add_router_loss`][deltanet_cp.data.add_router_loss] adds a mixture-of-experts model's
+load-balancing loss as transformers does, its routing counted over the real tokens
+([`real_tokens`][deltanet_cp.data.real_tokens], the model's `token_mask=`), as transformers
+counts them under its `attention_mask`.
 [`add_mtp_loss`][deltanet_cp.data.add_mtp_loss] adds a multi-token-prediction head's loss
 (a model's `logits_and_mtp`) with its weight, on the targets
 [`mtp_labels`][deltanet_cp.data.mtp_labels] shifts out of the labels.
