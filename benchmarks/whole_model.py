@@ -42,7 +42,8 @@ vocab)` logits; `--loss-chunk N` computes the LM head and the loss N tokens at a
 sequences: the full logits, their log-softmax and its gradient cost about 2.3 MiB per
 token a device holds (151,936 words). With it the 80B step fits 95 GiB at 128K on 16 x 4
 (74.0 GiB; 110.5 with the full logits), 256K on 8 x 8 (93.3), 512K on 4 x 16 (77.0,
-`fsdpcp+epdp`) and 1M on 2 x 32 (78.1, `fsdpcp+epdp`); 2M on 1 x 64 needs 98.9 GiB.
+`fsdpcp+epdp`; 137.7 with the experts over `"cp"`) and 1M on 2 x 32 (78.1,
+`fsdpcp+epdp`); 2M on 1 x 64 needs 98.9 GiB, and fits 4 x 64 of 256 devices (73.3).
 
 Precision (`--precision`): `mixed` (default: float32 parameters and Adam moments, the
 master weights; each rank's slices cast to bfloat16 inside the step, so the model computes
