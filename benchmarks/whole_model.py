@@ -30,7 +30,20 @@ layouts (`--layout`):
 - `fsdp16+ep4`: the experts over `"cp"` (each rank gathers its context group's tokens
   only) and, like every other parameter, split over `"dp"` too;
 - `fsdp64+ep64`: every parameter split over both axes (as MaxText's default FSDP over
-  every chip), the experts over both.
+  every chip), the experts over both;
+- `fsdpcp+epdp`: `fsdp16+ep4` with the axes' roles swapped, for many context ranks: the
+  experts over `"dp"` (each rank gathers the tokens of its data group, `dp` x its own,
+  not the whole sequence) and every parameter split over `"cp"`.
+
+The loss (`--loss-chunk`): 0 (default) takes the log-softmax of the full `(tokens,
+vocab)` logits; `--loss-chunk N` computes the LM head and the loss N tokens at a time
+(`deltanet_cp.data.chunked_causal_lm_loss` on the model's `hidden_states` and
+`head_weight`, each chunk's logits recomputed in the backward), the way to train long
+sequences: the full logits, their log-softmax and its gradient cost about 2.3 MiB per
+token a device holds (151,936 words). With it the 80B step fits 95 GiB at 128K on 16 x 4
+(74.0 GiB; 110.5 with the full logits), 256K on 8 x 8 (93.3), 512K on 4 x 16 (77.0,
+`fsdpcp+epdp`; 137.7 with the experts over `"cp"`) and 1M on 2 x 32 (78.1,
+`fsdpcp+epdp`); 2M on 1 x 64 needs 98.9 GiB, and fits 4 x 64 of 256 devices (73.3).
 
 Precision (`--precision`): `mixed` (default: float32 parameters and Adam moments, the
 master weights; each rank's slices cast to bfloat16 inside the step, so the model computes
@@ -65,6 +78,12 @@ compiles with that pass off (`--xla_disable_hlo_passes=cse_barrier_expander`), a
     python benchmarks/whole_model.py --model 80b --seq 4096 --layout ep64
     python benchmarks/whole_model.py --model 80b,35b --seq 4096,32768,131072 \\
         --layout ep64,fsdp16+ep64,fsdp16+ep4
+    python benchmarks/whole_model.py --model 80b --seq 131072 --layout fsdp16+ep4 \\
+        --loss-chunk 1024
+    python benchmarks/whole_model.py --model 80b --seq 1048576 --layout fsdpcp+epdp \\
+        --dp 2 --cp 32 --loss-chunk 1024
+    WHOLE_MODEL_DEVICES=256 python benchmarks/whole_model.py --model 80b --seq 2097152 \\
+        --layout fsdpcp+epdp --dp 4 --cp 64 --loss-chunk 1024
     python benchmarks/whole_model.py --quick        # tiny model, a smoke test
 """
 
@@ -107,6 +126,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 
 dcp = import_ours()
 from deltanet_cp import nn  # noqa: E402
+from deltanet_cp.data import chunked_causal_lm_loss  # noqa: E402
 from deltanet_cp.models import (  # noqa: E402
     Qwen3_5MoeConfig,
     Qwen3_5MoeForCausalLM,
@@ -179,7 +199,7 @@ QUICK = dict(
     moe_intermediate_size=32,
     shared_expert_intermediate_size=32,
 )
-LAYOUTS = ("ep64", "fsdp16+ep64", "fsdp16+ep4", "fsdp64+ep64")
+LAYOUTS = ("ep64", "fsdp16+ep64", "fsdp16+ep4", "fsdp64+ep64", "fsdpcp+epdp")
 PRECISIONS = ("mixed", "bf16", "f32")
 
 
@@ -197,6 +217,7 @@ def layout(name: str) -> Layout:
         "fsdp16+ep64": Layout("dp", ("dp", "cp")),
         "fsdp16+ep4": Layout("dp", "cp"),
         "fsdp64+ep64": Layout(("dp", "cp"), ("dp", "cp")),
+        "fsdpcp+epdp": Layout("cp", "dp"),
     }[name]
 
 
@@ -292,9 +313,13 @@ def _names(axis) -> tuple[str, ...]:
     return (axis,) if isinstance(axis, str) else tuple(axis)
 
 
-def build(model: str, cfg, cls, lay: Layout, precision: str, mesh, tokens: int):
+def build(
+    model: str, cfg, cls, lay: Layout, precision: str, mesh, tokens: int, loss_chunk: int = 0
+):
     """`(step, arguments, params, specs, state, state_specs)`: the jitted training step,
-    its abstract placed arguments, and what each device holds."""
+    its abstract placed arguments, and what each device holds. `loss_chunk`: the chunked
+    loss's tokens per chunk (`deltanet_cp.data.chunked_causal_lm_loss`), 0 for the full
+    logits."""
     dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
     abstract = eqx.filter_eval_shape(
         lambda: cls(cfg, chunk_size=64, scan_layers=True, key=jr.key(0), dtype=dtype)
@@ -329,6 +354,16 @@ def build(model: str, cfg, cls, lay: Layout, precision: str, mesh, tokens: int):
         if precision == "mixed":
             params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
         m = eqx.combine(params, static)
+        if loss_chunk:  # the chunked loss: the (tokens, vocab) logits never held
+            hidden, stats = m.hidden_states(
+                inputs[0], cp=context, expert_axis=lay.expert_axis, fsdp=fsdp, remat="layer"
+            )
+            weight = m.head_weight(fsdp)
+            mean, _ = chunked_causal_lm_loss(
+                hidden, weight, targets[0], chunk_size=loss_chunk, axis_name=("dp", "cp")
+            )
+            assert stats is not None
+            return mean + coef * nn.load_balancing_loss(jax.lax.psum(stats, ("dp", "cp")))
         logits, stats = m.logits_and_router_stats(
             inputs[0], cp=context, expert_axis=lay.expert_axis, fsdp=fsdp, remat="layer"
         )
@@ -360,11 +395,19 @@ def build(model: str, cfg, cls, lay: Layout, precision: str, mesh, tokens: int):
 
 
 def measure(
-    model: str, cfg, cls, name: str, precision: str, mesh, tokens: int, hlo_dir: str | None
+    model: str,
+    cfg,
+    cls,
+    name: str,
+    precision: str,
+    mesh,
+    tokens: int,
+    hlo_dir: str | None,
+    loss_chunk: int = 0,
 ) -> list:
     lay = layout(name)
     jitted, arguments, params, specs, state, state_specs = build(
-        model, cfg, cls, lay, precision, mesh, tokens
+        model, cfg, cls, lay, precision, mesh, tokens, loss_chunk
     )
     start = time.perf_counter()
     with jax.numpy_dtype_promotion("standard"):  # optax's step count mixes ints and floats
@@ -395,7 +438,7 @@ def measure(
     full = len(cfg.layer_types) == MODELS[model][2]["num_hidden_layers"]
     return [
         TITLES[model] if full else f"{TITLES[model]} ({len(cfg.layer_types)} layers)",
-        name,
+        f"{name}, loss chunks {loss_chunk}" if loss_chunk else name,
         precision,
         tokens,
         f"{shard_bytes(params, specs, mesh) / GiB:.2f}",
@@ -446,6 +489,13 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (debugging)")
     parser.add_argument("--quick", action="store_true", help="tiny model, 512 tokens")
     parser.add_argument("--hlo", default=None, help="a folder to write each compiled HLO to")
+    parser.add_argument(
+        "--loss-chunk",
+        type=int,
+        default=0,
+        help="the chunked loss (chunked_causal_lm_loss) at this many tokens per chunk; "
+        "0 (default): the full logits",
+    )
     args = parser.parse_args(argv)
     if args.dp * args.cp > len(jax.devices()):
         parser.error(f"--dp x --cp is more than the {len(jax.devices())} devices")
@@ -485,7 +535,17 @@ def main(argv=None) -> int:
             for name in layouts:
                 for precision in precisions:
                     try:
-                        row = measure(model, cfg, cls, name, precision, mesh, tokens, args.hlo)
+                        row = measure(
+                            model,
+                            cfg,
+                            cls,
+                            name,
+                            precision,
+                            mesh,
+                            tokens,
+                            args.hlo,
+                            args.loss_chunk,
+                        )
                     except Exception as err:  # a failed compile is a finding: report it
                         message = f"{type(err).__name__}: {err}".splitlines()[0][:300]
                         print(f"  {model} {name} {precision} {tokens}: FAILED {message}")

@@ -47,10 +47,14 @@ arrays are in the layout's order (`layout.to_layout`), as a sharded call expects
 in float32 over the real targets: inside `jax.shard_map` the sum and the count of every
 rank are added up (`psum`) before the division, so the loss is the mean over all the real
 targets of the batch, not a mean of per-rank means (which weights a rank holding few
-targets as much as one holding many). [`add_router_loss`][deltanet_cp.data.add_router_loss]
-adds a mixture-of-experts model's load-balancing loss as transformers does, its routing
-counted over the real tokens ([`real_tokens`][deltanet_cp.data.real_tokens], the model's
-`token_mask=`), as transformers counts them under its `attention_mask`.
+targets as much as one holding many).
+[`chunked_causal_lm_loss`][deltanet_cp.data.chunked_causal_lm_loss] is the same loss from
+the last hidden states and the LM head's weight, computed over chunks of tokens so that the
+`(tokens, vocab)` logits are never held: the loss for long sequences.
+[`add_router_loss`][deltanet_cp.data.add_router_loss] adds a mixture-of-experts model's
+load-balancing loss as transformers does, its routing counted over the real tokens
+([`real_tokens`][deltanet_cp.data.real_tokens], the model's `token_mask=`), as transformers
+counts them under its `attention_mask`.
 [`add_mtp_loss`][deltanet_cp.data.add_mtp_loss] adds a multi-token-prediction head's loss
 (a model's `logits_and_mtp`) with its weight, on the targets
 [`mtp_labels`][deltanet_cp.data.mtp_labels] shifts out of the labels.
@@ -75,6 +79,7 @@ __all__ = [
     "add_mtp_loss",
     "add_router_loss",
     "causal_lm_loss",
+    "chunked_causal_lm_loss",
     "IGNORE_INDEX",
     "make_global_batch",
     "mtp_labels",
@@ -692,6 +697,114 @@ def causal_lm_loss(
     picked = jnp.take_along_axis(logp, jnp.where(real, labels, 0)[..., None], axis=-1)[..., 0]
     total = -jnp.sum(jnp.where(real, picked, 0.0))
     count = jnp.sum(real, dtype=jnp.float32)
+    if _axes(axis_name):
+        total, count = _psum((total, count), axis_name)
+    msg = (
+        f"`labels` must lie in [0, {vocab}) (the vocabulary) or equal ignore_index={ignore_index}."
+    )
+    total = total + eqx.error_if(jnp.zeros((), jnp.float32), _replicated_flag(bad, axis_name), msg)
+    return total / jnp.maximum(count, 1.0), count
+
+
+def chunked_causal_lm_loss(
+    hidden: Float[Array, "*batch seq dim"],
+    weight: Float[Array, "vocab dim"],
+    labels: Shaped[Array, "..."],
+    *,
+    chunk_size: int,
+    ignore_index: int = IGNORE_INDEX,
+    axis_name: AxisNames = None,
+) -> tuple[Float[Array, ""], Float[Array, ""]]:
+    r"""[`causal_lm_loss`][deltanet_cp.data.causal_lm_loss] of the logits
+    `hidden @ weight.T`, computed `chunk_size` tokens at a time so that the
+    `(tokens, vocab)` logits are never held.
+
+    The LM head, the log-softmax and the picked targets run in a `jax.lax.scan` over chunks
+    of `chunk_size` positions; each chunk's logits are recomputed in the backward
+    (`jax.checkpoint`), so the loss and its gradient hold one chunk's `(chunk_size, vocab)`
+    logits at a time instead of every token's: at a 151,936-word vocabulary the float32
+    logits and their gradient are about 1.2 MiB per token. The price is one more product
+    with the head (the recomputed logits). The value is `causal_lm_loss`'s on the full
+    logits computed in float32 (at least): the products of `hidden` and `weight` in their
+    dtype are accumulated and kept in float32, not rounded to a bfloat16 operands' dtype
+    first (as a bfloat16 model's own logits are). The head's gradient is summed over the
+    chunks in float32 (at least) and cast back to `weight`'s dtype once.
+
+    Get `hidden` (the last hidden states after the final norm) and `weight` (the LM head's,
+    the embedding's if tied) from a model's `hidden_states` and `head_weight`.
+
+    **Arguments:**
+
+    - `hidden`: `(*batch, seq, dim)` hidden states (this rank's, under `shard_map`).
+    - `weight`: `(vocab, dim)`, the LM head's weight: the logits are `hidden @ weight.T`.
+    - `labels`: `(*batch, seq)` integer targets, already shifted, or `ignore_index` (as
+        for `causal_lm_loss`).
+    - `chunk_size`: the positions per chunk; it must divide `seq`. Memory falls with it,
+        down to where one chunk's product no longer fills the device.
+    - `ignore_index`: the label that is no target.
+    - `axis_name`: the mesh axis name (or names) to sum over inside `jax.shard_map`;
+        `None` on one device.
+
+    **Returns:**
+
+    `(loss, count)`: float32 scalars, as `causal_lm_loss`'s.
+
+    **Raises:**
+
+    `ValueError` naming the argument: `labels` not integer or not of `hidden`'s shape
+    without its last axis; `weight` not `(vocab, dim)` with `hidden`'s `dim`; a
+    `chunk_size` that is not a positive integer dividing `seq`. A label outside
+    `[0, vocab)` (other than `ignore_index`) fails through `equinox.error_if`.
+    """
+    if not hasattr(labels, "dtype") or not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise ValueError(
+            f"`labels` must be an integer array of target ids; got "
+            f"{getattr(labels, 'dtype', type(labels).__name__)}."
+        )
+    if jnp.ndim(hidden) < 2 or labels.shape != jnp.shape(hidden)[:-1]:
+        raise ValueError(
+            f"`labels` must have the shape of `hidden` without its last axis (`hidden` is "
+            f"`(*batch, seq, dim)`), {jnp.shape(hidden)[:-1]}; got {labels.shape}."
+        )
+    dim = hidden.shape[-1]
+    if jnp.ndim(weight) != 2 or weight.shape[1] != dim:
+        raise ValueError(
+            f"`weight` must be the LM head's `(vocab, dim)` with dim={dim} (`hidden`'s last "
+            f"axis); got {jnp.shape(weight)}."
+        )
+    seq = hidden.shape[-2]
+    if (
+        isinstance(chunk_size, bool)
+        or not isinstance(chunk_size, int | np.integer)
+        or chunk_size < 1
+        or seq % chunk_size
+    ):
+        raise ValueError(
+            f"`chunk_size` must be a positive integer dividing the sequence length {seq} "
+            f"(`hidden`'s second-to-last axis); got {chunk_size!r}."
+        )
+    chunk_size = int(chunk_size)
+    vocab = weight.shape[0]
+    real = labels != ignore_index
+    bad = jnp.any(real & ((labels < 0) | (labels >= vocab)))
+    count = jnp.sum(real, dtype=jnp.float32)
+    # Chunks of the flattened positions: a chunk never crosses a row (it divides `seq`).
+    h = hidden.reshape(-1, chunk_size, dim)
+    y = jnp.where(real, labels, 0).reshape(-1, chunk_size)
+    r = real.reshape(-1, chunk_size)
+    # The head's gradient is summed over the chunks in this dtype, then cast back once.
+    wide = jnp.finfo(weight.dtype).bits >= 32
+    master = weight.astype(weight.dtype if wide else jnp.float32)
+
+    @jax.checkpoint
+    def chunk(w, h, y, r):
+        z = jnp.matmul(h, w.astype(weight.dtype).T, preferred_element_type=master.dtype)
+        z = z.astype(jnp.float32)
+        picked = jnp.take_along_axis(z, y[:, None], axis=-1)[:, 0]
+        nll = jax.nn.logsumexp(z, axis=-1) - picked
+        return jnp.sum(jnp.where(r, nll, 0.0))
+
+    total = jnp.sum(jax.lax.map(lambda xs: chunk(master, *xs), (h, y, r)))
     if _axes(axis_name):
         total, count = _psum((total, count), axis_name)
     msg = (

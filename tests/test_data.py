@@ -13,6 +13,7 @@ import deltanet_cp as dcp
 from deltanet_cp.data import (
     add_router_loss,
     causal_lm_loss,
+    chunked_causal_lm_loss,
     make_global_batch,
     pack_documents,
     PackedRows,
@@ -372,6 +373,100 @@ def test_loss_checks_its_labels_and_casts_to_float32():
         causal_lm_loss(logits, jnp.zeros((3,), jnp.float32))
     with pytest.raises(Exception, match=r"must lie in \[0, 5\)"):
         jax.jit(causal_lm_loss)(logits, jnp.asarray([1, 5, 0]))
+
+
+def _head_problem(dtype):
+    """Hidden states `(2, 12, 8)`, a head `(11, 8)` and labels with ignored positions."""
+    rng = np.random.default_rng(5)
+    hidden = rng.normal(size=(2, 12, 8))
+    weight = rng.normal(size=(11, 8))
+    labels = rng.integers(0, 11, (2, 12))
+    labels[0, 3] = labels[1, :5] = -100
+    return jnp.asarray(hidden, dtype), jnp.asarray(weight, dtype), jnp.asarray(labels, jnp.int32)
+
+
+@pytest.mark.parametrize(
+    "dtype, rtol, chunks", [("float64", 1e-6, (1, 4)), ("float32", 1e-5, (12,))]
+)
+def test_chunked_loss_is_the_full_logits_loss(dtype, rtol, chunks):
+    # The loss against a float64 loop over the tokens, and the loss and its gradients
+    # against causal_lm_loss of the full logits, at chunks of 1, 4 and 12 (all) positions.
+    with jax.enable_x64(dtype == "float64"):
+        hidden, weight, labels = _head_problem(jnp.dtype(dtype))
+        ref, ref_count = _reference_loss(np.asarray(hidden) @ np.asarray(weight).T, labels)
+
+        def full(h, w):
+            return causal_lm_loss(h @ w.T, labels)[0]
+
+        value, grads = jax.jit(jax.value_and_grad(full, (0, 1)))(hidden, weight)
+        for chunk in chunks:
+
+            def chunked(h, w):
+                return chunked_causal_lm_loss(h, w, labels, chunk_size=chunk)
+
+            (loss, count), got = jax.jit(jax.value_and_grad(chunked, (0, 1), has_aux=True))(
+                hidden, weight
+            )
+            assert loss.dtype == jnp.float32 and int(count) == ref_count
+            np.testing.assert_allclose(loss, ref, rtol=1e-6)
+            np.testing.assert_allclose(loss, value, rtol=1e-6)
+            for g, want in zip(got, grads):
+                assert g.dtype == want.dtype
+                np.testing.assert_allclose(g, want, rtol=rtol, atol=rtol * np.abs(want).max())
+
+
+def test_chunked_loss_over_ranks_is_one_devices():
+    # Rows over "dp", positions over "cp": the psum'd mean and the gradients are one
+    # device's.
+    hidden, weight, labels = _head_problem(jnp.float32)
+    hidden = jnp.concatenate([hidden, hidden[:, ::-1]])  # four rows, 3 positions a rank
+    labels = jnp.concatenate([labels, labels[:, ::-1]])
+    mesh = _mesh()
+    split = jax.sharding.NamedSharding(mesh, P("dp", "cp"))
+    placed = jax.device_put(hidden, split), jax.device_put(labels, split)
+
+    def per_rank(h, w, y):
+        return chunked_causal_lm_loss(h, w, y, chunk_size=3, axis_name=("dp", "cp"))[0]
+
+    sharded = jax.shard_map(
+        per_rank, mesh=mesh, in_specs=(P("dp", "cp"), P(), P("dp", "cp")), out_specs=P()
+    )
+    value, grads = jax.jit(jax.value_and_grad(sharded, (0, 1)))(placed[0], weight, placed[1])
+    one, one_grads = jax.jit(
+        jax.value_and_grad(lambda h, w: causal_lm_loss(h @ w.T, labels)[0], (0, 1))
+    )(hidden, weight)
+    np.testing.assert_allclose(value, one, rtol=1e-6)
+    for g, want in zip(grads, one_grads):
+        np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_chunked_loss_names_bad_arguments(without_runtime_typecheck):
+    hidden, weight, labels = _head_problem(jnp.float32)
+    for bad in (0, 5, -4, 2.0, True):
+        with pytest.raises(ValueError, match="`chunk_size` must be a positive integer dividing"):
+            chunked_causal_lm_loss(hidden, weight, labels, chunk_size=bad)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match="`weight` must be the LM head's"):
+        chunked_causal_lm_loss(hidden, weight.T, labels, chunk_size=4)
+    with pytest.raises(ValueError, match="shape of `hidden`"):
+        chunked_causal_lm_loss(hidden, weight, labels[:, :4], chunk_size=4)
+    with pytest.raises(ValueError, match="integer array"):
+        chunked_causal_lm_loss(hidden, weight, labels.astype(jnp.float32), chunk_size=4)
+    with pytest.raises(Exception, match=r"must lie in \[0, 11\)"):
+        jax.jit(lambda y: chunked_causal_lm_loss(hidden, weight, y, chunk_size=4))(
+            labels.at[1, 7].set(11)
+        )
+    # Bfloat16 operands: the logits' products kept in float32 (the exact products' loss).
+    h16, w16 = hidden.astype(jnp.bfloat16), weight.astype(jnp.bfloat16)
+    (loss, _), grads = jax.jit(
+        jax.value_and_grad(
+            lambda w: chunked_causal_lm_loss(h16, w, labels, chunk_size=4), has_aux=True
+        )
+    )(w16)
+    exact, _ = _reference_loss(
+        np.asarray(h16, np.float64) @ np.asarray(w16, np.float64).T, np.asarray(labels)
+    )
+    np.testing.assert_allclose(loss, exact, rtol=1e-6)
+    assert grads.dtype == jnp.bfloat16
 
 
 def test_router_loss_sums_rows_before_normalising():

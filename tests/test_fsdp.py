@@ -25,6 +25,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
 from deltanet_cp import ContextParallel
+from deltanet_cp.data import chunked_causal_lm_loss
 from deltanet_cp.models import (
     Qwen3_5Config,
     Qwen3_5ForCausalLM,
@@ -88,6 +89,21 @@ def _loss(model, inputs, targets, axes=(), **kw):
     return nll / count + aux
 
 
+def _chunked_loss(model, inputs, targets, axes=(), **kw):
+    """`_loss` through the chunked loss: the model's hidden states and head weight, the
+    logits computed 4 positions at a time (`chunked_causal_lm_loss`)."""
+    moe = hasattr(model.config, "num_experts")
+    hidden, stats = jax.vmap(lambda t: model.hidden_states(t, **kw))(inputs)
+    weight = model.head_weight(kw.get("fsdp"))
+    loss, _ = chunked_causal_lm_loss(hidden, weight, targets, chunk_size=4, axis_name=axes or None)
+    if not moe:
+        return loss
+    stats = jax.tree.map(lambda a: jnp.sum(a, 0), stats)
+    if axes:
+        stats = jax.lax.psum(stats, axes)
+    return loss + model.config.router_aux_loss_coef * load_balancing_loss(stats)
+
+
 def _optimizer():
     return optax.adamw(RATE, weight_decay=0.1)
 
@@ -128,7 +144,9 @@ def _one_device_update(params, grads):
         return update(params, grads)
 
 
-def _sharded_step(which: str, data_axis, expert_axis, depth: int = 2, scan: bool = False):
+def _sharded_step(
+    which: str, data_axis, expert_axis, depth: int = 2, scan: bool = False, loss_fn=_loss
+):
     """The loss, gradients and new parameters of one AdamW step with the parameters split
     by `partition_specs`, the batch over "dp", the sequence over "cp"; and the placed
     parameters."""
@@ -141,7 +159,7 @@ def _sharded_step(which: str, data_axis, expert_axis, depth: int = 2, scan: bool
     kw = dict(cp=context, fsdp=fsdp, **({"expert_axis": expert_axis} if expert_axis else {}))
 
     def local(params, inputs, targets):
-        return _loss(eqx.combine(params, static), inputs, targets, ("dp", "cp"), **kw)
+        return loss_fn(eqx.combine(params, static), inputs, targets, ("dp", "cp"), **kw)
 
     loss = jax.shard_map(local, mesh=mesh, in_specs=(specs, seq, seq), out_specs=P())
     optimizer = _optimizer()
@@ -165,6 +183,39 @@ def _sharded_step(which: str, data_axis, expert_axis, depth: int = 2, scan: bool
     return (value, grads, new), placed, specs, new_state, state_specs
 
 
+@pytest.mark.usefixtures("fast_compile_one_test")
+def test_hidden_states_and_head_weight_give_the_logits():
+    # The final hidden states times the head's weight are the logits; the routing
+    # statistics are logits_and_router_stats'. Tied, the head's weight is the embedding's
+    # (the slow FSDP step below trains through it).
+    tied = _model("tied")
+    assert tied.head_weight() is tied.embed.weight
+    model = _model("moe")
+    assert model.lm_head is not None and model.head_weight() is model.lm_head.weight
+    inputs = _batch()[0][0]
+
+    @eqx.filter_jit
+    def both(model):
+        hidden, stats = model.hidden_states(inputs)
+        return *model.logits_and_router_stats(inputs), hidden @ model.head_weight().T, stats
+
+    logits, stats, product, got = both(model)
+    assert eqx.tree_equal(got, stats)
+    assert rel_err(product, logits) <= 1e-6
+
+
+# About 20 s each.
+@pytest.mark.slow
+@pytest.mark.usefixtures("fast_compile_one_test")
+@pytest.mark.parametrize(
+    "which, expert_axis", [("tied", None), ("moe", ("dp", "cp"))], ids=["tied", "moe"]
+)
+def test_chunked_loss_training_step_with_fsdp(which, expert_axis):
+    # The chunked loss from the gathered head (the tied embedding's) under FSDP: one
+    # device's loss (of the full logits), gradients and step.
+    _check(which, "dp", expert_axis, loss_fn=_chunked_loss)
+
+
 def _shard_shape(x) -> tuple[int, ...]:
     shapes = {s.data.shape for s in x.addressable_shards}
     assert len(shapes) == 1, shapes
@@ -178,9 +229,9 @@ def _unstacked(tree):
     return eqx.tree_at(lambda m: m.layers, tree, tree.layers.unstack())
 
 
-def _check(which, data_axis, expert_axis, depth=2, scan=False):
+def _check(which, data_axis, expert_axis, depth=2, scan=False, loss_fn=_loss):
     (value, grads, new), placed, specs, new_state, state_specs = _sharded_step(
-        which, data_axis, expert_axis, depth, scan
+        which, data_axis, expert_axis, depth, scan, loss_fn
     )
     value1, grads1 = _reference(which, depth)
     assert abs(float(value) - float(value1)) <= 1e-5 * abs(float(value1))

@@ -285,6 +285,8 @@ def test_empty_prompts_and_batches(without_runtime_typecheck):
     empty = jnp.zeros((0,), jnp.int32)
     logits = model(empty)
     assert logits.shape == (0, VOCAB) and logits.dtype == model.embed.weight.dtype
+    hidden, stats = model.hidden_states(empty)
+    assert hidden.shape == (0, model.config.hidden_size) and stats is None
     with pytest.raises(ValueError, match="`tokens` is empty: `prefill` needs at least one"):
         model.prefill(empty)
     with pytest.raises(ValueError, match="`tokens` is empty: `generate` needs a prompt"):

@@ -313,6 +313,78 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         assert stats is not None
         return logits, stats
 
+    def hidden_states(
+        self,
+        tokens: Int[Array, " seq"],
+        *,
+        cp: ContextParallel | None = None,
+        kv_schedule: KVSchedule = "allgather",
+        expert_axis: ExpertAxis = None,
+        cu_seqlens: CuSeqlens | None = None,
+        token_mask: Bool[Array, " seq"] | None = None,
+        fsdp: FSDP | None = None,
+        remat: Remat = "none",
+    ) -> tuple[Float[Array, "seq hidden"], RouterStats | None]:
+        """The forward up to the LM head: the last hidden states after the final norm,
+        what the head reads, for a loss that computes the logits itself
+        ([`deltanet_cp.data.chunked_causal_lm_loss`][] with `head_weight`, which never
+        holds the `(seq, vocab)` logits: the way to train long sequences).
+
+        ```python
+        hidden, stats = model.hidden_states(tokens, cp=cp, remat="layer")
+        loss, count = chunked_causal_lm_loss(
+            hidden, model.head_weight(), labels, chunk_size=1024, axis_name=("dp", "cp")
+        )
+        ```
+
+        `hidden @ model.head_weight().T` are `__call__`'s logits.
+
+        **Arguments:** as for `logits_and_router_stats` (`token_mask` only for a model with
+        experts).
+
+        **Returns:**
+
+        `(hidden, stats)`: `(seq, hidden_size)` in the parameters' dtype, and the
+        [`deltanet_cp.nn.RouterStats`][] as `logits_and_router_stats` gives them (`None`
+        for a model without experts).
+
+        **Raises:**
+
+        As `__call__`; and `ValueError` for a `token_mask` on a model without experts.
+        """
+        if token_mask is not None and getattr(self.config, "num_experts", None) is None:
+            raise ValueError(
+                "`token_mask` marks the tokens a mixture-of-experts router counts; this "
+                f"{type(self).__name__} has no experts. Pass `token_mask=None`."
+            )
+        hidden, stats, _ = self._forward(
+            tokens,
+            cp,
+            kv_schedule,
+            expert_axis,
+            cu_seqlens,
+            token_mask=token_mask,
+            remat=remat,
+            fsdp=fsdp,
+            head=False,
+        )
+        return hidden, stats
+
+    def head_weight(self, fsdp: FSDP | None = None) -> Float[Array, "vocab hidden"]:
+        """The LM head's weight, `(vocab_size, hidden_size)`: the embedding's if the
+        embeddings are tied. The logits are `hidden_states(...)[0] @ head_weight().T`.
+
+        **Arguments:**
+
+        - `fsdp`: inside `jax.shard_map`, with the parameters split over a data axis (as
+            for `__call__`): the weight is gathered whole (its gradient comes back split).
+        """
+        if self.lm_head is None:
+            embed = self.embed if fsdp is None else fsdp.gather(self.embed, lambda s: s.embed)
+            return embed.weight
+        head = self.lm_head if fsdp is None else fsdp.gather(self.lm_head, lambda s: s.lm_head)
+        return head.weight
+
     def logits_and_mtp(
         self,
         tokens: Int[Array, " seq"],
@@ -398,9 +470,11 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
         fsdp: FSDP | None = None,
         remat: Remat = "none",
         mtp: bool = False,
+        head: bool = True,
     ) -> tuple[Array, RouterStats | None, Array | None]:
         """`(logits, router stats, MTP logits)`: the stats `None` without experts, the MTP
-        logits `None` unless `mtp`."""
+        logits `None` unless `mtp`; the normed last hidden states for the logits if not
+        `head`."""
         cp = layer_cp(cp, type(self).__name__)
         self._check_expert_axis(expert_axis)
         if not isinstance(remat, str) or remat not in REMAT_POLICIES:
@@ -412,7 +486,8 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
             check_token_mask(token_mask, tokens.shape[0])
         experts = getattr(self.config, "num_experts", None)
         if tokens.shape[0] == 0:
-            logits = jnp.zeros((0, self.config.vocab_size), self.embed.weight.dtype)
+            width = self.config.vocab_size if head else self.config.hidden_size
+            logits = jnp.zeros((0, width), self.embed.weight.dtype)
             depth = len(self.mtp.layers) if mtp and self.mtp is not None else 0
             heads = jnp.zeros((depth, 0, self.config.vocab_size), logits.dtype) if mtp else None
             if experts is None:
@@ -438,6 +513,9 @@ class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
             experts,
             fsdp=fsdp,
         )
+        if not head:
+            norm = self.norm if fsdp is None else fsdp.gather(self.norm, lambda s: s.norm)
+            return norm(x), stats, None
         if not mtp:
             return self._logits(x, fsdp), stats, None
         assert self.mtp is not None and fsdp is None
