@@ -13,7 +13,7 @@ from jaxtyping import Array, Int
 from .._precision import accumulation_dtype
 from ..nn._attention import KVCache
 from ..nn._delta_layer import RecurrentLayerState
-from ._config import AbstractQwenTextConfig
+from ._config import AbstractQwenTextConfig, KimiLinearConfig
 
 
 @runtime_checkable
@@ -29,11 +29,11 @@ class _Layers(Protocol):
 
 @runtime_checkable
 class _CachedModel(Protocol):
-    """What the cache checks read of a model (a `Qwen3_5ForCausalLM`, `Qwen3NextForCausalLM`
-    or `Qwen3_5MoeForCausalLM`)."""
+    """What the cache checks read of a model (a `Qwen3_5ForCausalLM`, `Qwen3NextForCausalLM`,
+    `Qwen3_5MoeForCausalLM` or `KimiLinearForCausalLM`)."""
 
     @property
-    def config(self) -> AbstractQwenTextConfig: ...
+    def config(self) -> AbstractQwenTextConfig | KimiLinearConfig: ...
 
     @property
     def layers(self) -> _Layers: ...

@@ -35,6 +35,7 @@ from ._moe import (
     expert_partition_specs as expert_partition_specs,
     load_balancing_loss as load_balancing_loss,
     RouterStats as RouterStats,
+    SigmoidTopKRouter as SigmoidTopKRouter,
     SparseMoE as SparseMoE,
     SwiGLUExperts as SwiGLUExperts,
 )
@@ -42,6 +43,7 @@ from ._momentum_delta_net import MomentumDeltaNet as MomentumDeltaNet
 from ._norm import (
     GatedRMSNorm as GatedRMSNorm,
     GroupNorm as GroupNorm,
+    RMSNorm as RMSNorm,
     SigmoidGatedRMSNorm as SigmoidGatedRMSNorm,
     ZeroCenteredRMSNorm as ZeroCenteredRMSNorm,
 )
