@@ -6,7 +6,7 @@ The fixture is a tiny random transformers model (tests/data/make_kimi_linear_fix
 three Kimi Delta Attention layers, the first with a dense MLP and the other two sparse (8
 experts in 2 groups, 1 group kept, 2 per token, renormalised and scaled by 2.446, a random
 `e_score_correction_bias`, a shared expert twice an expert's width), saved in the released
-checkpoints' layout, with transformers' logits of 16 tokens and its 16 greedy tokens after them.
+checkpoints' layout, with transformers' logits of 32 tokens and its 16 greedy tokens after them.
 """
 
 import functools as ft
@@ -38,8 +38,8 @@ from .helpers import rel_err
 DATA = pathlib.Path(__file__).parent / "data"
 FOLDER = DATA / "kimi_linear"
 IO = load_file(FOLDER / "io.safetensors")
-CHUNK = 4  # the delta rule's chunk: the 16 fixture tokens are four chunks
-T = 16
+CHUNK = 4  # the delta rule's chunk: the 32 fixture tokens are eight chunks
+T = 32
 
 
 @ft.cache
@@ -72,7 +72,7 @@ def test_logits_match_transformers():
     logits, stats = _outputs()
     ref = IO["logits"]
     assert _max_abs(logits, ref) <= 1e-4 * np.abs(ref).max()
-    # Two sparse layers, 16 tokens, 2 experts each; the probabilities sum to one per token.
+    # Two sparse layers, 32 tokens, 2 experts each; the probabilities sum to one per token.
     assert float(stats.tokens) == 2 * T and float(stats.counts.sum()) == 2 * T * 2
     assert abs(float(stats.probabilities.sum()) - 2 * T) <= 1e-4
 
@@ -85,11 +85,11 @@ def test_greedy_generation_matches_transformers():
 
 @pytest.mark.usefixtures("fast_compile_one_test")
 def test_prefill_then_decode_equals_forward():
-    # Positions 0..11 from a prefill, 12..15 one token at a time: the forward's logits.
+    # Positions 0..27 from a prefill, 28..31 one token at a time: the forward's logits.
     model, tokens = _model(), _tokens()
-    logits, cache = eqx.filter_jit(lambda m, t: m.prefill(t, capacity=T))(model, tokens[:12])
+    logits, cache = eqx.filter_jit(lambda m, t: m.prefill(t, capacity=T))(model, tokens[:28])
     rows = []
-    for token in tokens[12:]:
+    for token in tokens[28:]:
         step, cache = model.decode_step(token, cache)
         rows.append(step)
     full, _ = _outputs()

@@ -42,7 +42,7 @@ from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
 OUT = Path(__file__).resolve().parent
 SEED = 20261206
-T, NEW = 16, 16
+T, NEW = 32, 16
 
 BASE: dict = dict(
     vocab_size=64,
