@@ -126,7 +126,7 @@ def main(
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--checkpoint", default=None, help="a Kimi Linear checkpoint folder")
     parser.add_argument("--cp", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
