@@ -19,9 +19,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import deltanet_cp as dcp
 from deltanet_cp._hlo import products
 from deltanet_cp.nn import CausalSelfAttention
-from deltanet_cp.nn._attention import _decode_attention
 from deltanet_cp.nn._context import local_positions
-from deltanet_cp.nn._flash import blockwise_attention, flash, to_blocks
+from deltanet_cp.nn._flash import (
+    blockwise_attention,
+    decode_attention as _decode_attention,
+    flash,
+    to_blocks,
+)
 from deltanet_cp.nn._schedule import _allgather_schedule, _ring_schedule, tile_loops, tiling
 
 from .helpers import directional_check, rel_err

@@ -1,8 +1,8 @@
 """Equinox layers: the Gated DeltaNet layer of Qwen3-Next / Qwen3.5, the Kimi Delta Attention
 layer of Kimi Linear, a layer for each other recurrence (DeltaNet, gated linear attention,
 Gated DeltaProduct, Gated DeltaNet-2, Momentum DeltaNet, the preconditioned Gated DeltaNet and
-Kimi Delta Attention, RWKV-7's time mix), attention, a sparse mixture-of-experts block and a
-small hybrid model."""
+Kimi Delta Attention, RWKV-7's time mix), attention and Kimi Linear's multi-head latent
+attention, a sparse mixture-of-experts block and a small hybrid model."""
 
 from ._attention import CausalSelfAttention as CausalSelfAttention, KVCache as KVCache
 from ._conv import CausalConv1d as CausalConv1d
@@ -26,6 +26,10 @@ from ._gated_linear_attention import (
 )
 from ._hybrid import HybridBlock as HybridBlock, HybridLM as HybridLM
 from ._kimi_delta_attention import KimiDeltaAttention as KimiDeltaAttention
+from ._latent_attention import (
+    LatentKVCache as LatentKVCache,
+    MultiHeadLatentAttention as MultiHeadLatentAttention,
+)
 from ._mixer import (
     AbstractEngineMixer as AbstractEngineMixer,
     AbstractTokenMixer as AbstractTokenMixer,

@@ -4,8 +4,6 @@ a key/value cache; context parallel in both layouts.
 The blockwise (flash-style) kernel is in `_flash.py`, its tile schedules in `_schedule.py`.
 """
 
-from typing import cast
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -15,9 +13,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from .._custom_types import CuSeqlens
 from .._parallel import axis_size, ContextParallel
 from .._precision import (
-    accumulation_dtype,
     as_precision,
-    einsum,
     PrecisionName,
     resolve_precision,
 )
@@ -25,15 +21,13 @@ from .._validate import as_index, as_positive_index
 from ._context import documents, layer_cp, local_positions
 from ._flash import (
     blockwise_attention,
-    check_precision,
-    flash,
-    group_queries,
-    to_blocks,
-    ungroup_queries,
+    cached_attention,
+    decode_attention,
+    merge_attention,
 )
 from ._mixer import AbstractTokenMixer
 from ._norm import ZeroCenteredRMSNorm
-from ._schedule import check_kv_schedule, KVSchedule, Schedule
+from ._schedule import check_kv_schedule, KVSchedule
 
 
 class KVCache(eqx.Module):
@@ -65,75 +59,6 @@ def _rope(
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:rotary_dim].astype(jnp.float32)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return jnp.concatenate([rotated.astype(x.dtype), x[..., rotary_dim:]], axis=-1)
-
-
-def _cached_attention(
-    q: Float[Array, "seq heads dim"],
-    k: Float[Array, "capacity kv_heads dim"],
-    v: Float[Array, "capacity kv_heads dim"],
-    length: Int[Array, ""] | int,
-    tile_size: int,
-    *,
-    precision: PrecisionName = "highest",
-) -> tuple[Array, Array]:
-    """Attention of queries (RoPE applied, not yet scaled) to the first `length` entries of
-    a key/value cache, all of which precede every query: `(out, lse)`, `(seq, heads, dim)`
-    and `(seq, heads)` in the accumulation dtype; output 0 and log-sum-exp `-inf` where
-    `length` is 0. One tile per block of queries, against the whole cache, the tile
-    products under `precision` (as in the kernel)."""
-    t, h, d = q.shape
-    group = h // k.shape[1]
-    b = max(c for c in range(1, min(tile_size, t) + 1) if t % c == 0)
-    rows = to_blocks(group_queries(q * (d**-0.5), group), b * group)
-    length = jnp.asarray(length, jnp.int32)
-    index = jnp.arange(k.shape[0], dtype=jnp.int32)
-    pos_k = jnp.where(index < length, index, jnp.iinfo(jnp.int32).max)
-    pos_q = jnp.broadcast_to(length, rows.shape[:2])
-    tiles = Schedule.of([[(i, 0) for i in range(t // b)]]).at(0)
-    out, lse = cast(
-        tuple[Array, Array],
-        flash(rows, k[None], v[None], pos_q, pos_k[None], *tiles, precision=precision),
-    )
-    out = ungroup_queries(out.reshape(t * group, h // group, d), group)
-    return out, ungroup_queries(lse.transpose(0, 2, 1).reshape(t * group, -1), group)
-
-
-def _decode_attention(
-    q: Float[Array, "heads dim"],
-    k: Float[Array, "capacity kv_heads dim"],
-    v: Float[Array, "capacity kv_heads dim"],
-    position: Int[Array, ""],
-    *,
-    precision: PrecisionName = "highest",
-) -> Float[Array, "heads dim"]:
-    """Attention of one query (RoPE applied, not yet scaled) at `position` to the cache
-    entries `0 .. position` (its own included): the output in the accumulation dtype.
-
-    The two products (`q k^T` over the cache, `p v`) multiply under `precision`: under
-    `"highest"` float32 operands at `Precision.HIGHEST` (float64 for float64 inputs),
-    under `"bfloat16"` bfloat16 operands accumulated in float32, under `"default"` at JAX's
-    default matmul precision. The softmax is taken in the accumulation dtype whatever the
-    policy."""
-    precision = check_precision(precision)
-    kvh, d = k.shape[1], q.shape[-1]
-    acc = accumulation_dtype(q)
-    qg = q.reshape(kvh, q.shape[0] // kvh, d).astype(acc) * (d**-0.5)
-    if precision != "bfloat16":
-        k, v = k.astype(acc), v.astype(acc)
-    s = einsum("hgd,chd->hgc", qg, k, precision=precision).astype(acc)
-    visible = jnp.arange(k.shape[0]) <= position
-    p = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1)
-    o = einsum("hgc,chd->hgd", p, v, precision=precision).astype(acc)
-    return o.reshape(q.shape[0], d)
-
-
-def _merge(a: tuple[Array, Array], b: tuple[Array, Array]) -> Array:
-    """Attention over two disjoint sets of keys, from each one's `(out, lse)`."""
-    (out_a, lse_a), (out_b, lse_b) = a, b
-    lse = jnp.logaddexp(lse_a, lse_b)
-    safe = jnp.where(jnp.isfinite(lse), lse, 0)
-    wa, wb = jnp.exp(lse_a - safe)[..., None], jnp.exp(lse_b - safe)[..., None]
-    return out_a * wa + out_b * wb
 
 
 class CausalSelfAttention(AbstractTokenMixer):
@@ -460,8 +385,8 @@ class CausalSelfAttention(AbstractTokenMixer):
             precision=precision,
         )
         assert lse is not None
-        old = _cached_attention(q, cache.k, cache.v, length, self.tile_size, precision=precision)
-        o = _merge(old, (out, lse)).astype(v.dtype)
+        old = cached_attention(q, cache.k, cache.v, length, self.tile_size, precision=precision)
+        o = merge_attention(old, (out, lse)).astype(v.dtype)
         if cp is not None:
             # Every rank's keys and values, the same on every rank (an invariant value),
             # in sequence order.
@@ -515,5 +440,5 @@ class CausalSelfAttention(AbstractTokenMixer):
             v=jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), position, 0),
         )
         precision = resolve_precision(self.precision, q, k, v)
-        o = _decode_attention(q[0], cache.k, cache.v, position, precision=precision)
+        o = decode_attention(q[0], cache.k, cache.v, position, precision=precision)
         return self._finish(o[None].astype(v.dtype), gate)[0], cache

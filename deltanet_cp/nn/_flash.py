@@ -26,6 +26,7 @@ would otherwise carry a NaN to every query of the tile, forward and backward.
 """
 
 import functools as ft
+from collections.abc import Callable
 from typing import cast
 
 import jax
@@ -151,13 +152,14 @@ def document_tiles(
     return listed[order][None], jnp.zeros((), row.dtype), jnp.sum(need, dtype=count.dtype)
 
 
-def _flash_init(q: Array, like) -> tuple[Array, Array, Array]:
-    """The empty online-softmax state of queries `q`: (unnormalised output, running max,
-    running denominator), in the accumulation dtype, varying wherever `like` does."""
-    nq, b, h, d = q.shape
+def _flash_init(q: Array, v: Array, like) -> tuple[Array, Array, Array]:
+    """The empty online-softmax state of queries `q` attending to values `v` (of their own
+    head dimension): (unnormalised output, running max, running denominator), in the
+    accumulation dtype, varying wherever `like` does."""
+    nq, b, h, _ = q.shape
     acc = accumulation_dtype(q)
     init = (
-        jnp.zeros((nq, b, h, d), acc),
+        jnp.zeros((nq, b, h, v.shape[-1]), acc),
         jnp.full((nq, h, b), jnp.finfo(acc).min, acc),
         jnp.zeros((nq, h, b), acc),
     )
@@ -199,7 +201,7 @@ def _flash_finish(state: tuple[Array, Array, Array]) -> tuple[Array, Array]:
 
 
 def _flash_forward(precision, q, k, v, pos_q, pos_k, starts, tiles, row, count):
-    state = _flash_init(q, (q, k, v, pos_q, pos_k, starts, tiles, row, count))
+    state = _flash_init(q, v, (q, k, v, pos_q, pos_k, starts, tiles, row, count))
     state = _flash_steps(q, k, v, pos_q, pos_k, starts, tiles, row, count, state, precision)
     return _flash_finish(state)
 
@@ -223,7 +225,8 @@ def flash(
     **Arguments:**
 
     - `q`: the queries in blocks, `(nq, block, heads, dim)`, already scaled.
-    - `k`, `v`: the keys and values in blocks, `(nk, block, heads, dim)`.
+    - `k`, `v`: the keys and values in blocks, `(nk, block, heads, dim)` and
+        `(nk, block, heads, v_dim)` (the values' head dimension may differ).
     - `pos_q`, `pos_k`: the global positions of the queries and keys, `(nq, block)` and
         `(nk, block)`; query `a` sees key `c` iff `pos_q[a] >= pos_k[c]`.
     - `tiles`, `row`: the tiles to compute are `tiles[row, t]` for `t < count`, each a
@@ -245,7 +248,7 @@ def flash(
 
     **Returns:**
 
-    `(out, lse)`: the normalised output `(nq, block, heads, dim)` and the log-sum-exp of
+    `(out, lse)`: the normalised output `(nq, block, heads, v_dim)` and the log-sum-exp of
     each query's visible scores `(nq, heads, block)`, both in the accumulation dtype. A
     query that sees no key gets output 0 and log-sum-exp `-inf`. Partial results over
     disjoint keys merge with `logaddexp`; gradients flow through both outputs.
@@ -399,7 +402,7 @@ def _attend(
         ),
     )
     t = q.shape[0]
-    return out.reshape(t, *q.shape[1:]), lse.transpose(0, 2, 1).reshape(t, -1)
+    return out.reshape(t, q.shape[1], -1), lse.transpose(0, 2, 1).reshape(t, -1)
 
 
 class _Ring:
@@ -440,7 +443,7 @@ def _ring_forward(
     precision = check_precision(precision)
     rank = jax.lax.axis_index(ring.axis_name)
     q, k, v = mark_non_finite(q, k, v)
-    state = _flash_init(q, (q, k, v, pos_q, pos_k, starts))
+    state = _flash_init(q, v, (q, k, v, pos_q, pos_k, starts))
     diagonal = document_tiles(ring.diagonal.at(rank), starts, pos_k)
     state = _flash_steps(q, k, v, pos_q, pos_k, starts, *diagonal, state, precision)
 
@@ -536,7 +539,7 @@ def ungroup_queries(x: Array, group: int) -> Array:
 def blockwise_attention(
     q: Float[Array, "seq heads dim"],
     k: Float[Array, "seq kv_heads dim"],
-    v: Float[Array, "seq kv_heads dim"],
+    v: Float[Array, "seq kv_heads v_dim"],
     pos_q: Int[Array, " seq"],
     *,
     cp: ContextParallel | None,
@@ -558,7 +561,9 @@ def blockwise_attention(
     restart at each document, are the caller's: `Documents.positions`.)
 
     Query head `h` reads key/value head `h // (heads // kv_heads)` (grouped-query
-    attention); the keys and values travel with `kv_heads` heads.
+    attention); the keys and values travel with `kv_heads` heads. The values' head
+    dimension `v_dim` may differ from the queries' and keys' `dim`; the scores are scaled
+    by `dim ** -0.5`.
 
     The tile products multiply under `precision` (`"highest"`: float32 operands at
     `Precision.HIGHEST`, or the inputs' dtype where that is narrower in the forward;
@@ -568,11 +573,32 @@ def blockwise_attention(
 
     **Returns:**
 
-    `(out, None)`: the output `(seq, heads, dim)` in `v`'s dtype; with `return_lse`,
+    `(out, None)`: the output `(seq, heads, v_dim)` in `v`'s dtype; with `return_lse`,
     `(out, lse)`: the output and the log-sum-exp of each query's scores `(seq, heads)`, both
     in the accumulation dtype (for merging with attention to other keys; the ring then runs
     without its memory-saving backward).
     """
+    return _blockwise(
+        q,
+        k,
+        v,
+        pos_q,
+        cp=cp,
+        kv_schedule=kv_schedule,
+        tile_size=tile_size,
+        return_lse=return_lse,
+        precision=precision,
+        cu_seqlens=cu_seqlens,
+        gathered=False,
+    )
+
+
+def _blockwise(
+    q, k, v, pos_q, *, cp, kv_schedule, tile_size, return_lse, precision, cu_seqlens, gathered
+):
+    """`blockwise_attention`; with `gathered` (context parallel, `"allgather"` only), `k`
+    and `v` are already the whole sequence's, in the layout's order (rank `r`'s keys at
+    rows `r T / cp ..`), and are not gathered again."""
     check_kv_schedule(kv_schedule)
     precision = check_precision(precision)
     t, h, d = q.shape
@@ -621,7 +647,7 @@ def blockwise_attention(
             b,
             group,
             precision=precision,
-            gather=cp.axis_name,
+            gather=None if gathered else cp.axis_name,
             starts=starts_rows,
         )
         return finish(*att)
@@ -634,3 +660,124 @@ def blockwise_attention(
         out, lse = _ring_forward(ring, qb, kb, vb, pos_qb, pos_kb, sb, precision=precision)
         return finish(out, lse.transpose(0, 2, 1))
     return finish(_ring(ring, qb, kb, vb, pos_qb, pos_kb, sb, precision=precision), None)
+
+
+# ---------------------------------------------------------------------------------------
+# Attention to a cache of earlier keys and values (prefill and decoding)
+# ---------------------------------------------------------------------------------------
+
+
+def cached_attention(
+    q: Float[Array, "seq heads dim"],
+    k: Float[Array, "capacity kv_heads dim"],
+    v: Float[Array, "capacity kv_heads v_dim"],
+    length: Int[Array, ""] | int,
+    tile_size: int,
+    *,
+    precision: PrecisionName = "highest",
+) -> tuple[Array, Array]:
+    """Attention of queries (RoPE applied, not yet scaled) to the first `length` entries of
+    a key/value cache, all of which precede every query: `(out, lse)`, `(seq, heads, v_dim)`
+    and `(seq, heads)` in the accumulation dtype; output 0 and log-sum-exp `-inf` where
+    `length` is 0. One tile per block of queries, against the whole cache, the tile
+    products under `precision` (as in the kernel)."""
+    t, h, d = q.shape
+    group = h // k.shape[1]
+    b = max(c for c in range(1, min(tile_size, t) + 1) if t % c == 0)
+    rows = to_blocks(group_queries(q * (d**-0.5), group), b * group)
+    length = jnp.asarray(length, jnp.int32)
+    index = jnp.arange(k.shape[0], dtype=jnp.int32)
+    pos_k = jnp.where(index < length, index, jnp.iinfo(jnp.int32).max)
+    pos_q = jnp.broadcast_to(length, rows.shape[:2])
+    tiles = Schedule.of([[(i, 0) for i in range(t // b)]]).at(0)
+    out, lse = cast(
+        tuple[Array, Array],
+        flash(rows, k[None], v[None], pos_q, pos_k[None], *tiles, precision=precision),
+    )
+    out = ungroup_queries(out.reshape(t * group, h // group, v.shape[-1]), group)
+    return out, ungroup_queries(lse.transpose(0, 2, 1).reshape(t * group, -1), group)
+
+
+def decode_attention(
+    q: Float[Array, "heads dim"],
+    k: Float[Array, "capacity kv_heads dim"],
+    v: Float[Array, "capacity kv_heads v_dim"],
+    position: Int[Array, ""],
+    *,
+    precision: PrecisionName = "highest",
+) -> Float[Array, "heads v_dim"]:
+    """Attention of one query (RoPE applied, not yet scaled) at `position` to the cache
+    entries `0 .. position` (its own included): the output in the accumulation dtype.
+
+    The two products (`q k^T` over the cache, `p v`) multiply under `precision`: under
+    `"highest"` float32 operands at `Precision.HIGHEST` (float64 for float64 inputs),
+    under `"bfloat16"` bfloat16 operands accumulated in float32, under `"default"` at JAX's
+    default matmul precision. The softmax is taken in the accumulation dtype whatever the
+    policy."""
+    precision = check_precision(precision)
+    kvh, d = k.shape[1], q.shape[-1]
+    acc = accumulation_dtype(q)
+    qg = q.reshape(kvh, q.shape[0] // kvh, d).astype(acc) * (d**-0.5)
+    if precision != "bfloat16":
+        k, v = k.astype(acc), v.astype(acc)
+    s = einsum("hgd,chd->hgc", qg, k, precision=precision).astype(acc)
+    visible = jnp.arange(k.shape[0]) <= position
+    p = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1)
+    o = einsum("hgc,chd->hgd", p, v, precision=precision).astype(acc)
+    return o.reshape(q.shape[0], v.shape[-1])
+
+
+def merge_attention(a: tuple[Array, Array], b: tuple[Array, Array]) -> Array:
+    """Attention over two disjoint sets of keys, from each one's `(out, lse)`."""
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    lse = jnp.logaddexp(lse_a, lse_b)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0)
+    wa, wb = jnp.exp(lse_a - safe)[..., None], jnp.exp(lse_b - safe)[..., None]
+    return out_a * wa + out_b * wb
+
+
+# ---------------------------------------------------------------------------------------
+# Latent keys and values: exchanged compressed, expanded per token on arrival
+# ---------------------------------------------------------------------------------------
+
+
+def latent_attention(
+    q: Float[Array, "seq heads dim"],
+    c: Float[Array, "seq latent"],
+    expand: Callable[[Array], tuple[Array, Array]],
+    pos_q: Int[Array, " seq"],
+    *,
+    cp: ContextParallel | None,
+    kv_schedule: str,
+    tile_size: int,
+    return_lse: bool = False,
+    precision: PrecisionName = "highest",
+    cu_seqlens: Int[Array, " docs_plus_one"] | None = None,
+) -> tuple[Array, Array | None]:
+    """`blockwise_attention(q, *expand(c), pos_q, ...)` where the keys and values are
+    expanded token by token from the compressed latents `c` (multi-head latent attention):
+    `expand` maps `(n, latent)` to keys `(n, kv_heads, dim)` and values
+    `(n, kv_heads, v_dim)`, each token's from its own latent row only.
+
+    Under context parallelism the latents, not the keys and values, cross the ranks: with
+    `kv_schedule="allgather"` they are all-gathered and the whole sequence's are expanded
+    on every rank (the backward reduce-scatters the latents' gradients, in their dtype);
+    with `"ring"` the expanded keys and values go around the ring.
+
+    Arguments and returns as for `blockwise_attention`; `expand` is a pytree (an
+    `equinox.Module`) whose arrays are differentiated through.
+    """
+    kwargs = dict(
+        kv_schedule=kv_schedule,
+        tile_size=tile_size,
+        return_lse=return_lse,
+        precision=precision,
+        cu_seqlens=cu_seqlens,
+    )
+    if cp is None:
+        return _blockwise(q, *expand(c), pos_q, cp=None, gathered=False, **kwargs)
+    check_kv_schedule(kv_schedule)
+    if kv_schedule == "allgather":
+        gathered = jax.lax.all_gather(c, cp.axis_name, axis=0, tiled=True)
+        return _blockwise(q, *expand(gathered), pos_q, cp=cp, gathered=True, **kwargs)
+    return _blockwise(q, *expand(c), pos_q, cp=cp, gathered=False, **kwargs)

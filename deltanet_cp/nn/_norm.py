@@ -1,5 +1,6 @@
-"""RMSNorms: the gated ones of the Gated DeltaNet and Kimi Delta Attention layers, the
-zero-centred one of Qwen3.5 and the plain one of Kimi Linear; the group norm per head of RWKV-7."""
+"""RMSNorms: the plain one of Kimi Linear's latent attention, the gated ones of the Gated
+DeltaNet and Kimi Delta Attention layers, and the zero-centred one of Qwen3.5; the group
+norm per head of RWKV-7."""
 
 import equinox as eqx
 import jax
@@ -14,6 +15,43 @@ def _normalise(x: Array, eps: float) -> Array:
     """`x / rms(x)` over the last axis, in float32 (float64 for float64 `x`)."""
     h = x.astype(accumulation_dtype(x))
     return h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(eqx.Module):
+    r"""RMSNorm over the last axis: $w \, x / \mathrm{rms}(x)$.
+
+    The normalisation runs in float32 (float64 for float64 inputs) and is rounded to `x`'s
+    dtype before the weight multiplies it, as Kimi Linear's `KimiLinearRMSNorm` (Llama's
+    `LlamaRMSNorm`) does; the result has `x`'s dtype. Weight initialised to ones.
+    """
+
+    weight: Float[Array, " dim"]
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, dtype=None):
+        """**Arguments:**
+
+        - `dim`: the size of the normalised (last) axis.
+        - `eps`: added to the mean square before the reciprocal square root.
+        - `dtype`: the parameter dtype; the default floating dtype if `None`.
+        """
+        dtype = param_dtype(dtype)
+        self.weight = jnp.ones((dim,), dtype)
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
+        """**Arguments:**
+
+        - `x`: the values to normalise over the last axis.
+
+        **Returns:**
+
+        An array of `x`'s shape and dtype.
+        """
+        h = _normalise(x, self.eps).astype(x.dtype)
+        w = self.weight.reshape((1,) * (h.ndim - 1) + self.weight.shape)
+        wt = jnp.promote_types(w.dtype, x.dtype)
+        return (w.astype(wt) * h.astype(wt)).astype(x.dtype)
 
 
 class GatedRMSNorm(eqx.Module):
@@ -137,43 +175,6 @@ class ZeroCenteredRMSNorm(eqx.Module):
         h = _normalise(x, self.eps)
         w = (1 + self.weight.astype(ct)).reshape((1,) * (h.ndim - 1) + self.weight.shape)
         return (h * w).astype(x.dtype)
-
-
-class RMSNorm(eqx.Module):
-    r"""RMSNorm: $w \, x / \mathrm{rms}(x)$ over the last axis.
-
-    Normalisation in float32 (float64 for float64 inputs), rounded to `x`'s dtype, then
-    scaled by the weight (initialised to ones), the product in the dtype that holds both:
-    Llama's and Kimi Linear's `KimiLinearRMSNorm`, rounding as they do.
-    """
-
-    weight: Float[Array, " dim"]
-    eps: float = eqx.field(static=True)
-
-    def __init__(self, dim: int, *, eps: float = 1e-6, dtype=None):
-        """**Arguments:**
-
-        - `dim`: the size of the normalised (last) axis.
-        - `eps`: added to the mean square before the reciprocal square root.
-        - `dtype`: the parameter dtype; the default floating dtype if `None`.
-        """
-        dtype = param_dtype(dtype)
-        self.weight = jnp.ones((dim,), dtype)
-        self.eps = eps
-
-    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
-        """**Arguments:**
-
-        - `x`: the values to normalise over the last axis.
-
-        **Returns:**
-
-        An array of `x`'s shape, in the dtype that holds `x`'s and the weight's.
-        """
-        h = _normalise(x, self.eps).astype(x.dtype)
-        w = self.weight.reshape((1,) * (h.ndim - 1) + self.weight.shape)
-        dtype = jnp.promote_types(w.dtype, x.dtype)
-        return w.astype(dtype) * h.astype(dtype)
 
 
 class GroupNorm(eqx.Module):
