@@ -43,7 +43,8 @@ CASES = [
         {"experts": "per_expert", "max_shard_size": "40KB"},
     ),
     ("kimi_linear", "kimi_linear", {}),
-    ("kimi_linear fused", "kimi_linear", {"experts": "fused"}),
+    ("kimi_linear_mixed", "kimi_linear_mixed", {}),
+    ("kimi_linear_mixed fused", "kimi_linear_mixed", {"experts": "fused"}),
 ]
 
 
@@ -63,6 +64,7 @@ def save(out: Path) -> None:
         "qwen3_next_moe": models.Qwen3NextForCausalLM,
         "qwen3_5_moe": models.Qwen3_5MoeForCausalLM,
         "kimi_linear": models.KimiLinearForCausalLM,
+        "kimi_linear_mixed": models.KimiLinearForCausalLM,
     }
     results = {}
     for name, folder, kwargs in CASES:

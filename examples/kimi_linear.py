@@ -4,8 +4,8 @@ and round-trip the checkpoint.
     python examples/kimi_linear.py                      # a tiny random model, seconds on CPU
     python examples/kimi_linear.py --checkpoint DIR     # a Kimi Linear checkpoint folder
 
-The model's Kimi Delta Attention layers run on zigzag shards of each sequence over a `"cp"`
-mesh axis, its routed experts are split over the same axis (each rank holds `E / cp` of
+The model's Kimi Delta Attention and latent attention layers run on zigzag shards of each
+sequence over a `"cp"` mesh axis, its routed experts are split over the same axis (each rank holds `E / cp` of
 them), the loss is the mean next-token cross entropy on a counting task; then greedy
 decoding, and `save_pretrained` / `from_pretrained` give back the same parameters.
 """
@@ -35,8 +35,8 @@ from deltanet_cp.models import KimiLinearConfig, KimiLinearForCausalLM
 from deltanet_cp.nn import expert_partition_specs
 
 
-# A tiny Kimi Linear: three KDA layers, the first with a dense MLP, then 8 experts in 2
-# groups (the best group kept), 2 per token, and a shared expert.
+# A tiny Kimi Linear: KDA, multi-head latent attention, KDA; the first layer with a dense
+# MLP, then 8 experts in 2 groups (the best group kept), 2 per token, and a shared expert.
 TINY = KimiLinearConfig(
     vocab_size=64,
     hidden_size=32,
@@ -44,13 +44,17 @@ TINY = KimiLinearConfig(
     moe_intermediate_size=16,
     num_hidden_layers=3,
     num_attention_heads=2,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
     linear_num_heads=2,
     linear_head_dim=8,
     num_experts=8,
     num_experts_per_tok=2,
     n_group=2,
     topk_group=1,
-    layer_types=("linear_attention",) * 3,
+    layer_types=("linear_attention", "full_attention", "linear_attention"),
 )
 
 

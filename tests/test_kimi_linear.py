@@ -2,11 +2,13 @@
 `KimiLinearForCausalLM`, and its sigmoid router against a float64 NumPy transcription of
 transformers' `KimiLinearTopkRouter`.
 
-The fixture is a tiny random transformers model (tests/data/make_kimi_linear_fixtures.py):
-three Kimi Delta Attention layers, the first with a dense MLP and the other two sparse (8
-experts in 2 groups, 1 group kept, 2 per token, renormalised and scaled by 2.446, a random
-`e_score_correction_bias`, a shared expert twice an expert's width), saved in the released
-checkpoints' layout, with transformers' logits of 32 tokens and its 16 greedy tokens after them.
+The fixtures are tiny random transformers models (tests/data/make_kimi_linear_fixtures.py):
+three layers, the first with a dense MLP and the other two sparse (8 experts in 2 groups, 1
+group kept, 2 per token, renormalised and scaled by 2.446, a random `e_score_correction_bias`,
+a shared expert twice an expert's width); `kimi_linear_mixed` (the default tests') has Kimi
+Delta Attention in layers 0 and 2 and multi-head latent attention in layer 1,
+`kimi_linear` Kimi Delta Attention in all three. Saved in the released checkpoints' layout,
+with transformers' logits of 32 tokens and its 16 greedy tokens after them.
 """
 
 import functools as ft
@@ -27,6 +29,7 @@ from deltanet_cp.models import KimiLinearConfig, KimiLinearForCausalLM
 from deltanet_cp.nn import (
     expert_partition_specs,
     KimiDeltaAttention,
+    MultiHeadLatentAttention,
     SigmoidTopKRouter,
     SparseMoE,
     SwiGLU,
@@ -36,19 +39,28 @@ from .helpers import rel_err
 
 
 DATA = pathlib.Path(__file__).parent / "data"
-FOLDER = DATA / "kimi_linear"
-IO = load_file(FOLDER / "io.safetensors")
+MIXED = "kimi_linear_mixed"
+FOLDER = DATA / MIXED
 CHUNK = 4  # the delta rule's chunk: the 32 fixture tokens are eight chunks
 T = 32
+KDA, MLA = KimiDeltaAttention, MultiHeadLatentAttention
+MIXERS = {"kimi_linear_mixed": [KDA, MLA, KDA], "kimi_linear": [KDA, KDA, KDA]}
 
 
 @ft.cache
-def _model(scan_layers: bool = False) -> KimiLinearForCausalLM:
-    return KimiLinearForCausalLM.from_pretrained(FOLDER, chunk_size=CHUNK, scan_layers=scan_layers)
+def _io(name: str = MIXED) -> dict[str, np.ndarray]:
+    return load_file(DATA / name / "io.safetensors")
 
 
-def _tokens() -> jax.Array:
-    return jnp.asarray(IO["tokens"])
+@ft.cache
+def _model(name: str = MIXED, scan_layers: bool = False) -> KimiLinearForCausalLM:
+    return KimiLinearForCausalLM.from_pretrained(
+        DATA / name, chunk_size=CHUNK, scan_layers=scan_layers
+    )
+
+
+def _tokens(name: str = MIXED) -> jax.Array:
+    return jnp.asarray(_io(name)["tokens"])
 
 
 def _max_abs(a, b) -> float:
@@ -56,21 +68,22 @@ def _max_abs(a, b) -> float:
 
 
 @ft.cache
-def _outputs():
-    return eqx.filter_jit(lambda m, t: m.logits_and_router_stats(t))(_model(), _tokens())
+def _outputs(name: str = MIXED):
+    return eqx.filter_jit(lambda m, t: m.logits_and_router_stats(t))(_model(name), _tokens(name))
 
 
-def test_logits_match_transformers():
-    model = _model()
-    assert [type(layer.mixer) for layer in model.layers] == [KimiDeltaAttention] * 3
+@pytest.mark.parametrize("name", [MIXED, pytest.param("kimi_linear", marks=pytest.mark.slow)])
+def test_logits_match_transformers(name):
+    model = _model(name)
+    assert [type(layer.mixer) for layer in model.layers] == MIXERS[name]
     assert [type(layer.mlp) for layer in model.layers] == [SwiGLU, SparseMoE, SparseMoE]
     moe = model.layers[1].mlp
     assert isinstance(moe, SparseMoE) and isinstance(moe.gate, SigmoidTopKRouter)
     router = moe.gate
     assert router.weight.dtype == jnp.float32
     assert (router.n_group, router.topk_group, router.routed_scaling_factor) == (2, 1, 2.446)
-    logits, stats = _outputs()
-    ref = IO["logits"]
+    logits, stats = _outputs(name)
+    ref = _io(name)["logits"]
     assert _max_abs(logits, ref) <= 1e-4 * np.abs(ref).max()
     # Two sparse layers, 32 tokens, 2 experts each; the probabilities sum to one per token.
     assert float(stats.tokens) == 2 * T and float(stats.counts.sum()) == 2 * T * 2
@@ -78,11 +91,17 @@ def test_logits_match_transformers():
 
 
 @pytest.mark.usefixtures("fast_compile_one_test")
-def test_greedy_generation_matches_transformers():
-    out = _model().generate(_tokens(), 16)
-    np.testing.assert_array_equal(out, IO["generated"])
+@pytest.mark.parametrize("name", [MIXED, pytest.param("kimi_linear", marks=pytest.mark.slow)])
+def test_greedy_generation_matches_transformers(name):
+    # The mixed model's: transformers' `generate` (its cache); the KDA-only model's: greedy
+    # full forwards (transformers cannot make a cache without an attention layer).
+    out = _model(name).generate(_tokens(name), 16)
+    np.testing.assert_array_equal(out, _io(name)["generated"])
 
 
+# About 13 s (prefill and decode_step compiled on their own): slow; the default run's greedy
+# generation runs prefill and decode_step against transformers' generate.
+@pytest.mark.slow
 @pytest.mark.usefixtures("fast_compile_one_test")
 def test_prefill_then_decode_equals_forward():
     # Positions 0..27 from a prefill, 28..31 one token at a time: the forward's logits.
@@ -98,7 +117,8 @@ def test_prefill_then_decode_equals_forward():
 
 @pytest.mark.slow
 def test_scanned_layers_match_the_loop():
-    # Layers 1 and 2 stacked (layer 0, dense, differs): the loop's logits bit for bit.
+    # The scan over the layers (no two alike here: each its own group): the loop's logits
+    # bit for bit.
     logits, stats = eqx.filter_jit(lambda m, t: m.logits_and_router_stats(t))(
         _model(scan_layers=True), _tokens()
     )
@@ -147,7 +167,7 @@ def test_moonshot_config():
     # Moonshot's config.json: the KDA sizes and the layer pattern (1-based) in
     # `linear_attn_config`, the dense layers as `first_k_dense_replace`, its names for the
     # routing fields.
-    ours = _model().config
+    ours = KimiLinearConfig.from_json(FOLDER)
     moonshot = {
         "model_type": "kimi_linear",
         "vocab_size": 64,
@@ -175,8 +195,8 @@ def test_moonshot_config():
             "head_dim": 8,
             "num_heads": 2,
             "short_conv_kernel_size": 4,
-            "kda_layers": [1, 2, 3],
-            "full_attn_layers": [],
+            "kda_layers": [1, 3],
+            "full_attn_layers": [2],
         },
     }
     assert KimiLinearConfig.from_hf(moonshot) == ours
@@ -276,20 +296,23 @@ RATE = 0.1
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("fast_compile_one_test")
-@pytest.mark.parametrize("cp, layout", [(4, Zigzag()), (2, Contiguous())])
-def test_logits_context_parallel(cp, layout):
-    model, tokens = _model(), _tokens()
+@pytest.mark.parametrize(
+    "cp, layout, kv_schedule", [(4, Zigzag(), "allgather"), (2, Contiguous(), "ring")]
+)
+def test_logits_context_parallel(cp, layout, kv_schedule):
+    # The KDA layers' states and the latent attention's latents cross the ranks.
+    model, tokens, io = _model(), _tokens(), _io()
     mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
     params, static = eqx.partition(model, eqx.is_array)
     context = ContextParallel("cp", layout=layout)
 
     def local(params, tokens):
-        return eqx.combine(params, static)(tokens, cp=context)
+        return eqx.combine(params, static)(tokens, cp=context, kv_schedule=kv_schedule)
 
     f = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("cp")), out_specs=P("cp"))
     shard = jax.device_put(layout.to_layout(tokens, cp, axis=0), NamedSharding(mesh, P("cp")))
     logits = layout.from_layout(jax.jit(f)(params, shard), cp, axis=0)
-    assert _max_abs(logits, IO["logits"]) <= 1e-4 * np.abs(IO["logits"]).max()
+    assert _max_abs(logits, io["logits"]) <= 1e-4 * np.abs(io["logits"]).max()
 
 
 @ft.cache

@@ -13,6 +13,7 @@ from .._parallel import ContextParallel
 from ..nn._attention import CausalSelfAttention
 from ..nn._gated_delta_net import GatedDeltaNet
 from ..nn._kimi_delta_attention import KimiDeltaAttention
+from ..nn._latent_attention import MultiHeadLatentAttention
 from ..nn._mlp import SwiGLU
 from ..nn._moe import ExpertAxis, RouterStats, SparseMoE
 from ..nn._norm import RMSNorm, ZeroCenteredRMSNorm
@@ -184,7 +185,7 @@ class KimiLinearDecoderLayer(AbstractDecoderLayer):
     (`"sparse"`): transformers' `KimiLinearDecoderLayer`."""
 
     input_layernorm: RMSNorm
-    mixer: KimiDeltaAttention
+    mixer: KimiDeltaAttention | MultiHeadLatentAttention
     post_attention_layernorm: RMSNorm
     mlp: SwiGLU | SparseMoE
 
@@ -213,9 +214,20 @@ class KimiLinearDecoderLayer(AbstractDecoderLayer):
                 dtype=dtype,
             )
         else:
-            raise ValueError(
-                "Kimi Linear's full-attention layers (multi-head latent attention) are not "
-                "supported yet: use a config whose `layer_types` are all 'linear_attention'."
+            # The latents' norms keep transformers' default epsilon, not `rms_norm_eps`.
+            self.mixer = MultiHeadLatentAttention(
+                c.hidden_size,
+                c.num_attention_heads,
+                kv_lora_rank=c.kv_lora_rank,
+                qk_nope_head_dim=c.qk_nope_head_dim,
+                qk_rope_head_dim=c.qk_rope_head_dim,
+                v_head_dim=c.v_head_dim,
+                q_lora_rank=c.q_lora_rank,
+                attention_bias=c.attention_bias,
+                tile_size=tile_size,
+                precision=options.precision,
+                key=kmix,
+                dtype=dtype,
             )
         self.input_layernorm = RMSNorm(c.hidden_size, eps=eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=eps, dtype=dtype)

@@ -19,6 +19,7 @@ from ..interop._checkpoint import check_dtype, open_folder, save_folder
 from ..interop._hf import fuse_qwen3_next_projections, split_qwen3_next_projections
 from ..nn._gated_delta_net import GatedDeltaNet
 from ..nn._kimi_delta_attention import KimiDeltaAttention
+from ..nn._latent_attention import MultiHeadLatentAttention
 from ..nn._moe import SparseMoE
 from ._config import KimiLinearConfig, Qwen3NextConfig
 from ._layer_stack import stack_layers
@@ -259,7 +260,7 @@ def _kimi_groups(model, has: Callable[[str], bool], fused: bool) -> list[_Group]
         if isinstance(mixer, KimiDeltaAttention):
             out += _kda(prefix + "self_attn.", at, mixer, has)
         else:
-            raise NotImplementedError(type(mixer).__name__)
+            out += _mla(prefix + "self_attn.", at, mixer)
         if isinstance(block.mlp, SparseMoE):
             moe = block.mlp
             per_expert = any(has(f"{prefix}block_sparse_moe.{n}") for n in ("gate.weight",))
@@ -360,6 +361,42 @@ def _kda(
     ):
         out.append(_one(prefix + name, field(get), get(kda).shape, None))
     return out
+
+
+def _mla(prefix: str, at: Callable, mla: MultiHeadLatentAttention) -> list[_Group]:
+    """A multi-head latent attention layer's tensors: its parameters by transformers' names
+    (`q_proj` or `q_a_proj` / `q_a_layernorm` / `q_b_proj`, `kv_a_proj_with_mqa`,
+    `kv_a_layernorm`, `kv_b_proj`, `o_proj`, with their biases if any)."""
+    out = []
+    for field in (
+        "q_proj",
+        "q_a_proj",
+        "q_a_layernorm",
+        "q_b_proj",
+        "kv_a_proj_with_mqa",
+        "kv_a_layernorm",
+        "kv_b_proj",
+        "o_proj",
+    ):
+        module = getattr(mla, field)
+        if module is None:
+            continue
+        for part in ("weight", "bias"):
+            if getattr(module, part, None) is None:
+                continue
+            get = _mla_param(field, part)
+            out.append(_one(f"{prefix}{field}.{part}", _at(at, get), get(mla).shape, None))
+    return out
+
+
+def _mla_param(field: str, part: str) -> Callable:
+    """`mixer.field.part` of a decoder layer (or, given the mixer, of it)."""
+
+    def get(b):
+        mixer = b if isinstance(b, MultiHeadLatentAttention) else b.mixer
+        return getattr(getattr(mixer, field), part)
+
+    return get
 
 
 def _kimi_experts(prefix: str, at: Callable, moe: SparseMoE, fused: bool) -> list[_Group]:

@@ -10,7 +10,8 @@ safetensors):
 
 Deterministic (fixed seed, one torch thread, float32 on CPU) and takes a few seconds.
 
-What it writes (under tests/data/), for each model NAME of `MODELS`:
+What it writes (under tests/data/), for each model NAME of `MODELS` (three Kimi Delta Attention
+layers, or layer 1 a multi-head latent attention layer):
 
   NAME/                  a tiny random `KimiLinearForCausalLM` saved with `save_pretrained`
                          (transformers' default, the released checkpoints' layout: the KDA
@@ -77,6 +78,10 @@ BASE: dict = dict(
 
 MODELS: dict[str, dict] = {
     "kimi_linear": dict(layer_types=["linear_attention"] * 3),
+    # Layer 1 multi-head latent attention (transformers' `KimiLinearAttention`, no rotary).
+    "kimi_linear_mixed": dict(
+        layer_types=["linear_attention", "full_attention", "linear_attention"]
+    ),
 }
 
 
