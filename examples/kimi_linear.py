@@ -5,9 +5,10 @@ and round-trip the checkpoint.
     python examples/kimi_linear.py --checkpoint DIR     # a Kimi Linear checkpoint folder
 
 The model's Kimi Delta Attention and latent attention layers run on zigzag shards of each
-sequence over a `"cp"` mesh axis, its routed experts are split over the same axis (each rank holds `E / cp` of
-them), the loss is the mean next-token cross entropy on a counting task; then greedy
-decoding, and `save_pretrained` / `from_pretrained` give back the same parameters.
+sequence over a `"cp"` mesh axis, its routed experts are split over the same axis (each
+rank holds `E / cp` of them), the loss is the mean next-token cross entropy on a counting
+task; then greedy decoding, and `save_pretrained` / `from_pretrained` give back the same
+parameters.
 """
 
 import os
