@@ -116,13 +116,20 @@ def test_prefill_then_decode_equals_forward():
 
 
 @pytest.mark.slow
-def test_scanned_layers_match_the_loop():
-    # The scan over the layers (no two alike here: each its own group): the loop's logits
-    # bit for bit.
+@pytest.mark.parametrize("name", ["kimi_linear", MIXED])
+def test_scanned_layers_match_the_loop(name):
+    # The scan over the layers (no two alike here: one group of three): the loop's logits,
+    # bit for bit with KDA layers only; to rounding (1 ulp seen) with the latent attention
+    # layer in the scan's body, which XLA compiles otherwise than the loop's.
     logits, stats = eqx.filter_jit(lambda m, t: m.logits_and_router_stats(t))(
-        _model(scan_layers=True), _tokens()
+        _model(name, scan_layers=True), _tokens(name)
     )
-    assert eqx.tree_equal((logits, stats), _outputs())
+    want_logits, want_stats = _outputs(name)
+    if name == "kimi_linear":
+        assert eqx.tree_equal((logits, stats), (want_logits, want_stats))
+    else:
+        assert rel_err(logits, want_logits) <= 1e-6
+        np.testing.assert_array_equal(stats.counts, want_stats.counts)
 
 
 # ---------------------------------------------------------------------------------------
