@@ -198,6 +198,9 @@ def test_moonshot_config():
         "routed_scaling_factor": 2.446,
         "first_k_dense_replace": 1,
         "mla_use_nope": True,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
         "linear_attn_config": {
             "head_dim": 8,
             "num_heads": 2,

@@ -452,6 +452,9 @@ class KimiLinearConfig:
     - `mlp_layer_types`: `"dense"` (a SwiGLU MLP of `intermediate_size`) or `"sparse"` per
         layer; by default the first `first_k_dense_replace` (1) layers dense.
     - `tie_word_embeddings`: must be false (transformers' model always has its own LM head).
+    - `pad_token_id`, `bos_token_id`, `eos_token_id`: the special tokens, kept for
+        `to_hf` (the model does not read them); `None` writes JSON null (transformers'
+        defaults are ids of the released vocabulary, outside a smaller one).
 
     `from_hf` reads transformers' `config.json` (its names `num_experts_per_token`,
     `num_expert_group`, `num_shared_experts`, `moe_renormalize` or the attribute names) and
@@ -486,6 +489,9 @@ class KimiLinearConfig:
     tie_word_embeddings: bool = False
     layer_types: tuple[LayerType, ...] = ()
     mlp_layer_types: tuple[MLPType, ...] = ()
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
 
     def __post_init__(self):
         set_ = _setter(self)
@@ -493,9 +499,12 @@ class KimiLinearConfig:
             set_("num_key_value_heads", self.num_attention_heads)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.type is int or (
-                f.name in ("num_key_value_heads", "q_lora_rank") and value is not None
-            ):
+            if f.name.endswith("_token_id"):
+                if isinstance(value, (list, tuple)):
+                    value = tuple(_count(f.name, v) for v in value)
+                elif value is not None:
+                    value = _count(f.name, value)
+            elif f.type is int or (f.name.endswith(("_heads", "_rank")) and value is not None):
                 value = as_config_int(f.name, value)
             elif f.type is float:
                 value = as_config_float(f.name, value)
@@ -630,7 +639,7 @@ class KimiLinearConfig:
         ]
         if required:
             raise ValueError(f"The config is missing {', '.join(f'`{n}`' for n in required)}.")
-        for name in ("layer_types", "mlp_layer_types"):
+        for name in ("layer_types", "mlp_layer_types", "eos_token_id"):
             if isinstance(kwargs.get(name), list):
                 kwargs[name] = tuple(kwargs[name])
         return cls(**kwargs)
