@@ -1,7 +1,7 @@
 """transformers reads what `save_pretrained` writes: a fine-tuned model's logits after the
 round trip, ours against transformers', per model and expert layout.
 
-For each test checkpoint (Qwen3.5, Qwen3-Next, Qwen3.5-MoE) the script loads it with
+For each test checkpoint (Qwen3.5, Qwen3-Next, Qwen3.5-MoE, Kimi Linear) the script loads it with
 `from_pretrained`, changes every parameter as a fine-tuning step would (adds 1% Gaussian
 noise of each tensor's scale, so what is written is not the file that was read), saves it
 with `save_pretrained` (the MoE model in both expert layouts; one of them in shards of 40 KB)
@@ -42,6 +42,9 @@ CASES = [
         "qwen3_5_moe",
         {"experts": "per_expert", "max_shard_size": "40KB"},
     ),
+    ("kimi_linear", "kimi_linear", {}),
+    ("kimi_linear_mixed", "kimi_linear_mixed", {}),
+    ("kimi_linear_mixed fused", "kimi_linear_mixed", {"experts": "fused"}),
 ]
 
 
@@ -60,6 +63,8 @@ def save(out: Path) -> None:
         "qwen3_5_lm_tied": models.Qwen3_5ForCausalLM,
         "qwen3_next_moe": models.Qwen3NextForCausalLM,
         "qwen3_5_moe": models.Qwen3_5MoeForCausalLM,
+        "kimi_linear": models.KimiLinearForCausalLM,
+        "kimi_linear_mixed": models.KimiLinearForCausalLM,
     }
     results = {}
     for name, folder, kwargs in CASES:
@@ -113,7 +118,8 @@ def check(out: Path) -> None:
         problems = {k: sorted(v) for k, v in info.items() if v}
         tokens = torch.from_numpy(np.load(path / "_tokens.npy").astype(np.int64))[None]
         with torch.no_grad():
-            theirs = model(tokens).logits[0].numpy()
+            # No cache: transformers' Kimi Linear cannot make one without attention layers.
+            theirs = model(tokens, use_cache=False).logits[0].numpy()
         mine = np.load(path / "_ours_logits.npy")
         rows[name] = {
             "class": type(model).__name__,

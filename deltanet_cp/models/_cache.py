@@ -13,7 +13,8 @@ from jaxtyping import Array, Int
 from .._precision import accumulation_dtype
 from ..nn._attention import KVCache
 from ..nn._delta_layer import RecurrentLayerState
-from ._config import AbstractQwenTextConfig
+from ..nn._latent_attention import LatentKVCache
+from ._config import AbstractQwenTextConfig, KimiLinearConfig
 
 
 @runtime_checkable
@@ -29,11 +30,11 @@ class _Layers(Protocol):
 
 @runtime_checkable
 class _CachedModel(Protocol):
-    """What the cache checks read of a model (a `Qwen3_5ForCausalLM`, `Qwen3NextForCausalLM`
-    or `Qwen3_5MoeForCausalLM`)."""
+    """What the cache checks read of a model (a `Qwen3_5ForCausalLM`, `Qwen3NextForCausalLM`,
+    `Qwen3_5MoeForCausalLM` or `KimiLinearForCausalLM`)."""
 
     @property
-    def config(self) -> AbstractQwenTextConfig: ...
+    def config(self) -> AbstractQwenTextConfig | KimiLinearConfig: ...
 
     @property
     def layers(self) -> _Layers: ...
@@ -62,12 +63,14 @@ class Qwen3_5Cache(eqx.Module):
     **Fields:**
 
     - `layers`: per layer, a [`deltanet_cp.nn.RecurrentLayerState`][] (the Gated DeltaNet
-        layers' conv and recurrent states) or a [`deltanet_cp.nn.KVCache`][] (the
-        attention layers' keys and values, with room for `capacity` tokens).
+        and Kimi Delta Attention layers' conv and recurrent states), a
+        [`deltanet_cp.nn.KVCache`][] (the attention layers' keys and values, with room for
+        `capacity` tokens) or a [`deltanet_cp.nn.LatentKVCache`][] (the latent attention
+        layers' compressed keys and values).
     - `length`: how many tokens the model has seen (the position of the next one).
     """
 
-    layers: tuple[RecurrentLayerState | KVCache, ...]
+    layers: tuple[RecurrentLayerState | KVCache | LatentKVCache, ...]
     length: Int[Array, ""]
 
     @property
@@ -76,6 +79,8 @@ class Qwen3_5Cache(eqx.Module):
         for c in self.layers:
             if isinstance(c, KVCache):
                 return c.k.shape[-3]
+            if isinstance(c, LatentKVCache):
+                return c.latent.shape[-2]
         return jnp.iinfo(jnp.int32).max
 
 
@@ -121,7 +126,9 @@ def check_cache(model: _CachedModel, cache: Any, name: str = "cache") -> None:
             f"({', '.join(kinds)}). Was it made by another model? Make it with this "
             "model's `init_cache` or `prefill`."
         )
-    capacities = {c.k.shape[0] for c in cache.layers if isinstance(c, KVCache)}
+    capacities = {c.k.shape[0] for c in cache.layers if isinstance(c, KVCache)} | {
+        c.latent.shape[0] for c in cache.layers if isinstance(c, LatentKVCache)
+    }
     capacity = capacities.pop() if len(capacities) == 1 else 1
     if capacities:
         raise ValueError(
@@ -172,7 +179,7 @@ def restore(
     lengths = checkpoints.lengths
     n = lengths.shape[0] if jnp.ndim(lengths) == 1 else -1
     for i, (state, saved) in enumerate(zip(cache.layers, checkpoints.layers)):
-        if isinstance(state, KVCache) != (saved is None) or (
+        if isinstance(state, (KVCache, LatentKVCache)) != (saved is None) or (
             saved is not None
             and [a.shape for a in jax.tree.leaves(saved)]
             != [(n, *a.shape) for a in jax.tree.leaves(state)]

@@ -1,5 +1,5 @@
-"""What the Qwen3.5 dense, Qwen3-Next and Qwen3.5 MoE text models share: the forward, the
-cache, prefill, decoding and greedy generation, on their common decoder layer."""
+"""What the Qwen3.5 dense, Qwen3-Next, Qwen3.5 MoE and Kimi Linear models share: the forward,
+the cache, prefill, decoding and greedy generation, on their decoder layers."""
 
 import os
 from typing import Any, Generic, overload, TypeVar
@@ -20,13 +20,18 @@ from .._validate import as_index, as_positive_index
 from ..nn import FSDP
 from ..nn._context import documents, layer_cp, local_positions
 from ..nn._moe import check_token_mask, ExpertAxis, RouterStats
-from ..nn._norm import ZeroCenteredRMSNorm
+from ..nn._norm import RMSNorm, ZeroCenteredRMSNorm
 from ..nn._schedule import KVSchedule
 from ..nn._tokens import check_tokens
 from ._cache import check_cache, concrete, Qwen3_5Cache, Qwen3_5Checkpoints, restore
-from ._config import AbstractQwenTextConfig
-from ._decoder_layer import Qwen3_5DecoderLayer, Remat, REMAT_POLICIES
-from ._layer_stack import check_fsdp_layers, Qwen3_5LayerStack, run_layers, stack_layers
+from ._config import AbstractQwenTextConfig, KimiLinearConfig
+from ._decoder_layer import (
+    KimiLinearDecoderLayer,
+    Qwen3_5DecoderLayer,
+    Remat,
+    REMAT_POLICIES,
+)
+from ._layer_stack import check_fsdp_layers, run_layers, stack_layers
 from ._mtp import Qwen3_5MTP
 from ._weights import ExpertLayout, save
 
@@ -39,8 +44,8 @@ DECODE_ROOM = 256
 
 
 def init_model(
-    model: "AbstractQwenForCausalLM[Any]",
-    config: AbstractQwenTextConfig,
+    model: "AbstractCausalLM[Any]",
+    config: AbstractQwenTextConfig | KimiLinearConfig,
     *,
     chunk_size: int | None,
     block_size: int | None,
@@ -53,14 +58,18 @@ def init_model(
     dtype,
 ) -> None:
     """Set the fields of `model` (inside its `__init__`): random parameters for `config`
-    (the same with and without `scan_layers`, which stacks them)."""
+    (the same with and without `scan_layers`, which stacks them). The decoder layers and
+    norms are the config's model's: Kimi Linear's for a `KimiLinearConfig`, else Qwen's."""
     options = engine_options(options, chunk_size, block_size, memory, precision)
     precision = options.precision
     kemb, khead, *keys = jr.split(key, config.num_hidden_layers + 2)
     model.embed = eqx.nn.Embedding(config.vocab_size, config.hidden_size, key=kemb, dtype=dtype)
+    kimi = isinstance(config, KimiLinearConfig)
+    layer_cls = KimiLinearDecoderLayer if kimi else Qwen3_5DecoderLayer
+    norm_cls = RMSNorm if kimi else ZeroCenteredRMSNorm
     layers = tuple(
-        Qwen3_5DecoderLayer(
-            config,
+        layer_cls(
+            config,  # pyright: ignore[reportArgumentType]
             kind,
             sparse=config.is_sparse(i),
             tile_size=tile_size,
@@ -71,7 +80,7 @@ def init_model(
         for i, (kind, k) in enumerate(zip(config.layer_types, keys))
     )
     model.layers = stack_layers(layers, scan_layers)
-    model.norm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+    model.norm = norm_cls(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
     model.lm_head = (
         None
         if config.tie_word_embeddings
@@ -81,7 +90,7 @@ def init_model(
     )
     model.mtp = (
         Qwen3_5MTP(
-            config,
+            config,  # pyright: ignore[reportArgumentType]
             tile_size=tile_size,
             options=options,
             # Its own stream, so the main parameters are those of a model without a head.
@@ -95,17 +104,18 @@ def init_model(
     model.precision = precision
 
 
-_Config = TypeVar("_Config", bound=AbstractQwenTextConfig)
+_Config = TypeVar("_Config", bound=AbstractQwenTextConfig | KimiLinearConfig)
 
 
-class AbstractQwenForCausalLM(eqx.Module, Generic[_Config]):
-    """The Qwen3.5 family's causal language models: an embedding, decoder layers
-    ([`deltanet_cp.models.Qwen3_5DecoderLayer`][]), a final zero-centred RMSNorm and the LM
+class AbstractCausalLM(eqx.Module, Generic[_Config]):
+    """The causal language models (the Qwen3.5 family, Kimi Linear): an embedding, decoder
+    layers (e.g. [`deltanet_cp.models.Qwen3_5DecoderLayer`][]), a final RMSNorm and the LM
     head. Each concrete model holds these fields and its `__init__` / `from_pretrained`."""
 
     embed: eqx.AbstractVar[eqx.nn.Embedding]
-    layers: eqx.AbstractVar[tuple[Qwen3_5DecoderLayer, ...] | Qwen3_5LayerStack]
-    norm: eqx.AbstractVar[ZeroCenteredRMSNorm]
+    # Each model's own layers and norm (`Any`: a field's type is invariant).
+    layers: eqx.AbstractVar[Any]
+    norm: eqx.AbstractVar[Any]
     lm_head: eqx.AbstractVar[eqx.nn.Linear | None]
     mtp: eqx.AbstractVar[Qwen3_5MTP | None]
     config: eqx.AbstractVar[_Config]
@@ -872,7 +882,7 @@ def _head(parts, x):
 
 
 @eqx.filter_jit
-def _generate(model: AbstractQwenForCausalLM[Any], tokens, max_new_tokens: int):
+def _generate(model: AbstractCausalLM[Any], tokens, max_new_tokens: int):
     logits, cache = model.prefill(tokens, capacity=tokens.shape[0] + max_new_tokens)
     first = jnp.argmax(logits[-1]).astype(tokens.dtype)
 
@@ -886,7 +896,7 @@ def _generate(model: AbstractQwenForCausalLM[Any], tokens, max_new_tokens: int):
 
 
 @eqx.filter_jit
-def _speculative(model: AbstractQwenForCausalLM[Any], tokens, max_new_tokens: int):
+def _speculative(model: AbstractCausalLM[Any], tokens, max_new_tokens: int):
     mtp = model.mtp
     assert mtp is not None
     head, argmax = mtp.layers[0], lambda x: jnp.argmax(x, axis=-1).astype(tokens.dtype)

@@ -411,3 +411,266 @@ _CONFIGS: tuple[type[AbstractQwenTextConfig], ...] = (
     Qwen3NextConfig,
     Qwen3_5MoeConfig,
 )
+
+
+MLPType = Literal["dense", "sparse"]
+
+# transformers' `KimiLinearConfig.attribute_map`: the `config.json` names (what its
+# `save_pretrained` and Moonshot's checkpoints write) of fields read here by their attribute names.
+_KIMI_JSON_NAMES = {
+    "norm_topk_prob": "moe_renormalize",
+    "n_group": "num_expert_group",
+    "num_experts_per_tok": "num_experts_per_token",
+    "n_shared_experts": "num_shared_experts",
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KimiLinearConfig:
+    """The sizes of a Kimi Linear model (transformers' `KimiLinearConfig`), with its field
+    names.
+
+    A frozen dataclass: a static configuration, hashable.
+
+    **Fields:**
+
+    - `vocab_size`, `hidden_size`, `intermediate_size` (the dense MLPs' width),
+        `num_hidden_layers`, `rms_norm_eps` (every RMSNorm's epsilon).
+    - `num_attention_heads`, `num_key_value_heads` (equal to it: transformers' latent
+        attention expands the latent to every head), `kv_lora_rank`, `q_lora_rank` (`None`:
+        a full-rank query projection), `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`,
+        `attention_bias`: the multi-head latent attention layers (`"full_attention"`).
+    - `linear_num_heads`, `linear_head_dim`, `linear_conv_kernel_dim`: the Kimi Delta
+        Attention layers (`"linear_attention"`).
+    - `num_experts`, `num_experts_per_tok` (the top-k), `moe_intermediate_size` (each routed
+        expert's width), `n_shared_experts` (the shared expert is
+        `moe_intermediate_size * n_shared_experts` wide), `n_group`, `topk_group`,
+        `norm_topk_prob`, `routed_scaling_factor`: the sparse layers' sigmoid router
+        ([`deltanet_cp.nn.SigmoidTopKRouter`][]) and experts.
+    - `layer_types`: `"linear_attention"` or `"full_attention"` per layer; by default
+        transformers' pattern (full attention at every fourth layer from layer 4, 0-based).
+    - `mlp_layer_types`: `"dense"` (a SwiGLU MLP of `intermediate_size`) or `"sparse"` per
+        layer; by default the first `first_k_dense_replace` (1) layers dense.
+    - `tie_word_embeddings`: must be false (transformers' model always has its own LM head).
+    - `pad_token_id`, `bos_token_id`, `eos_token_id`: the special tokens, kept for
+        `to_hf` (the model does not read them); `None` writes JSON null (transformers'
+        defaults are ids of the released vocabulary, outside a smaller one).
+
+    `from_hf` reads transformers' `config.json` (its names `num_experts_per_token`,
+    `num_expert_group`, `num_shared_experts`, `moe_renormalize` or the attribute names) and
+    Moonshot's (`linear_attn_config` with `num_heads`, `head_dim`, `short_conv_kernel_size`,
+    `full_attn_layers` and `kda_layers` 1-based; `first_k_dense_replace`).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    attention_bias: bool = False
+    linear_num_heads: int = 32
+    linear_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    num_experts: int = 256
+    num_experts_per_tok: int = 8
+    n_shared_experts: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 2.446
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    layer_types: tuple[LayerType, ...] = ()
+    mlp_layer_types: tuple[MLPType, ...] = ()
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        set_ = _setter(self)
+        if self.num_key_value_heads is None:
+            set_("num_key_value_heads", self.num_attention_heads)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_token_id"):
+                if isinstance(value, (list, tuple)):
+                    value = tuple(_count(f.name, v) for v in value)
+                elif value is not None:
+                    value = _count(f.name, value)
+            elif f.type is int or (f.name.endswith(("_heads", "_rank")) and value is not None):
+                value = as_config_int(f.name, value)
+            elif f.type is float:
+                value = as_config_float(f.name, value)
+            elif f.type is bool:
+                value = _bool(f.name, value)
+            elif f.name in ("layer_types", "mlp_layer_types"):
+                if isinstance(value, str) or not isinstance(value, (list, tuple)):
+                    raise ValueError(
+                        f"The config's `{f.name}` must be a list of layer types; got {value!r}."
+                    )
+                value = tuple(value)
+            set_(f.name, value)
+        n = self.num_hidden_layers
+        if not self.layer_types:
+            set_("layer_types", tuple(_LAYER_TYPES[bool(i and i % 4 == 0)] for i in range(n)))
+        if not self.mlp_layer_types:
+            set_("mlp_layer_types", tuple("dense" if i < 1 else "sparse" for i in range(n)))
+        for name, allowed in (
+            ("layer_types", _LAYER_TYPES),
+            ("mlp_layer_types", ("dense", "sparse")),
+        ):
+            types = getattr(self, name)
+            if len(types) != n:
+                raise ValueError(f"`{name}` has {len(types)} entries for {n} layers.")
+            unknown = sorted({repr(t) for t in types if t not in allowed})
+            if unknown:
+                raise ValueError(f"Unknown {name} {unknown}; expected {list(allowed)}.")
+        if self.rms_norm_eps < 0:
+            raise ValueError(
+                f"The config's `rms_norm_eps` must be at least 0; got {self.rms_norm_eps}."
+            )
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError(
+                f"The config's `num_key_value_heads` ({self.num_key_value_heads}) must equal "
+                f"`num_attention_heads` ({self.num_attention_heads}): the latent attention "
+                "expands its latent to every head (transformers' model fails otherwise)."
+            )
+        if self.tie_word_embeddings:
+            raise ValueError(
+                "The config's `tie_word_embeddings` must be false: transformers' "
+                "KimiLinearForCausalLM always has its own LM head."
+            )
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"The config's `num_experts_per_tok` ({self.num_experts_per_tok}) is more than "
+                f"its `num_experts` ({self.num_experts})."
+            )
+
+    @property
+    def mtp_num_hidden_layers(self) -> int:
+        """0: Kimi Linear has no multi-token-prediction head."""
+        return 0
+
+    @property
+    def router_aux_loss_coef(self) -> float:
+        """0.0: transformers' Kimi Linear adds no load-balancing loss (its experts are
+        balanced by the router's bias; see [`deltanet_cp.nn.SigmoidTopKRouter`][])."""
+        return 0.0
+
+    @property
+    def shared_expert_intermediate_size(self) -> int:
+        """The shared expert's width, `moe_intermediate_size * n_shared_experts`."""
+        return self.moe_intermediate_size * self.n_shared_experts
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s feed-forward is the sparse mixture-of-experts block."""
+        return self.mlp_layer_types[layer] == "sparse"
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any]) -> "KimiLinearConfig":
+        """From transformers' or Moonshot's `config.json` as a dict.
+
+        **Raises:**
+
+        `ValueError` naming the field if one is missing, of the wrong type or asks for what
+        is not supported (an activation other than SiLU, a router other than sigmoid, a
+        latent attention with a rotary part, tied embeddings), and if the config is another
+        model's (its `model_type`).
+        """
+        if not isinstance(config, Mapping):
+            raise ValueError(
+                f"The config must be a mapping (a JSON object); got {type(config).__name__}."
+            )
+        kind = config.get("model_type")
+        if kind is not None and kind != "kimi_linear":
+            owner = next((c for c in _CONFIGS if kind in c._MODEL_TYPES), None)
+            hint = f"; read it with deltanet_cp.models.{owner.__name__}" if owner else ""
+            raise ValueError(
+                f"The config is of model_type {kind!r}, not a KimiLinearConfig (model_type "
+                f"'kimi_linear'){hint}."
+            )
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in config.items() if k in fields}
+        for name, json_name in _KIMI_JSON_NAMES.items():
+            if json_name in config and name not in kwargs:
+                kwargs[name] = config[json_name]
+        if "num_local_experts" in config and "num_experts" not in kwargs:
+            kwargs["num_experts"] = config["num_local_experts"]
+        linear = config.get("linear_attn_config") or {}
+        if not isinstance(linear, Mapping):
+            raise ValueError(
+                f"The config's `linear_attn_config` must be a mapping; got {linear!r}."
+            )
+        for name, nested in (
+            ("linear_head_dim", "head_dim"),
+            ("linear_num_heads", "num_heads"),
+            ("linear_conv_kernel_dim", "short_conv_kernel_size"),
+        ):
+            if nested in linear:
+                kwargs[name] = linear[nested]
+        n = kwargs.get("num_hidden_layers")
+        if "layer_types" not in kwargs and "full_attn_layers" in linear and isinstance(n, int):
+            full = {as_config_int("full_attn_layers", i) for i in linear["full_attn_layers"]}
+            kwargs["layer_types"] = tuple(_LAYER_TYPES[i + 1 in full] for i in range(n))
+        if "mlp_layer_types" not in kwargs and isinstance(n, int):
+            first = as_config_int("first_k_dense_replace", config.get("first_k_dense_replace", 1))
+            kwargs["mlp_layer_types"] = tuple("dense" if i < first else "sparse" for i in range(n))
+        if config.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"Only hidden_act='silu' is supported; got {config['hidden_act']!r}.")
+        act = config.get("moe_router_activation_func", "sigmoid")
+        if act != "sigmoid":
+            raise ValueError(f"Only the sigmoid router is supported; the config asks for {act!r}.")
+        if not _bool("mla_use_nope", config.get("mla_use_nope", True)):
+            raise ValueError(
+                "Only the latent attention without a rotary embedding (`mla_use_nope`: true, "
+                "what transformers computes) is supported."
+            )
+        required = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.name not in kwargs
+        ]
+        if required:
+            raise ValueError(f"The config is missing {', '.join(f'`{n}`' for n in required)}.")
+        for name in ("layer_types", "mlp_layer_types", "eos_token_id"):
+            if isinstance(kwargs.get(name), list):
+                kwargs[name] = tuple(kwargs[name])
+        return cls(**kwargs)
+
+    def to_hf(self) -> dict[str, Any]:
+        """The inverse of `from_hf`: this config as transformers' `config.json` writes it
+        (`model_type` `"kimi_linear"`, its names for the aliased fields, `layer_types` and
+        `mlp_layer_types` spelled out), read back by `from_hf` and by transformers."""
+        out: dict[str, Any] = {"model_type": "kimi_linear", "hidden_act": "silu"}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            name = _KIMI_JSON_NAMES.get(f.name, f.name)
+            out[name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "KimiLinearConfig":
+        """From a `config.json` file, or a directory holding one: see `from_hf`."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            config = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"Cannot read {str(path)!r} as JSON: {e}.") from None
+        try:
+            return cls.from_hf(config)
+        except ValueError as e:
+            raise ValueError(f"In {str(path)!r}: {e}") from None
+
+
+def _setter(obj):
+    """A setter of a frozen dataclass's fields (inside its `__post_init__`)."""
+    return lambda name, value: object.__setattr__(obj, name, value)

@@ -16,17 +16,17 @@ from .._sharding import varying
 from ..nn import FSDP
 from ..nn._moe import ExpertAxis, RouterStats, SparseMoE
 from ..nn._schedule import KVSchedule
-from ._decoder_layer import Qwen3_5DecoderLayer, Remat
+from ._decoder_layer import AbstractDecoderLayer, Remat
 
 
-def _signature(layer: Qwen3_5DecoderLayer) -> tuple[Any, ...]:
+def _signature(layer: AbstractDecoderLayer) -> tuple[Any, ...]:
     """What two layers must share to be stacked: the tree (static fields included) and
     every array's shape and dtype."""
     leaves, treedef = jax.tree.flatten(layer)
     return (treedef, tuple((jnp.shape(a), jnp.result_type(a)) for a in leaves))
 
 
-def layer_period(layers: Sequence[Qwen3_5DecoderLayer]) -> int:
+def layer_period(layers: Sequence[AbstractDecoderLayer]) -> int:
     """The shortest period `p` of the layers' pattern: layer `i` and layer `i + p` are alike
     (the same token mixer, feed-forward, shapes and dtypes) for every `i`; `len(layers)` if
     the pattern does not repeat."""
@@ -75,11 +75,11 @@ class Qwen3_5LayerStack(eqx.Module):
     - `rest`: the layers after the last whole period, unstacked.
     """
 
-    period: tuple[Qwen3_5DecoderLayer, ...]
-    rest: tuple[Qwen3_5DecoderLayer, ...]
+    period: tuple[AbstractDecoderLayer, ...]
+    rest: tuple[AbstractDecoderLayer, ...]
 
     @classmethod
-    def stack(cls, layers: Sequence[Qwen3_5DecoderLayer]) -> "Qwen3_5LayerStack":
+    def stack(cls, layers: Sequence[AbstractDecoderLayer]) -> "Qwen3_5LayerStack":
         """Stack `layers` (a model's, in order) by their shortest period (see
         `layer_period`); the stacked parameters are the layers' own, exactly."""
         layers = tuple(layers)
@@ -98,7 +98,7 @@ class Qwen3_5LayerStack(eqx.Module):
     def __len__(self) -> int:
         return len(self.period) * self.num_groups + len(self.rest)
 
-    def __getitem__(self, i: int) -> Qwen3_5DecoderLayer:
+    def __getitem__(self, i: int) -> AbstractDecoderLayer:
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"layer {i} out of range for {n} layers")
@@ -109,17 +109,17 @@ class Qwen3_5LayerStack(eqx.Module):
         g = i // p
         return jax.tree.map(lambda a: _index(a, g), self.period[i % p])
 
-    def __iter__(self) -> Iterator[Qwen3_5DecoderLayer]:
+    def __iter__(self) -> Iterator[AbstractDecoderLayer]:
         return (self[i] for i in range(len(self)))
 
-    def unstack(self) -> tuple[Qwen3_5DecoderLayer, ...]:
+    def unstack(self) -> tuple[AbstractDecoderLayer, ...]:
         """Every layer, unstacked, in order (the inverse of `stack`)."""
         return tuple(self)
 
 
 def stack_layers(
-    layers: tuple[Qwen3_5DecoderLayer, ...], scan_layers: bool
-) -> tuple[Qwen3_5DecoderLayer, ...] | Qwen3_5LayerStack:
+    layers: tuple[AbstractDecoderLayer, ...], scan_layers: bool
+) -> tuple[AbstractDecoderLayer, ...] | Qwen3_5LayerStack:
     """A model's `layers` field: the tuple, or with `scan_layers` its
     [`deltanet_cp.models.Qwen3_5LayerStack`][]."""
     if not isinstance(scan_layers, bool):
@@ -128,7 +128,7 @@ def stack_layers(
 
 
 def run_group(
-    group: Sequence[Qwen3_5DecoderLayer],
+    group: Sequence[AbstractDecoderLayer],
     x: jax.Array,
     stats: RouterStats | None,
     cp: ContextParallel | None,
@@ -162,7 +162,7 @@ def run_group(
     return x, stats
 
 
-def _gathered_call(layer: Qwen3_5DecoderLayer, fsdp: FSDP, j: int, *args):
+def _gathered_call(layer: AbstractDecoderLayer, fsdp: FSDP, j: int, *args):
     """Layer `j` of a group (its specs `fsdp.specs[j]`) gathered, then run on `args`."""
     return fsdp.gather(layer, lambda specs: specs[j])(*args, remat="none")
 
@@ -171,7 +171,7 @@ def _is_spec(x) -> bool:
     return isinstance(x, P)
 
 
-def _group_specs(specs: Qwen3_5DecoderLayer) -> Qwen3_5DecoderLayer:
+def _group_specs(specs: AbstractDecoderLayer) -> AbstractDecoderLayer:
     """The specs of one group's layer from those of its stack (the leading `None` of the
     group axis dropped)."""
 
@@ -188,7 +188,7 @@ def _group_specs(specs: Qwen3_5DecoderLayer) -> Qwen3_5DecoderLayer:
 
 
 def check_fsdp_layers(
-    layers: "tuple[Qwen3_5DecoderLayer, ...] | Qwen3_5LayerStack", fsdp: FSDP
+    layers: "tuple[AbstractDecoderLayer, ...] | Qwen3_5LayerStack", fsdp: FSDP
 ) -> None:
     """A `ValueError` if `fsdp`'s specs hold the layers otherwise than `layers` (stacked or a
     tuple): specs taken from the other form of the model."""
@@ -208,7 +208,7 @@ def _layer_fsdp(fsdp: FSDP | None, where: Callable[[Any], tuple[Any, ...]]) -> F
 
 
 def run_layers(
-    layers: "tuple[Qwen3_5DecoderLayer, ...] | Qwen3_5LayerStack",
+    layers: "tuple[AbstractDecoderLayer, ...] | Qwen3_5LayerStack",
     x: jax.Array,
     cp: ContextParallel | None,
     kv_schedule: KVSchedule,

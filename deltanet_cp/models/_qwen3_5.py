@@ -9,7 +9,7 @@ from .._options import engine_options, EngineOptions
 from .._precision import PrecisionName
 from .._run import Memory
 from ..nn._norm import ZeroCenteredRMSNorm
-from ._causal_lm import AbstractQwenForCausalLM, init_model
+from ._causal_lm import AbstractCausalLM, init_model
 from ._config import Qwen3_5Config
 from ._decoder_layer import Qwen3_5DecoderLayer
 from ._layer_stack import Qwen3_5LayerStack
@@ -17,7 +17,7 @@ from ._mtp import Qwen3_5MTP
 from ._weights import load
 
 
-class Qwen3_5ForCausalLM(AbstractQwenForCausalLM[Qwen3_5Config]):
+class Qwen3_5ForCausalLM(AbstractCausalLM[Qwen3_5Config]):
     """The Qwen3.5 dense text model: what transformers' `Qwen3_5ForCausalLM` computes.
 
     Embedding; `num_hidden_layers` pre-norm residual blocks whose token mixer is a

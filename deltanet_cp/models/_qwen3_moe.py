@@ -10,7 +10,7 @@ from .._options import engine_options, EngineOptions
 from .._precision import PrecisionName
 from .._run import Memory
 from ..nn._norm import ZeroCenteredRMSNorm
-from ._causal_lm import AbstractQwenForCausalLM, init_model
+from ._causal_lm import AbstractCausalLM, init_model
 from ._config import Qwen3_5MoeConfig, Qwen3NextConfig
 from ._decoder_layer import Qwen3_5DecoderLayer
 from ._layer_stack import Qwen3_5LayerStack
@@ -18,7 +18,7 @@ from ._mtp import Qwen3_5MTP
 from ._weights import load
 
 
-class Qwen3NextForCausalLM(AbstractQwenForCausalLM[Qwen3NextConfig]):
+class Qwen3NextForCausalLM(AbstractCausalLM[Qwen3NextConfig]):
     """The Qwen3-Next text model: what transformers' `Qwen3NextForCausalLM` computes.
 
     [`deltanet_cp.models.Qwen3_5ForCausalLM`][]'s layers (Gated DeltaNet and gated
@@ -139,7 +139,7 @@ class Qwen3NextForCausalLM(AbstractQwenForCausalLM[Qwen3NextConfig]):
         )
 
 
-class Qwen3_5MoeForCausalLM(AbstractQwenForCausalLM[Qwen3_5MoeConfig]):
+class Qwen3_5MoeForCausalLM(AbstractCausalLM[Qwen3_5MoeConfig]):
     """The Qwen3.5 MoE text model: what transformers' `Qwen3_5MoeForCausalLM` computes.
 
     [`deltanet_cp.models.Qwen3_5ForCausalLM`][]'s layers with, in every layer, a sparse

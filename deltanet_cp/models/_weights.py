@@ -1,5 +1,5 @@
-"""Hugging Face safetensors checkpoints for the Qwen3.5 dense, Qwen3-Next and Qwen3.5 MoE models:
-every tensor by name."""
+"""Hugging Face safetensors checkpoints for the Qwen3.5 dense, Qwen3-Next, Qwen3.5 MoE and Kimi
+Linear models: every tensor by name."""
 
 import dataclasses
 import os
@@ -18,8 +18,10 @@ from .._run import Memory
 from ..interop._checkpoint import check_dtype, open_folder, save_folder
 from ..interop._hf import fuse_qwen3_next_projections, split_qwen3_next_projections
 from ..nn._gated_delta_net import GatedDeltaNet
+from ..nn._kimi_delta_attention import KimiDeltaAttention
+from ..nn._latent_attention import MultiHeadLatentAttention
 from ..nn._moe import SparseMoE
-from ._config import Qwen3NextConfig
+from ._config import KimiLinearConfig, Qwen3NextConfig
 from ._layer_stack import stack_layers
 
 
@@ -84,6 +86,8 @@ class _Group:
     params: tuple[Callable, ...]
     convert: Callable[[list[Any]], list[Any]]
     to_hf: Callable[[list[np.ndarray]], list[np.ndarray]]
+    # Kept in float32 whatever `dtype` a load or save asks for (Kimi Linear's router).
+    float32: bool = False
 
 
 def _one(name: str, get: Callable, ours: tuple[int, ...], to_hf: Callable | None) -> _Group:
@@ -209,6 +213,219 @@ def _groups(
     return out
 
 
+def _split(names: tuple[str, ...], shapes, get: Callable, ours: tuple[int, ...], axis: int = 0):
+    """Tensors concatenated along `axis` into one parameter (of shape `ours`)."""
+    sizes = np.cumsum([s[axis] for s in shapes])[:-1]
+
+    def convert(xs):
+        return [jnp.concatenate([x.reshape(s) for x, s in zip(xs, shapes)], axis).reshape(ours)]
+
+    def to_hf(ps):
+        return [
+            np.ascontiguousarray(x)
+            for x in np.split(ps[0].reshape(_joined(shapes, axis)), sizes, axis)
+        ]
+
+    return _Group(names, tuple(shapes), (get,), convert, to_hf)
+
+
+def _joined(shapes, axis: int) -> tuple[int, ...]:
+    first = list(shapes[0])
+    first[axis] = sum(s[axis] for s in shapes)
+    return tuple(first)
+
+
+def _kimi_groups(model, has: Callable[[str], bool], fused: bool) -> list[_Group]:
+    """Every parameter's group of a Kimi Linear checkpoint's tensors. The names and layout
+    of each layer as `has` (whether the checkpoint holds a name; `lambda _: False` when
+    writing) finds them: Moonshot's (the released checkpoints', what transformers'
+    `save_pretrained` writes: the KDA's `q_conv1d`, `k_conv1d`, `v_conv1d`, `f_a_proj`,
+    `A_log` ... beside the projections, the sparse blocks under `block_sparse_moe.` with
+    one tensor per expert, `w1` / `w3` / `w2`) or transformers' module names (`conv1d`, the
+    gate under `forget_gate.`, `mlp.`, the experts fused when `fused`)."""
+    out = [
+        _one("model.embed_tokens.weight", lambda m: m.embed.weight, model.embed.weight.shape, None),
+        _one("model.norm.weight", lambda m: m.norm.weight, model.norm.weight.shape, None),
+    ]
+    assert model.lm_head is not None
+    out.append(_one("lm_head.weight", lambda m: m.lm_head.weight, model.lm_head.weight.shape, None))
+    for i, block in enumerate(model.layers):
+        prefix, at = f"model.layers.{i}.", _main_layer(i)
+        for name, get in (
+            ("input_layernorm.weight", lambda b: b.input_layernorm.weight),
+            ("post_attention_layernorm.weight", lambda b: b.post_attention_layernorm.weight),
+        ):
+            out.append(_one(prefix + name, _at(at, get), get(block).shape, None))
+        mixer = block.mixer
+        if isinstance(mixer, KimiDeltaAttention):
+            out += _kda(prefix + "self_attn.", at, mixer, has)
+        else:
+            out += _mla(prefix + "self_attn.", at, mixer)
+        if isinstance(block.mlp, SparseMoE):
+            moe = block.mlp
+            per_expert = any(has(f"{prefix}block_sparse_moe.{n}") for n in ("gate.weight",))
+            sparse = f"{prefix}mlp." if fused and not per_expert else f"{prefix}block_sparse_moe."
+            for name, get in (
+                ("gate.weight", lambda b: b.mlp.gate.weight),
+                ("gate.e_score_correction_bias", lambda b: b.mlp.gate.e_score_correction_bias),
+            ):
+                g = _one(sparse + name, _at(at, get), get(block).shape, None)
+                out.append(dataclasses.replace(g, float32=True))
+            for part in ("gate_proj", "up_proj", "down_proj"):
+                get = _shared(part)
+                out.append(
+                    _one(
+                        f"{sparse}shared_experts.{part}.weight",
+                        _at(at, get),
+                        get(block).shape,
+                        None,
+                    )
+                )
+            out += _kimi_experts(sparse, at, moe, fused and not per_expert)
+        else:
+            dense = (
+                f"{prefix}block_sparse_moe."
+                if has(f"{prefix}block_sparse_moe.gate_proj.weight")
+                else f"{prefix}mlp."
+            )
+            for part in ("gate_proj", "up_proj", "down_proj"):
+                get = _dense(part)
+                out.append(_one(f"{dense}{part}.weight", _at(at, get), get(block).shape, None))
+    return out
+
+
+def _shared(part: str) -> Callable:
+    return lambda b: getattr(b.mlp.shared_expert, part).weight
+
+
+def _dense(part: str) -> Callable:
+    return lambda b: getattr(b.mlp, part).weight
+
+
+def _kda(
+    prefix: str, at: Callable, kda: KimiDeltaAttention, has: Callable[[str], bool]
+) -> list[_Group]:
+    """A Kimi Delta Attention layer's groups: Moonshot's names, or transformers' (one
+    `conv1d`, the gate under `forget_gate.`) if the checkpoint holds those."""
+    h, dk, width = kda.num_heads, kda.head_dim, kda.conv1d.weight.shape[-1]
+    wide = h * dk
+    transformers_layout = has(prefix + "conv1d.weight") or has(prefix + "forget_gate.A_log")
+    gate = prefix + ("forget_gate." if transformers_layout else "")
+
+    def field(get):
+        return _at(at, lambda b: get(b.mixer))
+
+    out = [
+        _split(
+            tuple(f"{prefix}{x}_proj.weight" for x in "qkv"),
+            [(wide, kda.hidden_size)] * 3,
+            field(lambda m: m.in_proj_qkv.weight),
+            (3 * wide, kda.hidden_size),
+        )
+    ]
+    if transformers_layout:
+        out.append(
+            _one(
+                prefix + "conv1d.weight",
+                field(lambda m: m.conv1d.weight),
+                (3 * wide, width),
+                lambda s: (s[0], 1, s[1]),
+            )
+        )
+    else:
+        out.append(
+            _split(
+                tuple(f"{prefix}{x}_conv1d.weight" for x in "qkv"),
+                [(wide, 1, width)] * 3,
+                field(lambda m: m.conv1d.weight),
+                (3 * wide, width),
+            )
+        )
+    out += [
+        _one(
+            gate + "f_a_proj.weight",
+            field(lambda m: m.f_a_proj.weight),
+            (dk, kda.hidden_size),
+            None,
+        ),
+        _one(gate + "f_b_proj.weight", field(lambda m: m.f_b_proj.weight), (wide, dk), None),
+        _one(gate + "dt_bias", field(lambda m: m.dt_bias), (h, dk), lambda s: (s[0] * s[1],)),
+        _one(gate + "A_log", field(lambda m: m.A_log), (h,), lambda s: (1, 1, s[0], 1)),
+    ]
+    for name, get in (
+        ("b_proj.weight", lambda m: m.b_proj.weight),
+        ("g_a_proj.weight", lambda m: m.g_a_proj.weight),
+        ("g_b_proj.weight", lambda m: m.g_b_proj.weight),
+        ("o_norm.weight", lambda m: m.norm.weight),
+        ("o_proj.weight", lambda m: m.out_proj.weight),
+    ):
+        out.append(_one(prefix + name, field(get), get(kda).shape, None))
+    return out
+
+
+def _mla(prefix: str, at: Callable, mla: MultiHeadLatentAttention) -> list[_Group]:
+    """A multi-head latent attention layer's tensors: its parameters by transformers' names
+    (`q_proj` or `q_a_proj` / `q_a_layernorm` / `q_b_proj`, `kv_a_proj_with_mqa`,
+    `kv_a_layernorm`, `kv_b_proj`, `o_proj`, with their biases if any)."""
+    out = []
+    for field in (
+        "q_proj",
+        "q_a_proj",
+        "q_a_layernorm",
+        "q_b_proj",
+        "kv_a_proj_with_mqa",
+        "kv_a_layernorm",
+        "kv_b_proj",
+        "o_proj",
+    ):
+        module = getattr(mla, field)
+        if module is None:
+            continue
+        for part in ("weight", "bias"):
+            if getattr(module, part, None) is None:
+                continue
+            get = _mla_param(field, part)
+            out.append(_one(f"{prefix}{field}.{part}", _at(at, get), get(mla).shape, None))
+    return out
+
+
+def _mla_param(field: str, part: str) -> Callable:
+    """`mixer.field.part` of a decoder layer (or, given the mixer, of it)."""
+
+    def get(b):
+        mixer = b if isinstance(b, MultiHeadLatentAttention) else b.mixer
+        return getattr(getattr(mixer, field), part)
+
+    return get
+
+
+def _kimi_experts(prefix: str, at: Callable, moe: SparseMoE, fused: bool) -> list[_Group]:
+    """Kimi Linear's routed experts: transformers' fused `experts.gate_up_proj` /
+    `experts.down_proj`, or Moonshot's `experts.{j}.w1` (gate), `w3` (up), `w2` (down)."""
+    if fused:
+        return _experts(prefix[: -len("mlp.")], at, moe, True)
+    e, inter, hidden = moe.experts.gate_proj.shape
+
+    def get(field):
+        return lambda m: getattr(at(m).mlp.experts, field)
+
+    shapes = {
+        "w1": ("gate_proj", (inter, hidden)),
+        "w3": ("up_proj", (inter, hidden)),
+        "w2": ("down_proj", (hidden, inter)),
+    }
+    return [
+        _Group(
+            tuple(f"{prefix}experts.{j}.{w}.weight" for j in range(e)),
+            (shape,) * e,
+            (get(field),),
+            lambda xs: [jnp.stack(xs)],
+            lambda ps: list(ps[0]),
+        )
+        for w, (field, shape) in shapes.items()
+    ]
+
+
 def _main_layer(i: int) -> Callable:
     return lambda m: m.layers[i]
 
@@ -287,19 +504,23 @@ def load(
         # The config asks for a head the checkpoint does not hold (transformers writes its
         # config's `mtp_num_hidden_layers` but no `mtp.*` tensors): the model has none.
         skeleton = eqx.tree_at(lambda m: m.mtp, skeleton, None)
-    nested = any(n.startswith("model.language_model.") for n in tensors)
-    base = "model.language_model." if nested else "model."
-    groups = _groups(
-        skeleton,
-        base,
-        lambda prefix: any(
-            prefix + "linear_attn." + n in tensors
-            for n in ("in_proj_qkvz.weight", "in_proj_ba.weight")
-        ),
-        lambda prefix: any(
-            prefix + "mlp.experts." + n in tensors for n in ("gate_up_proj", "down_proj")
-        ),
-    )
+    if isinstance(config, KimiLinearConfig):
+        fused = any(n.endswith(".mlp.experts.gate_up_proj") for n in tensors)
+        groups = _kimi_groups(skeleton, tensors.__contains__, fused)
+    else:
+        nested = any(n.startswith("model.language_model.") for n in tensors)
+        base = "model.language_model." if nested else "model."
+        groups = _groups(
+            skeleton,
+            base,
+            lambda prefix: any(
+                prefix + "linear_attn." + n in tensors
+                for n in ("in_proj_qkvz.weight", "in_proj_ba.weight")
+            ),
+            lambda prefix: any(
+                prefix + "mlp.experts." + n in tensors for n in ("gate_up_proj", "down_proj")
+            ),
+        )
     expected = {name for g in groups for name in g.names}
     skipped = tuple(p for p in _SKIPPED if p != "mtp." or skeleton.mtp is None)
     skipped += ("lm_head.weight",) if skeleton.lm_head is None else ()
@@ -331,7 +552,8 @@ def load(
         for get, x in zip(g.params, g.convert(xs)):
             assert x.shape == get(skeleton).shape, (g.names[0], x.shape)
             getters.append(get)
-            values.append(x if dtype is None else x.astype(dtype))
+            keep = dtype is None or g.float32
+            values.append(x.astype(jnp.float32) if g.float32 else x if keep else x.astype(dtype))
     model = eqx.tree_at(lambda m: [get(m) for get in getters], skeleton, values)
     left = [x for x in jax.tree.leaves(model) if isinstance(x, jax.ShapeDtypeStruct)]
     assert not left, f"{len(left)} parameters were not loaded"
@@ -362,7 +584,8 @@ def save(
     writes its own checkpoints' layout (fused, head-grouped Gated DeltaNet projections; one
     tensor per expert), Qwen3.5 (MoE) its own (separate projections; fused experts)."""
     qwen3_next = isinstance(model.config, Qwen3NextConfig)
-    default_experts = "per_expert" if qwen3_next else "fused"
+    kimi = isinstance(model.config, KimiLinearConfig)
+    default_experts = "per_expert" if qwen3_next or kimi else "fused"
     check_dtype(dtype)
     sparse = any(isinstance(block.mlp, SparseMoE) for block in model.layers)
     if experts is not None and experts not in ("fused", "per_expert"):
@@ -373,11 +596,15 @@ def save(
             f"{type(model).__name__} has none. Pass `experts=None`."
         )
     fused = (experts or default_experts) == "fused"
-    groups = _groups(model, "model.", lambda _: qwen3_next, lambda _: fused)
+    if kimi:
+        groups = _kimi_groups(model, lambda _: False, fused)
+    else:
+        groups = _groups(model, "model.", lambda _: qwen3_next, lambda _: fused)
     out_dtype = None if dtype is None else np.dtype(jnp.dtype(dtype))
     layout: dict[str, tuple[tuple[int, ...], Any]] = {}
     for g in groups:
-        kind = out_dtype or np.dtype(jnp.result_type(*(get(model).dtype for get in g.params)))
+        own = np.dtype(jnp.result_type(*(get(model).dtype for get in g.params)))
+        kind = own if g.float32 or out_dtype is None else out_dtype
         for name, shape in zip(g.names, g.shapes):
             layout[name] = (shape, kind)
     config = {"architectures": [type(model).__name__], **model.config.to_hf()}

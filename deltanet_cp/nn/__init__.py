@@ -39,6 +39,7 @@ from ._moe import (
     expert_partition_specs as expert_partition_specs,
     load_balancing_loss as load_balancing_loss,
     RouterStats as RouterStats,
+    SigmoidTopKRouter as SigmoidTopKRouter,
     SparseMoE as SparseMoE,
     SwiGLUExperts as SwiGLUExperts,
 )

@@ -2,7 +2,7 @@
 router, SwiGLU experts run dropless as grouped matmuls, and a gated shared expert."""
 
 import functools as ft
-from typing import cast
+from typing import cast, Literal
 
 import equinox as eqx
 import jax
@@ -36,9 +36,19 @@ class RouterStats(eqx.Module):
     - `counts`: `(experts,)`, how many times each expert was chosen (each token chooses
         `top_k`), float32.
     - `probabilities`: `(experts,)`, the router's probabilities (softmax over all experts)
-        summed over the tokens, float32.
+        summed over the tokens, float32. For the sigmoid router
+        ([`deltanet_cp.nn.SigmoidTopKRouter`][]), each token's sigmoid scores divided by
+        their sum over the experts (DeepSeek-V3's normalised affinities $s'$).
     - `tokens`: how many tokens (routing decisions) the sums are over, float32 (with a
         `token_mask`, the masked ones).
+
+    For the sigmoid router, transformers' Kimi Linear computes no load-balancing loss
+    (its configs have no `router_aux_loss_coef`): Kimi Linear balances its experts without
+    one, by the router's `e_score_correction_bias`, which a training loop moves from the
+    `counts` (see [`deltanet_cp.nn.SigmoidTopKRouter`][]). With these probabilities,
+    [`deltanet_cp.nn.load_balancing_loss`][] is `top_k` times DeepSeek-V3's complementary
+    sequence-wise balance loss (without its weight) over the tokens summed, for those who
+    want one.
     """
 
     counts: Float[Array, " experts"]
@@ -460,24 +470,149 @@ class SwiGLUExperts(eqx.Module):
         return self.gate_proj, self.up_proj, self.down_proj
 
 
-class SparseMoE(eqx.Module):
-    """The sparse mixture-of-experts block of Qwen3-Next and Qwen3.5 MoE.
+class SigmoidTopKRouter(eqx.Module):
+    r"""The router of Kimi Linear (and DeepSeek-V3): sigmoid scores, a bias that steers the
+    choice of experts but not their weights, and grouped top-k.
 
-    Per token: router logits `gate(x)` (`(E,)`, no bias); a softmax over all `E` experts in
-    float32; the `top_k` most probable experts, their probabilities renormalised to sum to
-    one if `norm_topk_prob`; the routed experts' outputs weighted by them
-    ([`deltanet_cp.nn.SwiGLUExperts`][]); plus a shared expert (a SwiGLU MLP) scaled by
-    `sigmoid(shared_expert_gate(x))`. What transformers' `Qwen3NextSparseMoeBlock` /
-    `Qwen3_5MoeSparseMoeBlock` compute.
+    Per token, in float32: scores $s = \sigma(W x)$; the choice scores $s + b$ (`b` the
+    `e_score_correction_bias`); the experts in `n_group` groups of equal size, each group
+    scored by the sum of its two best choice scores; the `topk_group` best groups kept;
+    the `top_k` best choice scores among their experts chosen; each chosen expert's weight
+    its score $s_e$ (without the bias), divided by the chosen scores' sum (plus
+    $10^{-20}$) if `norm_topk_prob`, times `routed_scaling_factor`. What transformers'
+    `KimiLinearTopkRouter` computes.
+
+    The bias enters only through the choice (integer ids): its gradient is zero. Kimi
+    Linear and DeepSeek-V3 train it outside the loss ("auxiliary-loss-free" balancing:
+    after each step, raise the bias of the experts chosen less than average and lower it
+    for those chosen more, from the counts of [`deltanet_cp.nn.RouterStats`][]); keep it
+    out of weight decay.
+
+    **Fields:**
+
+    - `weight`: `(experts, hidden)`, float32 whatever the model's dtype (transformers keeps
+        it in float32).
+    - `e_score_correction_bias`: `(experts,)`, float32.
+    """
+
+    weight: Float[Array, "experts hidden"]
+    e_score_correction_bias: Float[Array, " experts"]
+    top_k: int = eqx.field(static=True)
+    n_group: int = eqx.field(static=True)
+    topk_group: int = eqx.field(static=True)
+    norm_topk_prob: bool = eqx.field(static=True)
+    routed_scaling_factor: float = eqx.field(static=True)
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        n_group: int = 1,
+        topk_group: int = 1,
+        norm_topk_prob: bool = True,
+        routed_scaling_factor: float = 1.0,
+        key: PRNGKeyArray,
+    ):
+        r"""**Arguments:**
+
+        - `hidden_size`: the model width.
+        - `num_experts`: `E`.
+        - `top_k`: the experts each token is routed to.
+        - `n_group`: the groups the experts are split into (`E` a multiple of it, at least
+            two experts per group when `n_group > 1`).
+        - `topk_group`: the groups kept per token, at most `n_group`; their experts must
+            number at least `top_k`.
+        - `norm_topk_prob`: divide the chosen scores by their sum.
+        - `routed_scaling_factor`: multiply the weights by it.
+        - `key`: a PRNG key for the weight (uniform in $\pm 1/\sqrt{\text{hidden}}$); the
+            bias starts at zeros.
+
+        **Raises:**
+
+        `ValueError` naming the argument if the grouping does not fit the experts.
+        """
+        h = as_positive_index(hidden_size, "hidden_size")
+        e = as_positive_index(num_experts, "num_experts")
+        k = as_positive_index(top_k, "top_k")
+        groups = as_positive_index(n_group, "n_group")
+        kept = as_positive_index(topk_group, "topk_group")
+        if e % groups or (groups > 1 and e // groups < 2):
+            raise ValueError(
+                f"`n_group` ({groups}) must divide the {e} experts into groups of at least two "
+                "(each group is scored by its two best experts)."
+            )
+        if kept > groups or k > kept * (e // groups):
+            raise ValueError(
+                f"`topk_group` ({kept}) must be at most `n_group` ({groups}) and keep at least "
+                f"`top_k` ({k}) experts ({e // groups} per group)."
+            )
+        lim = 1 / h**0.5
+        self.weight = jr.uniform(key, (e, h), jnp.float32, -lim, lim)
+        self.e_score_correction_bias = jnp.zeros((e,), jnp.float32)
+        self.top_k = k
+        self.n_group = groups
+        self.topk_group = kept
+        self.norm_topk_prob = as_flag(norm_topk_prob, "`norm_topk_prob`")
+        self.routed_scaling_factor = float(routed_scaling_factor)
+
+    def __call__(
+        self, x: Float[Array, "seq hidden"]
+    ) -> tuple[Float[Array, "seq experts"], Int[Array, "seq k"], Float[Array, "seq k"]]:
+        """**Arguments:**
+
+        - `x`: the tokens, `(seq, hidden)`.
+
+        **Returns:**
+
+        `(scores, experts, weights)`: the sigmoid scores of every expert, the `top_k`
+        chosen experts (best choice score first; ties to the lower id) and their weights,
+        float32 (float64 for a float64 router).
+        """
+        w = self.weight
+        ct = accumulation_dtype(w)
+        logits = jnp.matmul(x.astype(ct), w.astype(ct).T, precision=jax.lax.Precision.HIGHEST)
+        scores = jax.nn.sigmoid(logits)
+        choice = scores + self.e_score_correction_bias.astype(ct)[None]
+        t, e = choice.shape
+        if self.topk_group < self.n_group:
+            grouped = choice.reshape(t, self.n_group, e // self.n_group)
+            group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+            _, kept = jax.lax.top_k(group_scores, self.topk_group)
+            keep = jnp.any(kept[:, :, None] == jnp.arange(self.n_group)[None, None], axis=1)
+            keep = jnp.repeat(keep, e // self.n_group, axis=-1)
+            choice = jnp.where(keep, choice, -jnp.inf)
+        _, experts = jax.lax.top_k(choice, self.top_k)
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+        return scores, experts, weights * self.routed_scaling_factor
+
+
+class SparseMoE(eqx.Module):
+    """The sparse mixture-of-experts block of Qwen3-Next, Qwen3.5 MoE and Kimi Linear.
+
+    Per token, with the default softmax router: router logits `gate(x)` (`(E,)`, no bias);
+    a softmax over all `E` experts in float32; the `top_k` most probable experts, their
+    probabilities renormalised to sum to one if `norm_topk_prob`; the routed experts'
+    outputs weighted by them ([`deltanet_cp.nn.SwiGLUExperts`][]); plus a shared expert
+    (a SwiGLU MLP) scaled by `sigmoid(shared_expert_gate(x))`. What transformers'
+    `Qwen3NextSparseMoeBlock` / `Qwen3_5MoeSparseMoeBlock` compute.
+
+    With `router="sigmoid"` the router is a [`deltanet_cp.nn.SigmoidTopKRouter`][]
+    (sigmoid scores, a bias for the choice only, grouped top-k, a scaling factor), and
+    with `shared_expert_gate=False` the shared expert's output is added ungated: what
+    transformers' `KimiLinearMoE` computes.
 
     Called on one sequence, `(seq, hidden)`, it also returns the routing's
     [`deltanet_cp.nn.RouterStats`][], for [`deltanet_cp.nn.load_balancing_loss`][].
     """
 
-    gate: eqx.nn.Linear
+    gate: eqx.nn.Linear | SigmoidTopKRouter
     experts: SwiGLUExperts
     shared_expert: SwiGLU
-    shared_expert_gate: eqx.nn.Linear
+    shared_expert_gate: eqx.nn.Linear | None
     top_k: int = eqx.field(static=True)
     norm_topk_prob: bool = eqx.field(static=True)
 
@@ -490,6 +625,11 @@ class SparseMoE(eqx.Module):
         shared_intermediate_size: int,
         *,
         norm_topk_prob: bool = True,
+        router: Literal["softmax", "sigmoid"] = "softmax",
+        n_group: int = 1,
+        topk_group: int = 1,
+        routed_scaling_factor: float = 1.0,
+        shared_expert_gate: bool = True,
         key: PRNGKeyArray,
         dtype=None,
     ):
@@ -502,13 +642,22 @@ class SparseMoE(eqx.Module):
         - `shared_intermediate_size`: the shared expert's hidden width.
         - `norm_topk_prob`: renormalise the `top_k` probabilities to sum to one (Qwen3.5
             MoE always does; Qwen3-Next's config says).
+        - `router`: `"softmax"` (Qwen's: `gate` an `equinox.nn.Linear`) or `"sigmoid"`
+            (Kimi Linear's: `gate` a [`deltanet_cp.nn.SigmoidTopKRouter`][], float32).
+        - `n_group`, `topk_group`, `routed_scaling_factor`: the sigmoid router's grouped
+            top-k and scale (see [`deltanet_cp.nn.SigmoidTopKRouter`][]); only with
+            `router="sigmoid"`.
+        - `shared_expert_gate`: scale the shared expert by `sigmoid(shared_expert_gate(x))`
+            (Qwen's), or add it ungated (`False`, Kimi Linear's).
         - `key`: a PRNG key for the initial parameters.
-        - `dtype`: the parameter dtype; the default floating dtype if `None`.
+        - `dtype`: the parameter dtype; the default floating dtype if `None` (the sigmoid
+            router is float32 whatever it is).
 
         **Raises:**
 
-        `ValueError` if `top_k` is not in `[1, num_experts]`, or `norm_topk_prob` is not a
-        bool.
+        `ValueError` if `top_k` is not in `[1, num_experts]`, `norm_topk_prob` or
+        `shared_expert_gate` is not a bool, `router` is not one of the two, or the grouping
+        is given to the softmax router or does not fit the experts.
         """
         e = as_positive_index(num_experts, "num_experts")
         k = as_positive_index(top_k, "top_k")
@@ -517,13 +666,36 @@ class SparseMoE(eqx.Module):
                 f"`top_k` ({k}) is more than the {e} experts: each token is routed to `top_k` "
                 f"distinct experts, so pass at most {e}."
             )
+        if router not in ("softmax", "sigmoid"):
+            raise ValueError(f"`router` must be 'softmax' or 'sigmoid'; got {router!r}.")
+        if router == "softmax" and (n_group, topk_group, routed_scaling_factor) != (1, 1, 1.0):
+            raise ValueError(
+                "`n_group`, `topk_group` and `routed_scaling_factor` are the sigmoid router's; "
+                "pass `router='sigmoid'` or leave them at their defaults."
+            )
+        gated = as_flag(shared_expert_gate, "`shared_expert_gate`")
         kr, ke, ks, kg = jr.split(key, 4)
-        self.gate = eqx.nn.Linear(hidden_size, e, use_bias=False, key=kr, dtype=dtype)
+        norm = as_flag(norm_topk_prob, "`norm_topk_prob`")
+        if router == "softmax":
+            self.gate = eqx.nn.Linear(hidden_size, e, use_bias=False, key=kr, dtype=dtype)
+        else:
+            self.gate = SigmoidTopKRouter(
+                hidden_size,
+                e,
+                k,
+                n_group=n_group,
+                topk_group=topk_group,
+                norm_topk_prob=norm,
+                routed_scaling_factor=routed_scaling_factor,
+                key=kr,
+            )
         self.experts = SwiGLUExperts(e, hidden_size, intermediate_size, key=ke, dtype=dtype)
         self.shared_expert = SwiGLU(hidden_size, shared_intermediate_size, key=ks, dtype=dtype)
-        self.shared_expert_gate = eqx.nn.Linear(hidden_size, 1, use_bias=False, key=kg, dtype=dtype)
+        self.shared_expert_gate = (
+            eqx.nn.Linear(hidden_size, 1, use_bias=False, key=kg, dtype=dtype) if gated else None
+        )
         self.top_k = k
-        self.norm_topk_prob = as_flag(norm_topk_prob, "`norm_topk_prob`")
+        self.norm_topk_prob = norm
 
     def route(
         self, x: Float[Array, "seq hidden"]
@@ -540,9 +712,13 @@ class SparseMoE(eqx.Module):
 
         `(probabilities, experts, weights)`: the softmax over all experts, the `top_k`
         chosen experts (most probable first) and their weights (renormalised if
-        `norm_topk_prob`, in `x`'s dtype).
+        `norm_topk_prob`, in `x`'s dtype). With the sigmoid router, what it returns (the
+        sigmoid scores, the chosen experts and their float32 weights, see
+        [`deltanet_cp.nn.SigmoidTopKRouter`][]).
         """
         _check_x(x, self.gate.weight.shape[1])
+        if isinstance(self.gate, SigmoidTopKRouter):
+            return self.gate(x)
         w = self.gate.weight
         logits = x.astype(w.dtype) @ w.T
         probs = jax.nn.softmax(logits.astype(accumulation_dtype(logits)), axis=-1)
@@ -603,6 +779,15 @@ class SparseMoE(eqx.Module):
             check_token_mask(token_mask, x.shape[0])
         probs, experts, weights = self.route(x)
         routed = self.experts._apply(x, experts, weights, expert_axis)
+        if isinstance(self.gate, SigmoidTopKRouter):
+            # The stats' probabilities: the scores normalised over the experts per token.
+            probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+        if self.shared_expert_gate is None:
+            s = self.shared_expert.down_proj.weight
+            shared = jax.vmap(self.shared_expert)(x.astype(s.dtype))
+            dtype = _common_dtype(routed.dtype, shared.dtype)
+            y = routed.astype(dtype) + shared.astype(dtype)
+            return y.astype(x.dtype), _router_stats(probs, experts, token_mask)
         s, g = self.shared_expert.down_proj.weight, self.shared_expert_gate.weight
         shared = jax.vmap(self.shared_expert)(x.astype(s.dtype))
         gate = jax.nn.sigmoid(x.astype(g.dtype) @ g.T)
