@@ -33,6 +33,16 @@ def tree_allclose(x, y, *, rtol=1e-5, atol=1e-8):
     return eqx.tree_equal(x, y, typematch=True, rtol=rtol, atol=atol)
 
 
+def split_shape(shape: Sequence[int], spec: Any, sizes: Any) -> tuple[int, ...]:
+    """The shape of one device's shard of an array of `shape` placed by the
+    `PartitionSpec` `spec` on a mesh of axis `sizes` (its `shape` mapping)."""
+    entries = (*spec, *(None,) * (len(shape) - len(spec)))
+    return tuple(
+        d // (1 if e is None else int(np.prod([sizes[a] for a in np.atleast_1d(e)])))
+        for d, e in zip(shape, entries)
+    )
+
+
 def rel_err(actual, expected) -> float:
     """max |actual - expected| / max |expected| (a scale-aware relative error)."""
     a = np.asarray(actual, dtype=np.float64)

@@ -34,7 +34,7 @@ from deltanet_cp.models import (
 )
 from deltanet_cp.nn import FSDP, gather_params, load_balancing_loss, partition_specs
 
-from .helpers import rel_err
+from .helpers import rel_err, split_shape
 
 
 DATA = pathlib.Path(__file__).parent / "data"
@@ -202,10 +202,7 @@ def _check(which, data_axis, expert_axis, depth=2, scan=False):
         jax.tree.leaves(grads),
         jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)),
     ):
-        want = tuple(
-            d // (1 if e is None else int(np.prod([sizes[a] for a in np.atleast_1d(e)])))
-            for d, e in zip(x.shape, (*spec, *(None,) * x.ndim))
-        )
+        want = split_shape(x.shape, spec, sizes)
         assert _shard_shape(x) == want, (spec, x.shape)
         assert _shard_shape(g) == want, (spec, x.shape)
     # Adam's moments split as their parameters.

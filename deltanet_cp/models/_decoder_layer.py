@@ -2,8 +2,6 @@
 attention token mixer and a SwiGLU MLP or sparse mixture-of-experts block, each in a pre-norm
 residual."""
 
-from typing import Literal
-
 import equinox as eqx
 import jax
 import jax.random as jr
@@ -12,16 +10,12 @@ from .._options import engine_options, EngineOptions
 from .._parallel import ContextParallel
 from ..nn._attention import CausalSelfAttention
 from ..nn._gated_delta_net import GatedDeltaNet
+from ..nn._layer_stack import Remat
 from ..nn._mlp import SwiGLU
 from ..nn._moe import ExpertAxis, RouterStats, SparseMoE
 from ..nn._norm import ZeroCenteredRMSNorm
 from ..nn._schedule import KVSchedule
 from ._config import AbstractQwenTextConfig, Qwen3_5Config, Qwen3_5MoeConfig, Qwen3NextConfig
-
-
-# What a decoder layer keeps for the backward pass (see `Qwen3_5DecoderLayer.__call__`).
-Remat = Literal["none", "layer", "feed_forward"]
-REMAT_POLICIES: tuple[str, ...] = ("none", "layer", "feed_forward")
 
 
 class Qwen3_5DecoderLayer(eqx.Module):

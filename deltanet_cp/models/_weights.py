@@ -18,9 +18,9 @@ from .._run import Memory
 from ..interop._checkpoint import check_dtype, open_folder, save_folder
 from ..interop._hf import fuse_qwen3_next_projections, split_qwen3_next_projections
 from ..nn._gated_delta_net import GatedDeltaNet
+from ..nn._layer_stack import stack_layers
 from ..nn._moe import SparseMoE
 from ._config import Qwen3NextConfig
-from ._layer_stack import stack_layers
 
 
 # Tensors transformers itself skips when loading the text model: multi-token prediction

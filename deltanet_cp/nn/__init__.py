@@ -26,6 +26,7 @@ from ._gated_linear_attention import (
 )
 from ._hybrid import HybridBlock as HybridBlock, HybridLM as HybridLM
 from ._kimi_delta_attention import KimiDeltaAttention as KimiDeltaAttention
+from ._layer_stack import LayerStack as LayerStack
 from ._mixer import (
     AbstractEngineMixer as AbstractEngineMixer,
     AbstractTokenMixer as AbstractTokenMixer,
