@@ -23,7 +23,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import deltanet_cp as dcp
 from deltanet_cp.nn import FSDP, HybridLM, LayerStack, partition_specs
 
-from .helpers import rel_err, split_shape
+from .helpers import assert_split_as_specs, rel_err
 
 
 VOCAB, HIDDEN, TOKENS, DP, CP = 16, 16, 16, 2, 2
@@ -224,15 +224,7 @@ def _check(scan: bool, data_axis, remat: str = "none"):
     errors = jax.tree.map(rel_err, _unstacked(jax.device_get(new)), new1)
     assert max(jax.tree.leaves(errors)) <= 1e-4, errors
     # What the specs split is split, on the devices and in the gradients.
-    sizes = _mesh().shape
-    for x, g, spec in zip(
-        jax.tree.leaves(placed),
-        jax.tree.leaves(grads),
-        jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)),
-    ):
-        want = split_shape(x.shape, spec, sizes)
-        for shard in (*x.addressable_shards, *g.addressable_shards):
-            assert shard.data.shape == want, (spec, x.shape)
+    assert_split_as_specs(specs, _mesh().shape, placed, grads)
     return placed
 
 
