@@ -30,37 +30,38 @@ script compiles with that pass off (`--xla_disable_hlo_passes=cse_barrier_expand
     python benchmarks/fsdp_memory.py --quick    # tiny model, dp = 2: a smoke test
 """
 
+import argparse
+import math
 import os
+import sys
 
 
-# XLA:CPU drops optimization barriers before common-subexpression elimination, which then
-# merges the backward's repeated all-gathers into the forward's (keeping the gathered weights
-# alive); GPU and TPU keep the barriers. Keep them here too, to measure what those compile.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8"
-    + " --xla_disable_hlo_passes=cse_barrier_expander"
-).strip()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import simulate_cpu_devices  # noqa: E402
 
 
-import argparse  # noqa: E402
-import math  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-import warnings  # noqa: E402
-
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+simulate_cpu_devices(8)  # before jax is imported
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jax.random as jr  # noqa: E402
 import optax  # noqa: E402
-from _common import machine_line, print_table  # noqa: E402
+from _common import (  # noqa: E402
+    Compiled,
+    fsdp_specs,
+    is_struct,
+    machine_line,
+    make_mesh,
+    MiB,
+    optimizer_specs,
+    placed,
+    print_table,
+    shard_bytes,
+)
 from _impls import import_ours  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 
 import_ours()
@@ -69,7 +70,6 @@ from deltanet_cp import nn  # noqa: E402
 from deltanet_cp.models import Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM  # noqa: E402
 
 
-MiB = 2**20
 LAYOUTS = ("replicated", "experts over dp", "FSDP", "FSDP + experts over dp")
 
 
@@ -119,46 +119,19 @@ def specs_of(layout: str, params, mesh):
     if layout == "experts over dp":
         return nn.expert_partition_specs(params, "dp"), None, "dp"
     expert_axis = "dp" if layout == "FSDP + experts over dp" else None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        specs = nn.partition_specs(params, mesh, data_axis="dp", expert_axis=expert_axis)
-    for w in caught:
-        print(f"  ({layout}, dp={mesh.shape['dp']}: {w.message})")
+    note = f"{layout}, dp={mesh.shape['dp']}: "
+    specs = fsdp_specs(params, mesh, note=note, data_axis="dp", expert_axis=expert_axis)
     return specs, nn.FSDP("dp", specs), expert_axis
 
 
-def shard_bytes(tree, specs, mesh) -> int:
-    """The bytes one device holds of `tree` placed by `specs`."""
-    total = 0
-    for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=_is_spec)):
-        split = 1
-        for entry in s:
-            names = () if entry is None else (entry,) if isinstance(entry, str) else entry
-            split *= math.prod(mesh.shape[a] for a in names)
-        total += math.prod(x.shape) // split * x.dtype.itemsize
-    return total
-
-
-def _is_spec(x) -> bool:
-    return isinstance(x, P)
-
-
 def measure(cfg: Qwen3_5MoeConfig, dp: int, layout: str, tokens: int) -> list:
-    mesh = jax.make_mesh((dp,), ("dp",), devices=jax.devices()[:dp], axis_types=(AxisType.Auto,))
+    mesh = make_mesh((dp,), ("dp",))
     model = eqx.filter_eval_shape(lambda: Qwen3_5MoeForCausalLM(cfg, chunk_size=64, key=jr.key(0)))
-    is_param = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
-    params, static = eqx.partition(model, is_param)
+    params, static = eqx.partition(model, is_struct)
     specs, fsdp, expert_axis = specs_of(layout, params, mesh)
     optimizer = optax.adamw(1e-3)
     state = jax.eval_shape(optimizer.init, params)
-    state_specs = optax.tree_utils.tree_map_params(
-        optimizer,
-        lambda _, s: s,
-        state,
-        specs,
-        transform_non_params=lambda _: P(),
-        is_leaf=_is_spec,
-    )
+    state_specs = optimizer_specs(optimizer, state, specs)
 
     def local(params, inputs, targets):
         m = eqx.combine(params, static)
@@ -177,39 +150,22 @@ def measure(cfg: Qwen3_5MoeConfig, dp: int, layout: str, tokens: int) -> list:
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return value, optax.apply_updates(params, updates), opt_state
 
-    def placed(tree, specs):
-        return jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
-            tree,
-            specs,
-        )
-
     batch = jax.ShapeDtypeStruct((dp, tokens), jnp.int32, sharding=NamedSharding(mesh, P("dp")))
-    start = time.perf_counter()
-    with jax.numpy_dtype_promotion("standard"):  # optax's step counts mix ints and floats
-        compiled = (
-            jax.jit(step, donate_argnums=(0, 1))
-            .lower(placed(params, specs), placed(state, state_specs), batch, batch)
-            .compile()
-        )
-    seconds = time.perf_counter() - start
-    mem = compiled.memory_analysis()
-    assert mem is not None
+    arguments = (placed(params, specs, mesh), placed(state, state_specs, mesh), batch, batch)
+    # Optax's step counts mix ints and floats: compiled under standard promotion.
+    c = Compiled(jax.jit(step, donate_argnums=(0, 1)), *arguments, standard_promotion=True)
     held = shard_bytes(params, specs, mesh), shard_bytes(state, state_specs, mesh)
-    args, out = mem.argument_size_in_bytes, mem.output_size_in_bytes
-    alias, temp = mem.alias_size_in_bytes, mem.temp_size_in_bytes
-    peak = args + out - alias + temp
     return [
         dp,
         layout,
         f"{held[0] / MiB:.1f}",
         f"{held[1] / MiB:.1f}",
-        f"{args / MiB:.1f}",
-        f"{out / MiB:.1f}",
-        f"{alias / MiB:.1f}",
-        f"{temp / MiB:.1f}",
-        f"{peak / MiB:.1f}",
-        f"{seconds:.0f}",
+        f"{c.arguments / MiB:.1f}",
+        f"{c.outputs / MiB:.1f}",
+        f"{c.aliased / MiB:.1f}",
+        f"{c.temporaries / MiB:.1f}",
+        f"{c.peak / MiB:.1f}",
+        f"{c.seconds:.0f}",
     ]
 
 
@@ -223,9 +179,7 @@ def main(argv=None) -> None:
     sizes = [2] if args.quick else [int(d) for d in args.dp.split(",")]
     tokens = 16 if args.quick else args.tokens
     params = eqx.filter_eval_shape(lambda: Qwen3_5MoeForCausalLM(cfg, chunk_size=64, key=jr.key(0)))
-    count = sum(
-        math.prod(x.shape) for x in jax.tree.leaves(params) if isinstance(x, jax.ShapeDtypeStruct)
-    )
+    count = sum(math.prod(x.shape) for x in jax.tree.leaves(params) if is_struct(x))
     print(machine_line())
     print(
         f"Qwen3_5MoeForCausalLM, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "

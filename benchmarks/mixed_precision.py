@@ -36,7 +36,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from typing import Any
 
 
@@ -48,7 +47,14 @@ import jax.numpy as jnp  # noqa: E402
 import jax.random as jr  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _common import machine_line, paired_times, print_table  # noqa: E402
+from _common import (  # noqa: E402
+    Compiled,
+    machine_line,
+    MiB,
+    paired_times,
+    print_table,
+    small_qwen_sizes,
+)
 from _impls import import_ours  # noqa: E402
 
 
@@ -63,26 +69,13 @@ from deltanet_cp.models import (  # noqa: E402
 from deltanet_cp.nn import load_balancing_loss  # noqa: E402
 
 
-MiB = 2**20
 NOISE = 0.2  # the toy language's share of uniformly random next tokens
 VARIANTS = ("float32", "mixed")
 
 
 def config(model: str, hidden: int, vocab: int) -> tuple[Any, Any]:
     """The model's class and a 4-layer config of width `hidden`."""
-    sizes: dict[str, Any] = dict(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden // 4,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=hidden // 4,
-        linear_value_head_dim=hidden // 4,
-        tie_word_embeddings=False,
-    )
+    sizes: dict[str, Any] = small_qwen_sizes(vocab, hidden, 4, tied=False)
     if model == "dense":
         return Qwen3_5ForCausalLM, Qwen3_5Config(intermediate_size=3 * hidden, **sizes)
     return Qwen3_5MoeForCausalLM, Qwen3_5MoeConfig(
@@ -140,17 +133,13 @@ def measure(model: str, hidden: int, vocab: int, seq: int, batch: int, steps: in
     params, static = eqx.partition(cls(cfg, chunk_size=64, key=jr.key(0)), eqx.is_array)
     optimizer = optax.adamw(lr)
     data = toy_batches(steps, batch, seq, vocab)
-    compiled, memory, seconds = {}, {}, {}
-    for variant in VARIANTS:
-        start = time.perf_counter()
-        compiled[variant] = (
-            step_fn(static, optimizer, variant == "mixed")
-            .lower(params, optimizer.init(params), data[0])
-            .compile()
+    programs = {
+        v: Compiled(
+            step_fn(static, optimizer, v == "mixed"), params, optimizer.init(params), data[0]
         )
-        seconds[variant] = time.perf_counter() - start
-        memory[variant] = compiled[variant].memory_analysis()
-        assert memory[variant] is not None
+        for v in VARIANTS
+    }
+    compiled = {v: c.compiled for v, c in programs.items()}
     # Each variant trains its own copy (the step donates it) from the same parameters.
     state = {v: jax.tree.map(jnp.copy, (params, optimizer.init(params))) for v in VARIANTS}
     losses: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -172,15 +161,15 @@ def measure(model: str, hidden: int, vocab: int, seq: int, batch: int, steps: in
     )  # the first step (warm-up) skipped
     rows = []
     for v in VARIANTS:
-        mem = memory[v]
+        c = programs[v]
         rows.append(
             [
                 model,
                 v,
-                f"{mem.argument_size_in_bytes / MiB:.1f}",
-                f"{mem.temp_size_in_bytes / MiB:.1f}",
-                f"{mem.temp_size_in_bytes / memory['float32'].temp_size_in_bytes:.2f}",
-                f"{seconds[v]:.0f}",
+                f"{c.arguments / MiB:.1f}",
+                f"{c.temporaries / MiB:.1f}",
+                f"{c.temporaries / programs['float32'].temporaries:.2f}",
+                f"{c.seconds:.0f}",
                 f"{1e3 * statistics.median(times[v][1:]):.0f}",
                 "1.00" if v == "float32" else f"{ratio:.2f}",
                 f"{losses[v][0]:.4f}",

@@ -26,7 +26,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from typing import Any
 
 
@@ -36,7 +35,14 @@ import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jax.random as jr  # noqa: E402
-from _common import machine_line, paired_times, print_table  # noqa: E402
+from _common import (  # noqa: E402
+    Compiled,
+    is_struct,
+    machine_line,
+    paired_times,
+    print_table,
+    small_qwen_sizes,
+)
 
 from deltanet_cp.models import (  # noqa: E402
     Qwen3_5Config,
@@ -52,19 +58,7 @@ POLICIES = ("none", "layer", "feed_forward")
 
 def config(model: str, layers: int, hidden: int) -> tuple[Any, Any]:
     """The model's class and a config of `layers` layers of width `hidden`."""
-    sizes: dict[str, Any] = dict(
-        vocab_size=256,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden // 4,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=hidden // 4,
-        linear_value_head_dim=hidden // 4,
-        tie_word_embeddings=True,
-    )
+    sizes: dict[str, Any] = small_qwen_sizes(256, hidden, layers, tied=True)
     if model == "dense":
         return Qwen3_5ForCausalLM, Qwen3_5Config(intermediate_size=2 * hidden, **sizes)
     return Qwen3NextForCausalLM, Qwen3NextConfig(
@@ -101,16 +95,10 @@ def abstract_model(model: str, layers: int, hidden: int, scan: bool, chunk: int)
 
 def compile_times(model: str, layers: int, scan: bool, seq: int) -> tuple[float, float]:
     """(trace and lower, compile) seconds of the tiny model's training step."""
-    params, static = eqx.partition(
-        abstract_model(model, layers, 32, scan, 16),
-        lambda x: isinstance(x, jax.ShapeDtypeStruct),
-    )
+    params, static = eqx.partition(abstract_model(model, layers, 32, scan, 16), is_struct)
     tokens = jax.ShapeDtypeStruct((seq,), jnp.int32)
-    start = time.perf_counter()
-    lowered = step_fn(static, "none").lower(params, tokens)
-    lowered_at = time.perf_counter()
-    lowered.compile()
-    return lowered_at - start, time.perf_counter() - lowered_at
+    c = Compiled(step_fn(static, "none"), params, tokens)
+    return c.lower_seconds, c.compile_seconds
 
 
 def remat_table(model: str, layers: int, hidden: int, seq: int, repeats: int) -> list[list]:
@@ -120,11 +108,9 @@ def remat_table(model: str, layers: int, hidden: int, seq: int, repeats: int) ->
     tokens = jr.randint(jr.key(1), (seq,), 0, cfg.vocab_size)
     compiled, temp = {}, {}
     for policy in POLICIES:
-        c = step_fn(static, policy).lower(params, tokens).compile()
-        compiled[policy] = c
-        memory = c.memory_analysis()
-        assert memory is not None
-        temp[policy] = memory.temp_size_in_bytes
+        program = Compiled(step_fn(static, policy), params, tokens)
+        compiled[policy] = c = program.compiled
+        temp[policy] = program.temporaries
         jax.block_until_ready(c(params, tokens))  # warm up
     times = paired_times(
         {p: (lambda c=c: jax.block_until_ready(c(params, tokens))) for p, c in compiled.items()},

@@ -87,41 +87,42 @@ compiles with that pass off (`--xla_disable_hlo_passes=cse_barrier_expander`), a
     python benchmarks/whole_model.py --quick        # tiny model, a smoke test
 """
 
+import argparse
+import dataclasses
+import math
 import os
+import sys
+from typing import Any
+
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import simulate_cpu_devices  # noqa: E402
 
 
 DEVICES = int(os.environ.get("WHOLE_MODEL_DEVICES", "64"))
-# XLA:CPU drops optimization barriers before common-subexpression elimination, which then
-# merges FSDP's backward all-gathers into the forward's (keeping the gathered weights alive);
-# GPU and TPU keep the barriers. Keep them here too, to measure what those compile.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + f" --xla_force_host_platform_device_count={DEVICES}"
-    + " --xla_disable_hlo_passes=cse_barrier_expander"
-).strip()
-
-
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import math  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-import warnings  # noqa: E402
-from typing import Any  # noqa: E402
-
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+simulate_cpu_devices(DEVICES)  # before jax is imported
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jax.random as jr  # noqa: E402
 import optax  # noqa: E402
-from _common import machine_line, print_table  # noqa: E402
+from _common import (  # noqa: E402
+    Compiled,
+    fsdp_specs,
+    GiB,
+    is_struct,
+    machine_line,
+    make_mesh,
+    optimizer_specs,
+    placed,
+    print_table,
+    shard_bytes,
+)
 from _impls import import_ours  # noqa: E402
 from _seqdepth import hlo_loop_flops  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 
 dcp = import_ours()
@@ -135,7 +136,6 @@ from deltanet_cp.models import (  # noqa: E402
 )
 
 
-GiB = 2**30
 FIT = 95 * GiB  # a TPU v5p chip's HBM
 ATTENTION_TILE = 128  # the models' default attention tile
 SHARED = dict(
@@ -221,14 +221,6 @@ def layout(name: str) -> Layout:
     }[name]
 
 
-def is_struct(x) -> bool:
-    return isinstance(x, jax.ShapeDtypeStruct)
-
-
-def is_spec(x) -> bool:
-    return isinstance(x, P)
-
-
 def config(model: str, quick: bool, layers: int | None):
     cls, config_cls, sizes = MODELS[model]
     sizes = dict(sizes, **QUICK) if quick else dict(sizes)
@@ -237,18 +229,6 @@ def config(model: str, quick: bool, layers: int | None):
     if layers is not None:
         sizes["num_hidden_layers"] = layers
     return cls, config_cls(**sizes)
-
-
-def shard_bytes(tree, specs, mesh) -> int:
-    """The bytes one device holds of `tree` placed by `specs`."""
-    total = 0
-    for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=is_spec)):
-        split = 1
-        for entry in s:
-            names = () if entry is None else (entry,) if isinstance(entry, str) else entry
-            split *= math.prod(mesh.shape[a] for a in names)
-        total += math.prod(x.shape) // split * x.dtype.itemsize
-    return total
 
 
 def parameter_counts(params, cfg) -> dict[str, float]:
@@ -328,24 +308,11 @@ def build(
     if lay.data_axis is None:
         specs, fsdp = nn.expert_partition_specs(params, lay.expert_axis), None
     else:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            specs = nn.partition_specs(
-                params, mesh, data_axis=lay.data_axis, expert_axis=lay.expert_axis
-            )
-        for w in caught:
-            print(f"  ({w.message})")
+        specs = fsdp_specs(params, mesh, data_axis=lay.data_axis, expert_axis=lay.expert_axis)
         fsdp = nn.FSDP(lay.data_axis, specs)
     optimizer = optax.adamw(1e-4, weight_decay=0.1)
     state = jax.eval_shape(optimizer.init, params)
-    state_specs = optax.tree_utils.tree_map_params(
-        optimizer,
-        lambda _, s: s,
-        state,
-        specs,
-        transform_non_params=lambda _: P(),
-        is_leaf=is_spec,
-    )
+    state_specs = optimizer_specs(optimizer, state, specs)
     context = dcp.ContextParallel("cp")
     coef = cfg.router_aux_loss_coef
     dp = mesh.shape["dp"]
@@ -380,16 +347,8 @@ def build(
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return value, optax.apply_updates(params, updates), opt_state
 
-    def placed(tree, specs):
-        return jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
-            tree,
-            specs,
-            is_leaf=is_struct,
-        )
-
     batch = jax.ShapeDtypeStruct((dp, tokens), jnp.int32, sharding=NamedSharding(mesh, seq))
-    arguments = (placed(params, specs), placed(state, state_specs), batch, batch)
+    arguments = (placed(params, specs, mesh), placed(state, state_specs, mesh), batch, batch)
     jitted = jax.jit(step, donate_argnums=(0, 1))
     return jitted, arguments, params, specs, state, state_specs
 
@@ -409,23 +368,15 @@ def measure(
     jitted, arguments, params, specs, state, state_specs = build(
         model, cfg, cls, lay, precision, mesh, tokens, loss_chunk
     )
-    start = time.perf_counter()
-    with jax.numpy_dtype_promotion("standard"):  # optax's step count mixes ints and floats
-        lowered = jitted.lower(*arguments)
-    lowered_at = time.perf_counter()
-    compiled = lowered.compile()
-    compile_s = time.perf_counter() - lowered_at
+    # Optax's step count mixes ints and floats: lowered under standard promotion.
+    c = Compiled(jitted, *arguments, standard_promotion=True)
+    compiled = c.compiled
     hlo = compiled.as_text() or ""
     if hlo_dir:
         os.makedirs(hlo_dir, exist_ok=True)
         path = os.path.join(hlo_dir, f"{model}_{name}_{precision}_{tokens}.hlo")
         with open(path, "w") as f:
             f.write(hlo)
-    mem = compiled.memory_analysis()
-    assert mem is not None
-    args, out = mem.argument_size_in_bytes, mem.output_size_in_bytes
-    alias, temp = mem.alias_size_in_bytes, mem.temp_size_in_bytes
-    peak = args + out - alias + temp
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     accessed = float((cost or {}).get("bytes accessed", float("nan")))
@@ -443,17 +394,17 @@ def measure(
         tokens,
         f"{shard_bytes(params, specs, mesh) / GiB:.2f}",
         f"{shard_bytes(state, state_specs, mesh) / GiB:.2f}",
-        f"{args / GiB:.2f}",
-        f"{out / GiB:.2f}",
-        f"{temp / GiB:.2f}",
-        f"{peak / GiB:.2f}",
-        "yes" if peak <= FIT else "no",
+        f"{c.arguments / GiB:.2f}",
+        f"{c.outputs / GiB:.2f}",
+        f"{c.temporaries / GiB:.2f}",
+        f"{c.peak / GiB:.2f}",
+        "yes" if c.peak <= FIT else "no",
         f"{flops / 1e9:.2f}",
         f"{reference / 1e9:.2f}",
         f"{flops / reference:.2f}",
         f"{accessed / 1e9:.1f}",
-        f"{lowered_at - start:.0f}",
-        f"{compile_s:.0f}",
+        f"{c.lower_seconds:.0f}",
+        f"{c.compile_seconds:.0f}",
     ]
 
 
@@ -499,12 +450,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.dp * args.cp > len(jax.devices()):
         parser.error(f"--dp x --cp is more than the {len(jax.devices())} devices")
-    mesh = jax.make_mesh(
-        (args.dp, args.cp),
-        ("dp", "cp"),
-        devices=jax.devices()[: args.dp * args.cp],
-        axis_types=(AxisType.Auto,) * 2,
-    )
+    mesh = make_mesh((args.dp, args.cp), ("dp", "cp"))
     models = args.model.split(",")
     seqs = [512] if args.quick else [int(s) for s in args.seq.split(",")]
     layouts = args.layout.split(",")

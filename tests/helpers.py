@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec
 
 import deltanet_cp as dcp
 
@@ -31,6 +32,23 @@ Reference = Callable[..., tuple[np.ndarray, np.ndarray]]
 
 def tree_allclose(x, y, *, rtol=1e-5, atol=1e-8):
     return eqx.tree_equal(x, y, typematch=True, rtol=rtol, atol=atol)
+
+
+def assert_split_as_specs(specs: Any, sizes: Any, *trees: Any) -> None:
+    """Every array of each of `trees` (placed on a mesh of axis `sizes`, its `shape`
+    mapping) is split as its `PartitionSpec` in `specs` (of the trees' structure) says:
+    each of its shards has the whole shape divided by the sizes of the axes of its
+    dimension's entry."""
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+    for tree in trees:
+        for x, spec in zip(jax.tree.leaves(tree), spec_leaves, strict=True):
+            entries = (*spec, *(None,) * (x.ndim - len(spec)))
+            want = tuple(
+                d // (1 if e is None else int(np.prod([sizes[a] for a in np.atleast_1d(e)])))
+                for d, e in zip(x.shape, entries)
+            )
+            shapes = {shard.data.shape for shard in x.addressable_shards}
+            assert shapes == {want}, (spec, x.shape, shapes)
 
 
 def rel_err(actual, expected) -> float:

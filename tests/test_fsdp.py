@@ -35,7 +35,7 @@ from deltanet_cp.models import (
 )
 from deltanet_cp.nn import FSDP, gather_params, load_balancing_loss, partition_specs
 
-from .helpers import rel_err
+from .helpers import assert_split_as_specs, rel_err
 
 
 DATA = pathlib.Path(__file__).parent / "data"
@@ -247,18 +247,7 @@ def _check(which, data_axis, expert_axis, depth=2, scan=False, loss_fn=_loss):
     errors = jax.tree.map(rel_err, new, _one_device_update(params, jax.device_get(grads)))
     assert max(jax.tree.leaves(errors)) <= 1e-5, errors
     # What the specs split is split, on the devices and in the gradients and moments.
-    sizes = _mesh().shape
-    for x, g, spec in zip(
-        jax.tree.leaves(placed),
-        jax.tree.leaves(grads),
-        jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)),
-    ):
-        want = tuple(
-            d // (1 if e is None else int(np.prod([sizes[a] for a in np.atleast_1d(e)])))
-            for d, e in zip(x.shape, (*spec, *(None,) * x.ndim))
-        )
-        assert _shard_shape(x) == want, (spec, x.shape)
-        assert _shard_shape(g) == want, (spec, x.shape)
+    assert_split_as_specs(specs, _mesh().shape, placed, grads)
     # Adam's moments split as their parameters.
     mu = new_state[0].mu
     mu_specs = state_specs[0].mu  # pyright: ignore[reportIndexIssue, reportAttributeAccessIssue]

@@ -2,7 +2,8 @@
 against a float64 NumPy reference written from the architecture, the `mtp.*` checkpoint
 tensors through `save_pretrained` and `from_pretrained`, context parallelism (the next-token
 shift across ranks, both layouts) and packed documents (no shift across a document's end);
-`next_tokens`, `mtp_labels` and `add_mtp_loss`.
+`next_tokens`, `mtp_labels` and `add_mtp_loss`; a dp x cp training step with the MTP loss and every
+parameter sharded (FSDP) against one device's.
 
 The models are tiny random ones of the fixtures' sizes (tests/data/qwen3_5_lm and
 qwen3_next_moe configs), two layers [linear, full] and one MTP layer.
@@ -17,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
+import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 import deltanet_cp as dcp
@@ -32,7 +34,7 @@ from deltanet_cp.models import (
     Qwen3NextConfig,
     Qwen3NextForCausalLM,
 )
-from deltanet_cp.nn import SparseMoE
+from deltanet_cp.nn import FSDP, partition_specs, SparseMoE
 
 from .helpers import rel_err
 
@@ -418,3 +420,72 @@ def test_loader_names_missing_and_unexpected_mtp_tensors(tmp_path):
     message = str(info.value)
     assert "1 missing: mtp.fc.weight" in message
     assert "1 unexpected: mtp.layers.0.bogus.weight" in message
+
+
+# ---------------------------------------------------------------------------------------
+# Training with the MTP loss, every parameter sharded (FSDP)
+# ---------------------------------------------------------------------------------------
+
+
+def _mtp_loss(model, inputs, labels, axes=None, **kw):
+    """The next-token loss plus the MTP loss (weight 0.3) of a batch of rows."""
+    cp = kw.get("cp")
+    logits, heads, _ = jax.vmap(lambda t: model.logits_and_mtp(t, **kw))(inputs)
+    depth = model.config.mtp_num_hidden_layers
+    targets = jax.vmap(lambda row: mtp_labels(row, depth, cp=cp))(labels)
+    loss, _ = causal_lm_loss(logits, labels, axis_name=axes)
+    return add_mtp_loss(loss, heads, targets, 0.3, axis_name=axes)
+
+
+# About 25 s (one training step compiled under shard_map, and one device's).
+@pytest.mark.usefixtures("fast_compile_one_test")
+def test_training_step_with_mtp_loss_and_fsdp():
+    # Two rows over "dp", each over cp = 2 zigzag ranks; every parameter, the head's too,
+    # split over "dp" and gathered where it runs (the head with its depth's layer), each
+    # layer recomputed in the backward: the loss and every gradient equal one device's.
+    model = _model()
+    vocab = model.config.vocab_size
+    rows = jr.randint(jr.key(11), (2, T + 1), 0, vocab, dtype=jnp.int32)
+    inputs, labels = rows[:, :-1], rows[:, 1:]
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def one(params):
+        return _mtp_loss(eqx.combine(params, static), inputs, labels)
+
+    value1, grads1 = jax.jit(jax.value_and_grad(one))(params)
+
+    mesh = jax.make_mesh(
+        (2, 2), ("dp", "cp"), devices=jax.devices()[:4], axis_types=(AxisType.Auto,) * 2
+    )
+    specs = partition_specs(params, mesh, data_axis="dp")
+    layout, seq = dcp.Zigzag(), P("dp", "cp")
+    context = dcp.ContextParallel("cp", layout=layout)
+    kw = dict(cp=context, fsdp=FSDP("dp", specs), remat="layer")
+
+    def local(params, inputs, labels):
+        return _mtp_loss(eqx.combine(params, static), inputs, labels, ("dp", "cp"), **kw)
+
+    loss = jax.shard_map(local, mesh=mesh, in_specs=(specs, seq, seq), out_specs=P())
+    optimizer = optax.adamw(1e-2)
+
+    @jax.jit
+    def step(params, inputs, labels):
+        value, grads = jax.value_and_grad(loss)(params, inputs, labels)
+        updates, _ = optimizer.update(grads, optimizer.init(params), params)
+        return value, grads, optax.apply_updates(params, updates)
+
+    def put(tree, specs):
+        return jax.device_put(tree, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+
+    placed = put(params, specs)
+    batch = [put(layout.to_layout(a, 2), seq) for a in (inputs, labels)]
+    with jax.numpy_dtype_promotion("standard"):
+        value, grads, _ = step(placed, *batch)
+    assert abs(float(value) - float(value1)) <= 1e-5 * abs(float(value1))
+    errors = jax.tree.map(rel_err, jax.device_get(grads), grads1)
+    assert max(jax.tree.leaves(errors)) <= 1e-4, errors
+    # The head's parameters are split as any other's, on the devices and in the gradients.
+    assert specs.mtp.fc.weight == P(None, "dp")
+    fc, grad_fc = placed.mtp.fc.weight, grads.mtp.fc.weight
+    h = model.config.hidden_size
+    assert {s.data.shape for s in (*fc.addressable_shards, *grad_fc.addressable_shards)} == {(h, h)}

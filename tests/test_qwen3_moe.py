@@ -250,6 +250,7 @@ def _dense_reference(moe: SparseMoE, x: np.ndarray) -> np.ndarray:
         x @ np.asarray(s.up_proj.weight, np.float64).T,
     )
     shared = (sg / (1 + np.exp(-sg)) * su) @ np.asarray(s.down_proj.weight, np.float64).T
+    assert moe.shared_expert_gate is not None  # Qwen's shared expert is gated
     gate = 1 / (1 + np.exp(-(x @ np.asarray(moe.shared_expert_gate.weight, np.float64).T)))
     return routed + gate * shared
 

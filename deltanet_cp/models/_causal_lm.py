@@ -19,19 +19,15 @@ from .._shift import next_tokens
 from .._validate import as_index, as_positive_index
 from ..nn import FSDP
 from ..nn._context import documents, layer_cp, local_positions
+from ..nn._layer_stack import call_layer, check_fsdp_layers, check_remat, Remat, stack_layers
 from ..nn._moe import check_token_mask, ExpertAxis, RouterStats
 from ..nn._norm import RMSNorm, ZeroCenteredRMSNorm
 from ..nn._schedule import KVSchedule
 from ..nn._tokens import check_tokens
 from ._cache import check_cache, concrete, Qwen3_5Cache, Qwen3_5Checkpoints, restore
 from ._config import AbstractQwenTextConfig, KimiLinearConfig
-from ._decoder_layer import (
-    KimiLinearDecoderLayer,
-    Qwen3_5DecoderLayer,
-    Remat,
-    REMAT_POLICIES,
-)
-from ._layer_stack import check_fsdp_layers, run_layers, stack_layers
+from ._decoder_layer import KimiLinearDecoderLayer, Qwen3_5DecoderLayer
+from ._layer_stack import run_layers
 from ._mtp import Qwen3_5MTP
 from ._weights import ExpertLayout, save
 
@@ -404,6 +400,7 @@ class AbstractCausalLM(eqx.Module, Generic[_Config]):
         expert_axis: ExpertAxis = None,
         cu_seqlens: CuSeqlens | None = None,
         token_mask: Bool[Array, " seq"] | None = None,
+        fsdp: FSDP | None = None,
         remat: Remat = "none",
     ) -> tuple[Float[Array, "seq vocab"], Float[Array, "depth seq vocab"], RouterStats | None]:
         """The forward with the multi-token-prediction head (`mtp`, see
@@ -422,8 +419,10 @@ class AbstractCausalLM(eqx.Module, Generic[_Config]):
         [`deltanet_cp.data.add_mtp_loss`][].
 
         **Arguments:** as for `logits_and_router_stats` (the `token_mask` only for a
-        model with experts), without `fsdp` (the parameters whole on every rank but the
-        experts).
+        model with experts). With `fsdp`, the head's parameters (split by
+        [`deltanet_cp.nn.partition_specs`][] as any other's: `specs.mtp`) are gathered for
+        each depth where it runs, with that depth's layer only, and again in its backward;
+        the embedding and the LM head as for the main model.
 
         **Returns:**
 
@@ -456,6 +455,7 @@ class AbstractCausalLM(eqx.Module, Generic[_Config]):
             expert_axis,
             cu_seqlens,
             token_mask=token_mask,
+            fsdp=fsdp,
             remat=remat,
             mtp=True,
         )
@@ -487,10 +487,7 @@ class AbstractCausalLM(eqx.Module, Generic[_Config]):
         `head`."""
         cp = layer_cp(cp, type(self).__name__)
         self._check_expert_axis(expert_axis)
-        if not isinstance(remat, str) or remat not in REMAT_POLICIES:
-            raise ValueError(
-                f"`remat` must be one of {', '.join(map(repr, REMAT_POLICIES))}; got {remat!r}."
-            )
+        check_remat(remat)
         tokens = check_tokens(tokens, self.config.vocab_size)
         if token_mask is not None:
             check_token_mask(token_mask, tokens.shape[0])
@@ -508,7 +505,7 @@ class AbstractCausalLM(eqx.Module, Generic[_Config]):
             # Checked once, here, for every layer.
             cu_seqlens = documents(cp, tokens.shape[0], cu_seqlens).cu_seqlens
         if fsdp is not None:
-            check_fsdp_layers(self.layers, fsdp)
+            check_fsdp_layers(self.layers, getattr(fsdp.specs, "layers", None))
         embed = self.embed if fsdp is None else fsdp.gather(self.embed, lambda s: s.embed)
         x = jax.vmap(embed)(tokens)
         x, stats = run_layers(
@@ -528,33 +525,51 @@ class AbstractCausalLM(eqx.Module, Generic[_Config]):
             return norm(x), stats, None
         if not mtp:
             return self._logits(x, fsdp), stats, None
-        assert self.mtp is not None and fsdp is None
-        hidden = self.norm(x)
-        logits = self._project(hidden)
+        assert self.mtp is not None
+        if fsdp is None:
+            hidden = self.norm(x)
+        else:
+            hidden = fsdp.apply(self.norm, lambda s: s.norm, x)
+        logits = self._project(hidden, fsdp)
         heads, shifted = [], tokens
+        kw: dict[str, Any] = dict(
+            cp=cp,
+            kv_schedule=kv_schedule,
+            expert_axis=expert_axis,
+            cu_seqlens=cu_seqlens,
+            token_mask=token_mask,
+        )
         for k in range(len(self.mtp.layers)):
             shifted = next_tokens(shifted[None], cp=cp, cu_seqlens=cu_seqlens)[0]
-            hidden, s = self.mtp(
-                hidden,
-                jax.vmap(self.embed)(shifted),
-                k,
-                cp=cp,
-                kv_schedule=kv_schedule,
-                expert_axis=expert_axis,
-                cu_seqlens=cu_seqlens,
-                token_mask=token_mask,
-                remat=remat,
-            )
+            embedded = jax.vmap(embed)(shifted)
+            if fsdp is None:
+                hidden, s = self.mtp(hidden, embedded, k, remat=remat, **kw)
+            else:
+                # The head with depth `k`'s layer only, gathered where it runs.
+                def depth_k(mtp: Qwen3_5MTP) -> Qwen3_5MTP:
+                    return eqx.tree_at(lambda m: m.layers, mtp, (mtp.layers[k],))
+
+                def call(mtp, hidden, embedded, *, remat):
+                    return mtp(hidden, embedded, 0, remat=remat, **kw)
+
+                one = FSDP(fsdp.axis, depth_k(fsdp.specs.mtp))
+                hidden, s = call_layer(
+                    call, depth_k(self.mtp), hidden, embedded, remat=remat, fsdp=one
+                )
             if s is not None:
                 stats = s if stats is None else jax.tree.map(jnp.add, stats, s)
-            heads.append(self._project(hidden))
+            heads.append(self._project(hidden, fsdp))
         return logits, stats, jnp.stack(heads)
 
-    def _project(self, hidden):
-        """The LM head (the embedding's transpose if tied) on normed hidden states."""
-        if self.lm_head is None:
-            return hidden @ self.embed.weight.T
-        return jax.vmap(self.lm_head)(hidden)
+    def _project(self, hidden, fsdp: FSDP | None = None):
+        """The LM head (the embedding's transpose if tied) on normed hidden states; with
+        `fsdp`, gathered where used."""
+        tied = self.lm_head is None
+        parts = (self.lm_head, self.embed if tied else None)
+        if fsdp is None:
+            return _project(parts, hidden)
+        where = lambda s: (s.lm_head, s.embed if tied else None)  # noqa: E731
+        return fsdp.apply(parts, where, hidden, fn=_project)
 
     def init_cache(self, capacity: int, dtype=None) -> Qwen3_5Cache:
         """The cache before the first token, with room for `capacity` tokens.
@@ -871,14 +886,19 @@ class AbstractCausalLM(eqx.Module, Generic[_Config]):
         return _speculative(self, tokens, max_new_tokens)
 
 
+def _project(parts, hidden):
+    """The LM head (the embedding's transpose if the head is tied) on normed hidden states."""
+    head, embed = parts
+    if head is None:
+        return hidden @ embed.weight.T
+    return jax.vmap(head)(hidden)
+
+
 def _head(parts, x):
     """The logits of the last hidden states `x`: the final norm, then the LM head (the
     embedding's transpose if the head is tied)."""
     norm, head, embed = parts
-    x = norm(x)
-    if head is None:
-        return x @ embed.weight.T
-    return jax.vmap(head)(x)
+    return _project((head, embed), norm(x))
 
 
 @eqx.filter_jit

@@ -2,7 +2,7 @@
 or attention token mixer and a SwiGLU MLP or sparse mixture-of-experts block, each in a pre-norm
 residual."""
 
-from typing import Any, Literal
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -14,6 +14,7 @@ from ..nn._attention import CausalSelfAttention
 from ..nn._gated_delta_net import GatedDeltaNet
 from ..nn._kimi_delta_attention import KimiDeltaAttention
 from ..nn._latent_attention import MultiHeadLatentAttention
+from ..nn._layer_stack import Remat
 from ..nn._mlp import SwiGLU
 from ..nn._moe import ExpertAxis, RouterStats, SparseMoE
 from ..nn._norm import RMSNorm, ZeroCenteredRMSNorm
@@ -25,11 +26,6 @@ from ._config import (
     Qwen3_5MoeConfig,
     Qwen3NextConfig,
 )
-
-
-# What a decoder layer keeps for the backward pass (see `Qwen3_5DecoderLayer.__call__`).
-Remat = Literal["none", "layer", "feed_forward"]
-REMAT_POLICIES: tuple[str, ...] = ("none", "layer", "feed_forward")
 
 
 class AbstractDecoderLayer(eqx.Module):

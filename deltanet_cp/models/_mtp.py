@@ -37,11 +37,12 @@ import jax.random as jr
 
 from .._options import EngineOptions
 from .._parallel import ContextParallel
+from ..nn._layer_stack import Remat
 from ..nn._moe import ExpertAxis, RouterStats
 from ..nn._norm import ZeroCenteredRMSNorm
 from ..nn._schedule import KVSchedule
 from ._config import AbstractQwenTextConfig
-from ._decoder_layer import Qwen3_5DecoderLayer, Remat
+from ._decoder_layer import Qwen3_5DecoderLayer
 
 
 class Qwen3_5MTP(eqx.Module):

@@ -84,7 +84,7 @@ class Qwen3_5ForCausalLM(AbstractCausalLM[Qwen3_5Config]):
         - `options`: `chunk_size` (`None`: 64), `block_size`, `memory` and `precision` as
             one [`deltanet_cp.EngineOptions`][] (then pass none of them loose).
         - `scan_layers`: hold the decoder layers stacked by their repeating pattern, a
-            [`deltanet_cp.models.Qwen3_5LayerStack`][], and run them with
+            [`deltanet_cp.nn.LayerStack`][], and run them with
             `jax.lax.scan`: the compile time of the forward and its gradient stays flat
             in depth (48 layers compile in about the time of 4). The parameters (for a
             given `key`) are those of the loop over layers (`False`, the default), the

@@ -20,9 +20,9 @@ from ..interop._hf import fuse_qwen3_next_projections, split_qwen3_next_projecti
 from ..nn._gated_delta_net import GatedDeltaNet
 from ..nn._kimi_delta_attention import KimiDeltaAttention
 from ..nn._latent_attention import MultiHeadLatentAttention
+from ..nn._layer_stack import stack_layers
 from ..nn._moe import SparseMoE
 from ._config import KimiLinearConfig, Qwen3NextConfig
-from ._layer_stack import stack_layers
 
 
 # Tensors transformers itself skips when loading the text model: multi-token prediction

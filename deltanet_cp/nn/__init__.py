@@ -30,6 +30,7 @@ from ._latent_attention import (
     LatentKVCache as LatentKVCache,
     MultiHeadLatentAttention as MultiHeadLatentAttention,
 )
+from ._layer_stack import LayerStack as LayerStack
 from ._mixer import (
     AbstractEngineMixer as AbstractEngineMixer,
     AbstractTokenMixer as AbstractTokenMixer,

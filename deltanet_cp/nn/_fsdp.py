@@ -96,7 +96,7 @@ def partition_specs(
     Scalars and leaves that are not arrays are replicated (`P()`).
 
     A model built with `scan_layers=True` holds its layers stacked (a
-    [`deltanet_cp.models.Qwen3_5LayerStack`][]): the arrays of its `period` lead with the
+    [`deltanet_cp.nn.LayerStack`][]): the arrays of its `period` lead with the
     group axis, which is never split (`P(None, ...)`, the rule applied to the other
     dimensions: `P(None, expert_axis, ...)` for the experts), and the layers of its `rest`
     are split as any other. The scan gathers each layer from its group's slices where it
@@ -141,11 +141,11 @@ def partition_specs(
     experts = None if expert_axis is None else _names(expert_axis, "expert_axis")
     n = 1 if data is None else _size(sizes, data, "data_axis")
     e = 1 if experts is None else _size(sizes, experts, "expert_axis")
-    # The models build on these layers: their layer stack is imported when called.
-    from ..models import Qwen3_5LayerStack
+    # The layer stack runs layers through `FSDP`: imported when called.
+    from ._layer_stack import LayerStack
 
     is_experts = lambda x: isinstance(x, SwiGLUExperts)  # noqa: E731
-    is_stack = lambda x: isinstance(x, Qwen3_5LayerStack)  # noqa: E731
+    is_stack = lambda x: isinstance(x, LayerStack)  # noqa: E731
     if experts is not None and not any(is_experts(x) for x in jax.tree.leaves(tree, is_experts)):
         raise ValueError(
             f"`expert_axis={expert_axis!r}`, but there are no routed experts "

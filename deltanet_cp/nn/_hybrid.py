@@ -19,11 +19,21 @@ from .._validate import as_positive_index
 from ._attention import CausalSelfAttention
 from ._context import documents, layer_cp
 from ._delta_net import DeltaNet
+from ._fsdp import FSDP
 from ._gated_delta_net import GatedDeltaNet
 from ._gated_delta_net_2 import GatedDeltaNet2
 from ._gated_delta_product import GatedDeltaProduct
 from ._gated_linear_attention import GatedLinearAttention, SimpleGatedLinearAttention
 from ._kimi_delta_attention import KimiDeltaAttention
+from ._layer_stack import (
+    call_layer,
+    check_fsdp_layers,
+    check_remat,
+    LayerStack,
+    Remat,
+    run_stack,
+    stack_layers,
+)
 from ._mixer import AbstractTokenMixer
 from ._mlp import SwiGLU as SwiGLU
 from ._momentum_delta_net import MomentumDeltaNet
@@ -97,27 +107,45 @@ class HybridBlock(eqx.Module):
         kv_schedule: KVSchedule = "allgather",
         v_first: Float[Array, "seq heads v"] | None = None,
         cu_seqlens: CuSeqlens | None = None,
+        remat: Remat = "none",
     ) -> Float[Array, "seq hidden"]:
         """**Arguments:** as for [`deltanet_cp.nn.HybridLM`][], on hidden states, and
         `v_first`: for an RWKV-7 mixer after the model's first, the first one's `values`
         on its normed input (`first_values`); `None` up to and including the first one;
         ignored by the other mixers. Every mixer is called the same way
         ([`deltanet_cp.nn.AbstractTokenMixer`][])."""
-        return self._forward(x, cp, kv_schedule, v_first, cu_seqlens)[0]
+        check_remat(remat)
+        return self._forward(x, cp, kv_schedule, v_first, cu_seqlens, remat=remat)[0]
 
-    def _forward(self, x, cp, kv_schedule, v_first, cu_seqlens=None) -> tuple[Array, Array | None]:
+    def _forward(
+        self, x, cp, kv_schedule, v_first, cu_seqlens=None, *, remat: Remat = "none"
+    ) -> tuple[Array, Array | None]:
         """`(output, v_first)`: the block's output and the `v_first` of the blocks after
         it (the given one, or the values this block's mixer makes if it is the first
-        RWKV-7 one; `first_values`)."""
-        h = jax.vmap(self.mixer_norm)(x)
-        if v_first is None:
-            v_first_after = self.mixer.first_values(h, cp=cp, cu_seqlens=cu_seqlens)
-        else:
-            v_first_after = v_first
-        x = x + self.mixer(
-            h, cp=cp, kv_schedule=kv_schedule, v_first=v_first, cu_seqlens=cu_seqlens
-        )
-        return x + jax.vmap(lambda y: self.mlp(self.mlp_norm(y)))(x), v_first_after
+        RWKV-7 one; `first_values`); `remat` as for `HybridLM`."""
+        args = (x, cp, kv_schedule, v_first, cu_seqlens)
+        if remat == "layer":
+            return eqx.filter_checkpoint(_block_forward)(self, *args, "none")
+        return _block_forward(self, *args, remat)
+
+
+def _block_forward(
+    block: HybridBlock, x, cp, kv_schedule, v_first, cu_seqlens, remat: Remat
+) -> tuple[Array, Array | None]:
+    h = jax.vmap(block.mixer_norm)(x)
+    if v_first is None:
+        v_first_after = block.mixer.first_values(h, cp=cp, cu_seqlens=cu_seqlens)
+    else:
+        v_first_after = v_first
+    x = x + block.mixer(h, cp=cp, kv_schedule=kv_schedule, v_first=v_first, cu_seqlens=cu_seqlens)
+    if remat == "feed_forward":
+        return eqx.filter_checkpoint(_feed_forward)(block, x), v_first_after
+    return _feed_forward(block, x), v_first_after
+
+
+def _feed_forward(block: HybridBlock, x) -> Array:
+    """`x + mlp(norm(x))`, the block's second residual."""
+    return x + jax.vmap(lambda y: block.mlp(block.mlp_norm(y)))(x)
 
 
 class HybridLM(eqx.Module):
@@ -135,7 +163,7 @@ class HybridLM(eqx.Module):
     """
 
     embed: eqx.nn.Embedding
-    blocks: tuple[HybridBlock, ...]
+    blocks: tuple[HybridBlock, ...] | LayerStack
     norm: eqx.nn.RMSNorm
     lm_head: eqx.nn.Linear
     precision: PrecisionName | None = eqx.field(static=True)
@@ -162,6 +190,7 @@ class HybridLM(eqx.Module):
         tile_size: int = 128,
         precision: PrecisionName | None = None,
         options: EngineOptions | None = None,
+        scan_layers: bool = False,
         key: PRNGKeyArray,
         dtype=None,
     ):
@@ -208,15 +237,21 @@ class HybridLM(eqx.Module):
         - `options`: `chunk_size` (`None`: 64), `block_size`, `memory` and `precision` as
             one [`deltanet_cp.EngineOptions`][] (then pass none of them loose); its
             `precision` is the attention layers' too.
+        - `scan_layers`: stack the blocks by the shortest period of their pattern (of
+            mixer kinds, sizes and dtypes: 4 for the default one) into a
+            [`deltanet_cp.nn.LayerStack`][] and run each period's blocks as the body of a
+            `jax.lax.scan` over the periods, so the compile time does not grow with
+            `num_layers`. The parameters are the same as without (the stack holds them
+            along a leading axis); `blocks` then reads as the tuple it replaces.
         - `key`: a PRNG key for the initial parameters.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.
 
         **Raises:**
 
         `TypeError` if `vocab_size`, `hidden_size`, `num_layers` or `attention_every` is not
-        an int (NumPy integers are accepted), `ValueError` if one is not positive, if
-        `mixers` is not `num_layers` names or functions, or if the first RWKV-7 mixer is
-        not `is_first` or a later one is.
+        an int (NumPy integers are accepted) or `scan_layers` is not a bool; `ValueError`
+        if one is not positive, if `mixers` is not `num_layers` names or functions, or if
+        the first RWKV-7 mixer is not `is_first` or a later one is.
         """
         vocab_size = as_positive_index(vocab_size, "vocab_size")
         hidden_size = as_positive_index(hidden_size, "hidden_size")
@@ -273,7 +308,7 @@ class HybridLM(eqx.Module):
             blocks.append(HybridBlock(mixer, mlp, hidden_size, dtype=dtype))
         _check_rwkv7_first(blocks)
         self.embed = eqx.nn.Embedding(vocab_size, hidden_size, key=kemb, dtype=dtype)
-        self.blocks = tuple(blocks)
+        self.blocks = stack_layers(tuple(blocks), scan_layers)
         self.norm = eqx.nn.RMSNorm(hidden_size, 1e-6, use_bias=False, dtype=dtype)
         self.lm_head = eqx.nn.Linear(
             hidden_size, vocab_size, use_bias=False, key=khead, dtype=dtype
@@ -287,6 +322,8 @@ class HybridLM(eqx.Module):
         cp: ContextParallel | None = None,
         kv_schedule: KVSchedule = "allgather",
         cu_seqlens: CuSeqlens | None = None,
+        fsdp: FSDP | None = None,
+        remat: Remat = "none",
     ) -> Float[Array, "seq vocab"]:
         """**Arguments:**
 
@@ -306,6 +343,20 @@ class HybridLM(eqx.Module):
             restarting at 0), so the logits equal each document's run alone. A repeated
             offset is an empty document: a batch of rows is a `jax.vmap` over the rows and
             their `cu_seqlens`, padded to one width by repeating `S`. `None`: one document.
+        - `fsdp`: inside `jax.shard_map`, for parameters split over a data axis (fully
+            sharded data parallelism): a [`deltanet_cp.nn.FSDP`][] naming the axis and the
+            parameters' specs (from [`deltanet_cp.nn.partition_specs`][] of this model's
+            parameters, the `shard_map`'s `in_specs` of them). Each block's parameters are
+            gathered over the axis just before it runs and again in its backward
+            (`FSDP.apply`), the embedding and the LM head where they are used; with
+            `scan_layers=True`, in the scan's body from the group's slices. The gradients
+            come out split as the parameters. `None`: the parameters are whole on every
+            rank.
+        - `remat`: what each block keeps for the backward pass (rematerialisation):
+            `"none"` (everything its backward needs), `"layer"` (only the block's input:
+            the whole block is recomputed in the backward, `jax.checkpoint`) or
+            `"feed_forward"` (the token mixer's intermediates and output: the MLP is
+            recomputed). The values and gradients are the same under every policy.
 
         **Returns:**
 
@@ -317,20 +368,40 @@ class HybridLM(eqx.Module):
         `[0, vocab_size)` (which an embedding lookup would silently clamp). Traced ids
         (under `jax.jit`) are checked through `equinox.error_if`: the computation fails
         when it runs. `ValueError` for `cu_seqlens` that do not start at 0, end at the
-        sequence length (`S`, over all ranks) or increase.
+        sequence length (`S`, over all ranks) or increase; for a `remat` that is not one of
+        the policies; for `fsdp` specs whose blocks are not stacked as this model's are.
         """
         cp = layer_cp(cp, "HybridLM")
+        check_remat(remat)
         tokens = check_tokens(tokens, self.embed.num_embeddings)
         if tokens.shape[0] == 0:
             return jnp.zeros((0, self.embed.num_embeddings), self.lm_head.weight.dtype)
         if cu_seqlens is not None:
             # Checked once, here, for every block.
             cu_seqlens = documents(cp, tokens.shape[0], cu_seqlens).cu_seqlens
-        x = jax.vmap(self.embed)(tokens)
-        v_first = None  # the first RWKV-7 block's values, for the later ones
-        for block in self.blocks:
-            x, v_first = block._forward(x, cp, kv_schedule, v_first, cu_seqlens)
-        return jax.vmap(lambda y: self.lm_head(self.norm(y)))(x)
+        if fsdp is not None:
+            check_fsdp_layers(self.blocks, getattr(fsdp.specs, "blocks", None))
+        embed = self.embed if fsdp is None else fsdp.gather(self.embed, lambda s: s.embed)
+        x = jax.vmap(embed)(tokens)
+
+        def run_block(block, carry, fsdp):
+            # `v_first`: the first RWKV-7 block's values, for the later ones.
+            x, v_first = carry
+            args = (x, cp, kv_schedule, v_first, cu_seqlens)
+            return call_layer(HybridBlock._forward, block, *args, remat=remat, fsdp=fsdp)
+
+        block_fsdp = None if fsdp is None else FSDP(fsdp.axis, fsdp.specs.blocks)
+        x, _ = run_stack(self.blocks, (x, None), run_block, block_fsdp)
+        parts = (self.norm, self.lm_head)
+        if fsdp is None:
+            return _head(parts, x)
+        return fsdp.apply(parts, lambda s: (s.norm, s.lm_head), x, fn=_head)
+
+
+def _head(parts: tuple[eqx.nn.RMSNorm, eqx.nn.Linear], x) -> Array:
+    """The logits of the last hidden states `x`: the final norm, then the LM head."""
+    norm, lm_head = parts
+    return jax.vmap(lambda y: lm_head(norm(y)))(x)
 
 
 def _check_rwkv7_first(blocks: list[HybridBlock]) -> None:

@@ -884,7 +884,7 @@ def expert_partition_specs(tree: PyTree, expert_axis: str | tuple[str, ...]) -> 
     """The `jax.sharding.PartitionSpec` of every leaf of `tree` for experts split over
     `expert_axis`: `P(expert_axis)` (the first dimension, the experts, sharded) for the
     arrays of every [`deltanet_cp.nn.SwiGLUExperts`][] in `tree` (`P(None, expert_axis)`
-    for the experts of stacked layers, a [`deltanet_cp.models.Qwen3_5LayerStack`][], whose
+    for the experts of stacked layers, a [`deltanet_cp.nn.LayerStack`][], whose
     first dimension is the group), `P()` (replicated) for every other leaf.
 
     For `jax.shard_map`'s `in_specs` of a model's parameters (and `out_specs` of their
@@ -906,7 +906,7 @@ def expert_partition_specs(tree: PyTree, expert_axis: str | tuple[str, ...]) -> 
         if not isinstance(sub, SwiGLUExperts):
             return jax.tree.map(lambda _: P(), sub)
 
-        # Stacked layers (a model's `Qwen3_5LayerStack`) put their group axis first.
+        # Stacked layers (a model's `LayerStack`) put their group axis first.
         def stacked(x):
             return P(*(None,) * (len(getattr(x, "shape", ())) - 3), expert_axis)
 
