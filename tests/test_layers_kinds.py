@@ -410,7 +410,7 @@ def _max_leaf_err(a, b) -> float:
     return max(jax.tree.leaves(jax.tree.map(rel_err, a, b)))
 
 
-# Each layer once in the default run, the two layouts alternating; the rest of the grid slow.
+# Each layer once in the default run, the two layouts alternating (the slow run: `_cp_cases`).
 _CP_FAST = {
     "delta_net": (2, "contiguous"),
     "gla": (4, "zigzag"),
@@ -426,22 +426,34 @@ _LAYOUTS = {"contiguous": dcp.Contiguous(), "zigzag": dcp.Zigzag()}
 
 # Cost: two compiled programs per case (the loss's gradient on one device, cached per layer,
 # and sharded); every layer's one-device program is also the float64 check of its state.
-@pytest.mark.parametrize(
-    "name, cp, layout",
-    [
-        pytest.param(
-            name,
-            cp,
-            layout,
-            id=f"{name}-{layout}-{cp}",
-            marks=() if _CP_FAST[name] == (cp, layout) else (pytest.mark.slow,),
+def _cp_cases():
+    """Each layer's default case, and in the slow run the other layout at the next number of
+    ranks (2, 4, 8 in turn, where the convolution's halo fits): every layer meets both
+    layouts and two numbers of ranks, and every layout and number of ranks meets several
+    layers. (The whole product, 45 cases, cost three times these 16.)"""
+
+    def fits(cp, layout):  # the convolution's halo
+        return T_CP // cp // (2 if layout == "zigzag" else 1) >= 3
+
+    cases = []
+    for name in KINDS:
+        cp, layout = _CP_FAST[name]
+        cases.append(pytest.param(name, cp, layout, id=f"{name}-{layout}-{cp}"))
+        other = "zigzag" if layout == "contiguous" else "contiguous"
+        ranks = (2, 4, 8)
+        for step in (1, 2):
+            slow_cp = ranks[(ranks.index(cp) + step) % 3]
+            if fits(slow_cp, other):
+                break
+        cases.append(
+            pytest.param(
+                name, slow_cp, other, id=f"{name}-{other}-{slow_cp}", marks=pytest.mark.slow
+            )
         )
-        for name in KINDS
-        for cp in (2, 4, 8)
-        for layout in ("contiguous", "zigzag")
-        if T_CP // cp // (2 if layout == "zigzag" else 1) >= 3  # the convolution's halo
-    ],
-)
+    return cases
+
+
+@pytest.mark.parametrize("name, cp, layout", _cp_cases())
 def test_cp_invariance(name, cp, layout):
     """Outputs, final state and every gradient (parameters, input, state) under context
     parallelism equal one device's (<= 1e-5), the one-device pass itself matching the
