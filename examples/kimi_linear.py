@@ -107,7 +107,13 @@ def main(
         return value, optax.apply_updates(params, updates), opt_state
 
     rng = np.random.default_rng(0)
-    opt_state = optimizer.init(params)
+    # optax makes its step count on one device, and the step returns it on the mesh: put it
+    # there first, or the second step compiles the step again.
+    replicated = NamedSharding(mesh, P())
+    opt_state = jax.tree.map(
+        lambda a: a if isinstance(a.sharding, NamedSharding) else jax.device_put(a, replicated),
+        optimizer.init(params),
+    )
     losses = []
     for i in range(steps):
         data = counting(rng, batch, length + 1, vocab)
