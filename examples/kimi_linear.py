@@ -2,7 +2,7 @@
 and round-trip the checkpoint.
 
     python examples/kimi_linear.py                      # a tiny random model (CPU: about
-                                                        # 100 s on 2 cores, mostly compiling)
+                                                        # 70 s on 2 cores, mostly compiling)
     python examples/kimi_linear.py --checkpoint DIR     # a Kimi Linear checkpoint folder
 
 The model's Kimi Delta Attention and latent attention layers run on zigzag shards of each
