@@ -93,7 +93,8 @@ def main(
     params, static = eqx.partition(model, eqx.is_array)
     loss = make_loss(static, cp, mesh)
     optimiser = optax.adamw(learning_rate)
-    opt_state = optimiser.init(params)
+    # Replicated from the start, as every step returns them: one compilation, not two.
+    params, opt_state = jax.device_put((params, optimiser.init(params)), NamedSharding(mesh, P()))
 
     @jax.jit
     def step(params, opt_state, inputs, targets):

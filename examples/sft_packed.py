@@ -156,7 +156,13 @@ def train(name: str, steps: int, lr: float = 1e-2) -> list[float]:
         return value, optax.apply_updates(params, updates), opt_state
 
     params = place(params)
-    opt_state = optimizer.init(params)
+    # optax makes its step count on one device, and the step returns it on the mesh: put it
+    # there first, or the second step compiles the step again.
+    replicated = NamedSharding(jax.tree.leaves(params)[0].sharding.mesh, P())
+    opt_state = jax.tree.map(
+        lambda a: a if isinstance(a.sharding, NamedSharding) else jax.device_put(a, replicated),
+        optimizer.init(params),
+    )
     losses = []
     for packed in batches(steps):
         value, params, opt_state = step(params, opt_state, global_batch(packed))

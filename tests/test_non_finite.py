@@ -378,3 +378,80 @@ def test_model_non_finite_token_reaches_no_earlier_token(cp, layout, kv_schedule
     # clean run, though the later blocks' backward makes the bad token's cotangents NaN.
     fn, table = _model_grad_fn(cp, layout, kv_schedule)
     _check_earlier_tokens(fn, table, table.at[ATTN_BAD].set(np.nan))
+
+
+# A NaN cotangent (a later layer's backward) in the rows of the middle of three documents,
+# which cross tiles of 4 (tokens 4-7 and 16-19 straddle a boundary) and the 4 ranks.
+COT_CU = (0, 6, 19, 32)
+COT_OTHER = np.r_[0:6, 19:32]
+COT_CASES = [
+    pytest.param(None, None, None, id="one_device"),
+    pytest.param(4, dcp.Zigzag(), "ring", id="cp4-zigzag-ring"),
+] + [
+    pytest.param(4, layout, kv, id=f"cp4-{name}-{kv}", marks=pytest.mark.slow)
+    for layout, name, kv in (
+        (dcp.Zigzag(), "zigzag", "allgather"),
+        (dcp.Contiguous(), "contiguous", "allgather"),
+        (dcp.Contiguous(), "contiguous", "ring"),
+    )
+]
+
+
+def _cotangent_layers(tile_size: int):
+    key = jax.random.key(0)
+    attn = dcp.nn.CausalSelfAttention(
+        16, 4, 8, num_kv_heads=2, output_gate=True, qk_norm=True, tile_size=tile_size, key=key
+    )
+    mla = dcp.nn.MultiHeadLatentAttention(
+        16,
+        2,
+        kv_lora_rank=8,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=4,
+        v_head_dim=4,
+        tile_size=tile_size,
+        key=key,
+    )
+    return {"attention": attn, "latent": mla}
+
+
+@ft.cache
+def _cotangent_grad_fn(name: str, cp: int | None, layout, kv_schedule, cu):
+    """Jitted `(x, ct) -> dx`: the input gradient of one attention layer for the output
+    cotangent `ct`, with the documents `cu` (or one, `None`: then one tile per sequence)."""
+    layer = _cotangent_layers(4 if cu else 64)[name]
+    params, static = eqx.partition(layer, eqx.is_array)
+
+    def call(params, x, ctx):
+        mixer = eqx.combine(params, static)
+        cu_seqlens = None if cu is None else jnp.asarray(cu, jnp.int32)
+        return mixer(x, cp=ctx, cu_seqlens=cu_seqlens, kv_schedule=kv_schedule or "allgather")
+
+    run = _on_ranks(call, cp, layout)
+
+    @jax.jit
+    def fn(x, ct):
+        _, vjp = jax.vjp(lambda x: run(params, x), x)
+        return vjp(ct)[0]
+
+    return fn
+
+
+def _check_nan_cotangent(name, cp, layout, kv_schedule):
+    x = jnp.asarray(_weights((32, 16), np.sin))
+    ct = jnp.asarray(_weights((32, 16), np.cos)).at[6:19].set(jnp.nan)
+    dx = np.asarray(_cotangent_grad_fn(name, cp, layout, kv_schedule, COT_CU)(x, ct))
+    alone = _cotangent_grad_fn(name, None, None, None, None)
+    expected = np.concatenate([np.asarray(alone(x[a:b], ct[a:b])) for a, b in ((0, 6), (19, 32))])
+    assert np.all(np.isfinite(dx[COT_OTHER]))
+    assert rel_err(dx[COT_OTHER], expected) <= 1e-5
+    assert np.all(np.isnan(dx[6:19]))
+
+
+@pytest.mark.parametrize("cp, layout, kv_schedule", COT_CASES)
+@pytest.mark.parametrize("name", ["attention", "latent"])
+def test_attention_nan_cotangent_stays_in_its_document(name, cp, layout, kv_schedule):
+    # A NaN in the output cotangents of the middle document: the other documents' input
+    # gradients are those of each document alone, finite, though their tiles hold the
+    # middle document's rows (a masked weight 0 times a NaN cotangent is NaN).
+    _check_nan_cotangent(name, cp, layout, kv_schedule)

@@ -434,21 +434,12 @@ def test_nan_stays_in_its_document_gated_delta_net_layer():
     assert rel_err(grads[keep], clean_grads[keep]) <= 1e-5
 
 
-# Kimi Linear (KDA, latent attention, KDA) leaks at cp = 4: each of its layers alone keeps
-# a NaN in its document (a NaN input, zero cotangents), layers 1 and 2 together do not. The
-# suspect: layer 2's backward gives the middle document NaN cotangents (0 x NaN), which the
-# attention backward's masked products (P^T dO, P = 0) may carry to the other documents;
-# the Qwen models' attention layers come last and never see NaN cotangents.
-_NAN_LEAK = pytest.mark.xfail(
-    strict=True, reason="NaN cotangents of a masked document leak through attention's backward"
-)
 NAN_CASES = [
     pytest.param(
         name,
         layout,
         None,
         id=f"{name}-{layout_id}",
-        marks=_NAN_LEAK if name == "kimi_linear" else (),
     )
     for name in BUILDERS
     for layout, layout_id in ((dcp.Contiguous(), "contiguous"), (dcp.Zigzag(), "zigzag"))

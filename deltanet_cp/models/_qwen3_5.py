@@ -87,10 +87,16 @@ class Qwen3_5ForCausalLM(AbstractCausalLM[Qwen3_5Config]):
             [`deltanet_cp.nn.LayerStack`][], and run them with
             `jax.lax.scan`: the compile time of the forward and its gradient stays flat
             in depth (48 layers compile in about the time of 4). The parameters (for a
-            given `key`) are those of the loop over layers (`False`, the default), the
-            float32 logits equal the loop's bit for bit and the gradients to rounding
-            (XLA compiles the backward of a loop body otherwise than the unrolled
-            layers'). `model.layers` then reads as the tuple of layers. FSDP (`fsdp=`)
+            given `key`) are those of the loop over layers (`False`, the default). The
+            float32 logits equal the loop's bit for bit with the Gated DeltaNet, Kimi
+            Delta Attention and softmax attention layers in the scan's body (the tests
+            check it), and to rounding (1 ulp seen) with a multi-head latent attention
+            layer there; the gradients equal the loop's to rounding. The scan's body is
+            compiled as a program of its own, and XLA chooses the fusion and order of a
+            program's floating-point operations per program: where it chooses as for
+            the unrolled layers the results are the same bits, otherwise they differ in
+            the last ones (a backward always, a latent attention's forward too).
+            `model.layers` then reads as the tuple of layers. FSDP (`fsdp=`)
             works on the stacked layers too, each gathered where it runs in the scan.
         - `key`: a PRNG key for the (random) initial parameters.
         - `dtype`: the parameter dtype; the default floating dtype if `None`.

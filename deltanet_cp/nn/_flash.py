@@ -22,7 +22,9 @@ the tiles that leaves without a visible pair are dropped from the list (`documen
 
 A non-finite query, key or value reaches only the queries that see it (`mark_non_finite`):
 a masked score gives a zero weight, and `0 * nan` in the weights' product with the values
-would otherwise carry a NaN to every query of the tile, forward and backward.
+would otherwise carry a NaN to every query of the tile, forward and backward. Likewise a
+non-finite cotangent of one query's output (a later layer's NaN) reaches only that query's
+`dq` and the `dk`, `dv` of the keys it sees (`_flash_grad_prep`).
 """
 
 import functools as ft
@@ -283,35 +285,45 @@ def _flash_fwd(precision, gather, q, k, v, pos_q, pos_k, starts, tiles, row, cou
 
 
 def _flash_grad_prep(out, lse, d_out, d_lse):
-    """`(d_out, lse, delta, keep)` for `_flash_grad_steps`: the output's cotangent in the
-    accumulation dtype, the log-sum-exp with `-inf` (no key seen) made 0,
-    `delta = rowsum(d_out * out) - d_lse`, `(nq, heads, block)`, and where the output is
-    not NaN (`keep`, `(nq, heads, block)`).
+    """`(d_out, lse, delta, keep, bad)` for `_flash_grad_steps`: the output's cotangent in
+    the accumulation dtype, the log-sum-exp with `-inf` (no key seen) made 0,
+    `delta = rowsum(d_out * out) - d_lse`, `(nq, heads, block)`, where the output is not
+    NaN (`keep`, `(nq, heads, block)`), and where, among those, the cotangent is not
+    finite (`bad`, the same shape).
 
     A query whose output is NaN (it saw a non-finite key, or is one: `mark_non_finite`)
     takes no part in the backward: its cotangent and `delta` are made 0 and its tiles'
     weights are masked, so that `0 * nan` carries no NaN to the keys it shares a tile with.
+    A query with a non-finite cotangent (of `d_out` or `d_lse`: a later layer's NaN) is
+    multiplied as if its cotangent were 0, for the same reason; `_flash_grad_steps` then
+    makes its own `dq` NaN, and the `dk` and `dv` of every key it sees, as attending per
+    document would.
     """
     acc = out.dtype
     keep = ~jnp.isnan(lse)
-    d_out = jnp.where(keep.transpose(0, 2, 1)[..., None], d_out.astype(acc), 0)
+    finite = _rows_finite(d_out)[..., 0].transpose(0, 2, 1)
+    if d_lse is not None:
+        finite = finite & jnp.isfinite(d_lse)
+    d_out = jnp.where((keep & finite).transpose(0, 2, 1)[..., None], d_out.astype(acc), 0)
     delta = jnp.sum(d_out * out, axis=-1).transpose(0, 2, 1)
     if d_lse is not None:
-        delta = delta - d_lse.astype(acc)
+        delta = delta - jnp.where(finite, d_lse, 0).astype(acc)
     delta = jnp.where(keep, delta, 0)
-    return d_out, jnp.where(jnp.isfinite(lse), lse, 0), delta, keep
+    return d_out, jnp.where(jnp.isfinite(lse), lse, 0), delta, keep, keep & ~finite
 
 
 def _flash_grad_steps(q, k, v, pos_q, pos_k, starts, tiles, row, count, prep, grads, precision):
     """Add the listed tiles' gradients to `grads = (dq, dk, dv)` (accumulation dtype), the
-    tile products under `precision`; `prep = (d_out, lse, delta, keep)` from
+    tile products under `precision`; `prep = (d_out, lse, delta, keep, bad)` from
     `_flash_grad_prep`, `q` and `k` finite (`_finite`).
 
     The scores are recomputed tile by tile from the saved log-sum-exp:
     p = exp(s - lse), dp = dout v^T, ds = p * (dp - delta), delta = rowsum(dout * out) - dlse.
+    A query with a non-finite cotangent (`bad`) makes its own `dq` NaN, and the `dk` and
+    `dv` of the keys it sees (the mask, not `p`: `p` may underflow to 0).
     """
     acc = accumulation_dtype(q)
-    d_out, lse, delta, keep = prep
+    d_out, lse, delta, keep, bad = prep
 
     def body(t, carry):
         dq, dk, dv = carry
@@ -326,6 +338,10 @@ def _flash_grad_steps(q, k, v, pos_q, pos_k, starts, tiles, row, count, prep, gr
         dq_i = _dot("hqk,khd->qhd", ds, k_j, precision, acc)
         dk_j = _dot("hqk,qhd->khd", ds, q_i, precision, acc)
         dv_j = _dot("hqk,qhd->khd", p, do_i, precision, acc)
+        bad_i = _take(bad, i)
+        hit = jnp.any(mask & bad_i[..., None], axis=1).T[..., None]  # (block, heads, 1)
+        dq_i = jnp.where(bad_i.T[..., None], jnp.nan, dq_i)
+        dk_j, dv_j = jnp.where(hit, jnp.nan, dk_j), jnp.where(hit, jnp.nan, dv_j)
         dq = _put(dq, _take(dq, i) + dq_i, i)
         dk = _put(dk, _take(dk, j) + dk_j, j)
         dv = _put(dv, _take(dv, j) + dv_j, j)
