@@ -228,7 +228,10 @@ def _check(scan: bool, data_axis, remat: str = "none"):
     return placed
 
 
-# About 25 s (one training step compiled under shard_map, and one device's).
+# About 25 s (one training step compiled under shard_map, and one device's): slow. The
+# default run trains HybridLM on ("dp", "cp") (tests/test_data_parallel.py) and the
+# models' scanned layers under FSDP through the same runner (tests/test_fsdp.py).
+@pytest.mark.slow
 @pytest.mark.usefixtures("fast_compile_one_test")
 def test_scanned_training_step_with_fsdp():
     # The four blocks stacked (two groups of [gated_delta_net, attention]), every parameter
