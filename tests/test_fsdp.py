@@ -273,7 +273,9 @@ def test_dense_training_step_with_fsdp():
     assert _shard_shape(mixer.in_proj_qkv.weight) == (64 // DP, 24)
 
 
-# About 30 s.
+# About 30 s: slow. The default run trains the MoE model under FSDP with its layers scanned
+# (`test_scanned_moe_training_step_with_fsdp`).
+@pytest.mark.slow
 @pytest.mark.usefixtures("fast_compile_one_test")
 def test_moe_training_step_with_fsdp_and_experts_over_both_axes():
     # The experts over ("dp", "cp"), two per device; everything else split over "dp".

@@ -240,12 +240,12 @@ def _check(name, got, want):
 
 
 # The default run checks the MoE model (Gated DeltaNet, attention and routed experts through
-# the models' one forward) and HybridLM; the other two models run in the slow suite.
+# the models' one forward); the other models and HybridLM run in the slow suite.
 @pytest.mark.usefixtures("fast_compile_one_test")
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(name, marks=() if name in ("qwen3_5_moe", "hybrid") else pytest.mark.slow)
+        pytest.param(name, marks=() if name == "qwen3_5_moe" else pytest.mark.slow)
         for name in BUILDERS
     ],
 )
