@@ -18,7 +18,7 @@ $(VENV)/.installed-%: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.installed-demo
 	$(BIN)/python examples/demo.py
 
-# The default suite (589 s on 2 cores from a fresh clone; less once .cache/jax is warm);
+# The default suite (619 s on 2 cores from a fresh clone; less once .cache/jax is warm);
 # `make test-slow` runs the rest of the parameter grids and the runnable docs pages (tests
 # marked `slow`), `make test-all` both. CI runs both. JOBS test processes run side by
 # side (pytest-xdist); JOBS=0 runs them in this process. Every run shares the persistent
